@@ -1,0 +1,32 @@
+"""Which engines kvgate fronts and how it watches them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+EngineKind = Literal["vllm", "sglang", "trtllm", "triton", "tgi", "llamacpp"]
+
+
+class BackendSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="Base URL of the engine's OpenAI-compatible server.")
+    engine: EngineKind = Field("vllm", description="Engine dialect (metrics and abort API).")
+    name: str | None = Field(None, description="Node id in metrics and logs (default: host:port).")
+    metrics_url: str | None = Field(None, description="Metrics page (default: URL + /metrics).")
+    api_key: str | None = Field(
+        None, description="Bearer token sent upstream (never logged, never a client key)."
+    )
+
+
+class ScrapeSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: float = Field(
+        0.05, ge=0.02, le=1.0, description="Scrape period of each engine's metrics page."
+    )
+    timeout_s: float | None = Field(
+        None, gt=0, description="Scrape timeout (default: 80% of the interval)."
+    )

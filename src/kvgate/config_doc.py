@@ -1,0 +1,57 @@
+"""`kvgate config-doc`: the configuration reference, generated from the config model."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from kvgate.config import KvgateConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults()
+
+
+def run(args: argparse.Namespace) -> int:
+    print(reference_table())
+    return 0
+
+
+def _default(field: FieldInfo) -> str:
+    if field.default_factory is not None:
+        value: Any = field.default_factory()  # type: ignore[call-arg]
+        if isinstance(value, BaseModel):
+            return "(section)"
+    else:
+        value = field.default
+    if value is PydanticUndefined:
+        return "(required)"
+    return f"`{value!r}`" if not isinstance(value, str) else f"`{value}`"
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows: list[str] = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(_rows(annotation, f"{key}."))
+            continue
+        args = getattr(annotation, "__args__", ())
+        if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            rows.append(f"| `{key}` | `[]` | {field.description or ''} |")
+            rows.extend(_rows(args[0], f"{key}[]."))
+            continue
+        rows.append(f"| `{key}` | {_default(field)} | {field.description or ''} |")
+    return rows
+
+
+def reference_table() -> str:
+    """Markdown table of every key: `section.key`, default, meaning."""
+    env = "Environment: `KVGATE_<SECTION>__<KEY>`, e.g. `KVGATE_ADMISSION__POLICY=seed`."
+    head = ["| key | default | meaning |", "| --- | --- | --- |"]
+    return "\n".join([*head, *_rows(KvgateConfig, "")]) + "\n\n" + env

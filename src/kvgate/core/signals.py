@@ -1,0 +1,31 @@
+"""What an engine tells us about itself, reduced to the few numbers admission needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSample:
+    """One scrape (or push) of one engine, already converted from its dialect.
+
+    `kv_usage` is None for engines that export no KV gauge (llama.cpp); the controller
+    then falls back on queue and latency signals and on its own reservations.
+    `iteration_latency_s` is the mean inter-token latency *between this sample and the
+    previous one* (delta of histogram sum / delta of count), None when no token was made.
+    `sampled_at` is on the core's clock, not the engine's.
+    """
+
+    kv_usage: float | None
+    kv_capacity_tokens: int | None
+    running: int
+    waiting: int
+    iteration_latency_s: float | None
+    sampled_at: float
+    preemptions_total: float | None = None
+
+    @property
+    def kv_used_tokens(self) -> float | None:
+        if self.kv_usage is None or self.kv_capacity_tokens is None:
+            return None
+        return self.kv_usage * self.kv_capacity_tokens
