@@ -1,12 +1,17 @@
-"""Admission settings: which policy, its watermarks and its knobs (validated by pydantic)."""
+"""Admission settings: which policy, its watermarks and its knobs (validated by pydantic).
+
+Every field's `description` ends up in the README's configuration reference
+(`kvgate config-doc`), so keep them short and exact.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PolicyName = Literal["none", "static-qps", "static-concurrency", "seed", "adaptive"]
+FailMode = Literal["closed", "open"]
 
 
 class AdmissionSettings(BaseModel):
@@ -35,3 +40,124 @@ class AdmissionSettings(BaseModel):
     static_concurrency: int = Field(
         32, gt=0, description="In-flight request cap for `static-concurrency`."
     )
+
+    # --- freshness and fail mode -------------------------------------------------------
+    fail_mode: FailMode = Field(
+        "closed",
+        description=(
+            "When no candidate node is fresh: `closed` answers 503 + Retry-After and never sends"
+            " to nodes nobody has heard from; `open` sends to the candidate heard from most"
+            " recently (never-observed nodes only if none was ever observed), without KV checks."
+        ),
+    )
+    failures_to_stale: int = Field(
+        3,
+        ge=1,
+        description="Consecutive scrape failures after which a node is stale at once.",
+    )
+
+    # --- reservations --------------------------------------------------------------------
+    reflect_margin_s: float = Field(
+        0.05,
+        ge=0,
+        description=(
+            "A sample is trusted to contain a request's prompt only if it was taken this long"
+            " after the request's first token (engine gauges lag by about one iteration)."
+        ),
+    )
+    reservation_overhead_tokens: int = Field(
+        16,
+        ge=0,
+        description="Extra tokens reserved per request (KV block rounding).",
+    )
+    default_capacity_tokens: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "KV capacity assumed for engines that report none (llama.cpp, TGI); without it such"
+            " nodes are gated by their queue signals only."
+        ),
+    )
+
+    # --- control (adaptive) -----------------------------------------------------------------
+    standard_ceiling: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description=(
+            "Predicted usage a `standard` request may never push a node past"
+            " (default: midway between the high and panic watermarks)."
+        ),
+    )
+    hysteresis: float = Field(
+        0.03,
+        ge=0,
+        lt=0.5,
+        description="A node leaves the high/panic state only this far below the watermark.",
+    )
+    controller_kp: float = Field(
+        0.5, ge=0, description="PID proportional gain (shed pressure per unit of error)."
+    )
+    controller_ki: float = Field(
+        2.0, ge=0, description="PID integral gain (shed pressure per unit of error per second)."
+    )
+    controller_kd: float = Field(
+        0.05, ge=0, description="PID derivative gain, applied to the measurement (seconds)."
+    )
+    thrash_latency_factor: float = Field(
+        4.0,
+        gt=1,
+        description="Iteration latency this many times its healthy baseline means thrashing.",
+    )
+    latency_baseline_halflife_s: float = Field(
+        30.0, gt=0, description="Half-life of the slow EWMA that learns healthy iteration latency."
+    )
+    thrash_hold_s: float = Field(
+        2.0, ge=0, description="A thrashing node stays out of rotation at least this long."
+    )
+    release_rate_halflife_s: float = Field(
+        5.0,
+        gt=0,
+        description="Half-life of the EWMA of freed tokens per second (drives Retry-After).",
+    )
+    p2c_min_nodes: int = Field(
+        8, ge=2, description="From this many candidates on, route by power of two choices."
+    )
+
+    # --- cost estimation ----------------------------------------------------------------------
+    chars_per_token: float = Field(
+        4.0, gt=0, description="Initial chars-per-token ratio of the prompt estimator."
+    )
+    chars_per_token_min: float = Field(
+        1.0, gt=0, description="Lower clamp of the learned chars-per-token ratio."
+    )
+    chars_per_token_max: float = Field(
+        8.0, gt=0, description="Upper clamp of the learned chars-per-token ratio."
+    )
+    prompt_safety_factor: float = Field(
+        1.1,
+        ge=1,
+        description="Estimated prompt tokens are multiplied by this (under-counting is unsafe).",
+    )
+    tokenizers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Model name -> tokenizer.json path, for exact prompt token counts.",
+    )
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> AdmissionSettings:
+        if self.panic_watermark <= self.high_watermark:
+            raise ValueError("panic_watermark must be above high_watermark")
+        ceiling = self.standard_ceiling
+        if ceiling is not None and not self.high_watermark <= ceiling <= self.panic_watermark:
+            raise ValueError("standard_ceiling must lie between the high and panic watermarks")
+        if self.chars_per_token_min > self.chars_per_token_max:
+            raise ValueError("chars_per_token_min must not exceed chars_per_token_max")
+        return self
+
+    @property
+    def standard_ceiling_value(self) -> float:
+        """The effective ceiling for `standard` requests."""
+        if self.standard_ceiling is not None:
+            return self.standard_ceiling
+        return (self.high_watermark + self.panic_watermark) / 2

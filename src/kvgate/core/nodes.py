@@ -1,0 +1,136 @@
+"""What the core knows about one engine: its last good sample, freshness, and health.
+
+Freshness: a node is fresh while its last good sample is at most `stale_after_s` old and
+fewer than `failures_to_stale` scrapes in a row have failed. A node never observed is not
+fresh: nobody has heard from it.
+
+Thrashing (the engine is preempting and recomputing instead of making progress) is
+detected from the sample stream, because the preemption counter lags (vLLM counts a
+preemption only when the victim runs again):
+  * at high reported KV usage, `waiting` rises while `running` falls between two samples;
+  * `preemptions_total` grows;
+  * the iteration latency exceeds `thrash_latency_factor` times its healthy baseline while
+    requests are waiting (a busy node without a queue is just busy, not thrashing).
+The baseline is a slow EWMA over healthy samples only (KV below the high watermark, nothing
+waiting, not thrashing). Once detected, thrashing lasts at least `thrash_hold_s` and until
+a sample no longer shows it, so a node does not flap in and out of rotation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.core.rates import Ewma
+from kvgate.core.settings import AdmissionSettings
+from kvgate.core.signals import NodeSample
+
+# Samples the latency baseline needs before it may declare thrashing.
+MIN_BASELINE_SAMPLES = 20
+
+LEVEL_OK = "ok"
+LEVEL_HIGH = "high"
+LEVEL_PANIC = "panic"
+
+
+@dataclass(slots=True)
+class NodeState:
+    node_id: str
+    sample: NodeSample | None = None
+    previous: NodeSample | None = None
+    consecutive_failures: int = 0
+    failures_total: int = 0
+    thrash_until: float = float("-inf")
+    thrashing: bool = False
+    level: str = LEVEL_OK
+    latency_baseline: Ewma | None = None
+
+    def age(self, now: float) -> float | None:
+        if self.sample is None:
+            return None
+        return max(0.0, now - self.sample.sampled_at)
+
+    def is_fresh(self, now: float, settings: AdmissionSettings) -> bool:
+        if self.sample is None or self.consecutive_failures >= settings.failures_to_stale:
+            return False
+        return now - self.sample.sampled_at <= settings.stale_after_s
+
+    def last_heard(self) -> float | None:
+        return None if self.sample is None else self.sample.sampled_at
+
+    def capacity(self, settings: AdmissionSettings) -> int | None:
+        """KV capacity in tokens: reported, else configured, else unknown."""
+        if self.sample is not None and self.sample.kv_capacity_tokens:
+            return self.sample.kv_capacity_tokens
+        return settings.default_capacity_tokens
+
+    def accept(self, sample: NodeSample, now: float, settings: AdmissionSettings) -> bool:
+        """Take a new sample; False (ignored) when it is older than the one held."""
+        if self.sample is not None and sample.sampled_at < self.sample.sampled_at:
+            return False
+        self.previous, self.sample = self.sample, sample
+        self.consecutive_failures = 0
+        self._update_thrashing(now, settings)
+        return True
+
+    def fail(self) -> None:
+        self.consecutive_failures += 1
+        self.failures_total += 1
+
+    # --- thrashing ------------------------------------------------------------------------
+
+    def _update_thrashing(self, now: float, settings: AdmissionSettings) -> None:
+        sample = self.sample
+        assert sample is not None
+        if self.latency_baseline is None:
+            self.latency_baseline = Ewma(settings.latency_baseline_halflife_s)
+        signal = self._thrash_signal(sample, settings)
+        if signal:
+            self.thrash_until = max(self.thrash_until, now + settings.thrash_hold_s)
+            self.thrashing = True
+        elif self.thrashing and now >= self.thrash_until:
+            self.thrashing = False
+        healthy = (
+            not self.thrashing
+            and sample.waiting == 0
+            and (sample.kv_usage is None or sample.kv_usage < settings.high_watermark)
+        )
+        if healthy and sample.iteration_latency_s is not None:
+            self.latency_baseline.update(sample.sampled_at, sample.iteration_latency_s)
+
+    def _thrash_signal(self, sample: NodeSample, settings: AdmissionSettings) -> bool:
+        prev = self.previous
+        high_usage = sample.kv_usage is None or sample.kv_usage >= settings.high_watermark
+        if prev is not None:
+            if high_usage and sample.waiting > prev.waiting and sample.running < prev.running:
+                return True
+            if (
+                sample.preemptions_total is not None
+                and prev.preemptions_total is not None
+                and sample.preemptions_total > prev.preemptions_total
+            ):
+                return True
+        baseline = self.latency_baseline
+        return (
+            sample.waiting > 0
+            and sample.iteration_latency_s is not None
+            and baseline is not None
+            and baseline.value is not None
+            and baseline.count >= MIN_BASELINE_SAMPLES
+            and sample.iteration_latency_s > settings.thrash_latency_factor * baseline.value
+        )
+
+    def is_thrashing(self, now: float) -> bool:
+        return self.thrashing
+
+
+def next_level(level: str, usage: float, high: float, panic: float, hysteresis: float) -> str:
+    """Watermark state with hysteresis: enter at the watermark, leave `hysteresis` below it."""
+    if usage >= panic:
+        return LEVEL_PANIC
+    if level == LEVEL_PANIC and usage >= panic - hysteresis:
+        return LEVEL_PANIC
+    if usage >= high:
+        return LEVEL_HIGH
+    if level in (LEVEL_HIGH, LEVEL_PANIC) and usage >= high - hysteresis:
+        return LEVEL_HIGH
+    return LEVEL_OK

@@ -1,0 +1,45 @@
+"""Admission policies, selectable by `AdmissionSettings.policy`.
+
+`build_policy(settings, clock)` is the one entry point the shell and the simulator use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvgate.core.admission import AdmissionPolicy
+from kvgate.core.clock import Clock
+from kvgate.core.policies.base import BasePolicy
+from kvgate.core.policies.none import NonePolicy
+from kvgate.core.reservations import ReservationStore
+from kvgate.core.settings import AdmissionSettings
+
+PolicyFactory = Callable[..., BasePolicy]
+
+_REGISTRY: dict[str, PolicyFactory] = {
+    "none": NonePolicy,
+    # Interim: the remaining policies land in the next commits; until then they admit
+    # like `none` so that the shell and the simulator can run end to end.
+    "static-qps": NonePolicy,
+    "static-concurrency": NonePolicy,
+    "seed": NonePolicy,
+    "adaptive": NonePolicy,
+}
+
+
+def build_policy(
+    settings: AdmissionSettings,
+    clock: Clock,
+    *,
+    rng_seed: int | None = None,
+    store: ReservationStore | None = None,
+) -> AdmissionPolicy:
+    """The policy named by `settings.policy` on `clock`, seeded by `rng_seed` or `settings.seed`."""
+    try:
+        factory = _REGISTRY[settings.policy]
+    except KeyError:
+        raise ValueError(f"admission policy {settings.policy!r} is not available") from None
+    return factory(settings, clock, rng_seed=rng_seed, store=store)
+
+
+__all__ = ["BasePolicy", "NonePolicy", "build_policy"]

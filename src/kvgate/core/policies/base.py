@@ -1,0 +1,385 @@
+"""What every policy shares: node states, tickets, reservations, exact release, snapshot.
+
+Reservation accounting (the part that keeps a burst from overrunning a node)
+----------------------------------------------------------------------------
+A request's KV footprint grows from its prompt (after prefill) to prompt + output, at most
+`cost.total` (+ `reservation_overhead_tokens` for block rounding): that full amount is
+reserved on its node at admission, before any byte goes upstream. A sample tells us the
+engine's *used* KV tokens; it already contains a request's footprint once the request has
+been prefilled before the sample was taken. So for each live ticket on a node we keep
+
+    reflected   = 0                                  until a sample taken at least
+                                                     `reflect_margin_s` after the
+                                                     ticket's first token arrives;
+                  est_prompt + output_tokens_known   afterwards (output tokens counted
+                                                     only as known by the sample's time)
+    unreflected = full_reservation - reflected       (what the sample cannot contain yet)
+
+and the node's predicted usage is
+
+    predicted_tokens = reported_used_tokens + sum(unreflected over live tickets).
+
+After prefill, `unreflected = max_output - output_so_far + overhead`: exactly the growth
+still to come, independent of how good the prompt estimate was or of prefix-cache sharing
+(shared blocks are already in `reported`). Before the first token we count the whole
+estimated cost on top of the sample, which over-counts a prefill in progress; we accept
+over-counting (a little lost utilisation for one sample period) and never under-count.
+A ticket released before the next sample drops its reservation at once while its blocks
+may still be in `reported` until that sample: over-counting again, never under-.
+
+Because a reservation is added at admission and admission checks
+`predicted + cost <= ceiling * capacity`, a burst of N requests inside one scrape period
+can never push predicted usage past the ceiling (at most the panic watermark), whatever N.
+
+`sampled_at` should be the clock time at which the scrape was *sent*: the engine renders
+its page after that instant, so everything we knew at `sampled_at` is in the page.
+
+Limits, said plainly: a request preempted by the engine loses its blocks and is no longer
+in `reported` while we count it as reflected; that is under-counting, but preemption only
+happens at KV exhaustion, which the thrashing detector turns into "no new requests to this
+node". Requests sent with no `max_tokens` are assumed to stop at `default_max_tokens`; the
+shell should put that cap into the upstream body, or an engine may exceed the reservation.
+Engines without a KV gauge (llama.cpp, TGI): nothing is ever "reflected", so predicted
+usage is the sum of the full reservations on that node against the reported or configured
+(`default_capacity_tokens`) capacity; with no capacity at all predicted usage is unknown and
+such a node is gated by its queue (`waiting > 0` means "full") and thrashing signals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
+from kvgate.core.clock import Clock
+from kvgate.core.nodes import NodeState, next_level
+from kvgate.core.rates import DecayingRate
+from kvgate.core.request import Priority, RequestCost
+from kvgate.core.reservations import InProcessReservationStore, ReservationStore
+from kvgate.core.retry_after import jittered, retry_after
+from kvgate.core.settings import AdmissionSettings
+from kvgate.core.signals import NodeSample
+
+TICKET_KEY = "kvgate.key"
+
+
+class _Hold:
+    """The policy's private record of one live ticket."""
+
+    __slots__ = (
+        "full",
+        "key",
+        "node_id",
+        "reflected",
+        "ticket",
+        "tok_cur",
+        "tok_cur_at",
+        "tok_prev",
+        "tok_prev_at",
+    )
+
+    def __init__(self, key: str, ticket: Ticket, node_id: str, full: int) -> None:
+        self.key = key
+        self.ticket = ticket
+        self.node_id = node_id
+        self.full = full
+        self.reflected = 0
+        self.tok_prev = 0
+        self.tok_prev_at = float("-inf")
+        self.tok_cur = 0
+        self.tok_cur_at = float("-inf")
+
+    def output_known_by(self, cutoff: float) -> int:
+        """A lower bound of the output tokens produced by `cutoff` (two recent points kept)."""
+        if self.tok_cur_at <= cutoff:
+            return self.tok_cur
+        if self.tok_prev_at <= cutoff:
+            return self.tok_prev
+        return 0
+
+
+class BasePolicy:
+    """Shared machinery; subclasses implement `_decide` (and optionally the hooks)."""
+
+    name = "base"
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        clock: Clock,
+        *,
+        rng_seed: int | None = None,
+        store: ReservationStore | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        seed = rng_seed if rng_seed is not None else settings.seed
+        self.rng = random.Random(seed)
+        self.store: ReservationStore = store if store is not None else InProcessReservationStore()
+        self.nodes: dict[str, NodeState] = {}
+        self._holds: dict[str, _Hold] = {}
+        self._by_node: dict[str, dict[str, _Hold]] = {}
+        self._seq = itertools.count()
+        self._in_flight_tokens = 0
+        self._freed = DecayingRate(settings.release_rate_halflife_s)
+        self._rr = 0
+
+    # --- the AdmissionPolicy contract ------------------------------------------------------
+
+    def admit(
+        self,
+        request_id: str,
+        cost: RequestCost,
+        priority: Priority,
+        candidates: Sequence[str],
+    ) -> Decision:
+        now = self.clock.now()
+        if not candidates:
+            return self._reject_unavailable(
+                "no_backend", "No backend serves this model.", now, retry_s=1.0
+            )
+        choice = self._decide(now, cost, priority, candidates)
+        if isinstance(choice, Reject):
+            return choice
+        return Admit(self._open(now, request_id, choice, cost, priority))
+
+    def on_first_token(self, ticket: Ticket) -> None:
+        if ticket.first_token_at is None:
+            ticket.first_token_at = self.clock.now()
+
+    def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
+        now = self.clock.now()
+        if ticket.first_token_at is None:
+            ticket.first_token_at = now
+        hold = self._holds.get(ticket.extra.get(TICKET_KEY, ""))
+        if hold is None or output_tokens <= hold.tok_cur:
+            return
+        ticket.output_tokens = output_tokens
+        hold.tok_prev, hold.tok_prev_at = hold.tok_cur, hold.tok_cur_at
+        hold.tok_cur, hold.tok_cur_at = output_tokens, now
+
+    def release(self, ticket: Ticket, outcome: Outcome) -> None:
+        if ticket.released:
+            return
+        ticket.released = True
+        hold = self._holds.pop(ticket.extra.get(TICKET_KEY, ""), None)
+        if hold is None:
+            return
+        self.store.release(hold.node_id, hold.key)
+        on_node = self._by_node.get(hold.node_id)
+        if on_node is not None:
+            on_node.pop(hold.key, None)
+            if not on_node:
+                del self._by_node[hold.node_id]
+        self._in_flight_tokens -= hold.full
+        self._refresh_level(hold.node_id)
+        now = self.clock.now()
+        self._freed.add(now, hold.full)
+        self._on_release(now, hold, outcome)
+
+    def observe(self, node_id: str, sample: NodeSample) -> None:
+        now = self.clock.now()
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeState(node_id)
+        if not node.accept(sample, now, self.settings):
+            return
+        self._reflect(node_id, sample)
+        self._refresh_level(node_id)
+        self._on_observe(now, node)
+
+    def observe_failure(self, node_id: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeState(node_id)
+        node.fail()
+
+    def add_node(self, node_id: str) -> None:
+        if node_id not in self.nodes:
+            self.nodes[node_id] = NodeState(node_id)
+
+    def remove_node(self, node_id: str) -> None:
+        """Forget the node's state; its live tickets stay held until the shell releases them."""
+        self.nodes.pop(node_id, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self.clock.now()
+        return {
+            "policy": self.name,
+            "time": now,
+            "nodes": {nid: self._node_snapshot(now, node) for nid, node in self.nodes.items()},
+            "controller": self._controller_snapshot(now),
+            "in_flight_requests": len(self._holds),
+            "released_tokens_per_s": self._freed.value(now),
+        }
+
+    # --- for subclasses ---------------------------------------------------------------------
+
+    def _decide(
+        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+    ) -> str | Reject:
+        raise NotImplementedError
+
+    def _on_observe(self, now: float, node: NodeState) -> None:
+        """Called after a new sample was accepted and reflected."""
+
+    def _on_release(self, now: float, hold: _Hold, outcome: Outcome) -> None:
+        """Called once per released ticket."""
+
+    def _controller_snapshot(self, now: float) -> dict[str, Any]:
+        return {
+            "budget_tokens": None,
+            "in_flight_tokens": self._in_flight_tokens,
+            "setpoint": None,
+            "shed_probability": {"critical": 0.0, "standard": 0.0, "sheddable": 0.0},
+        }
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    @property
+    def in_flight_requests(self) -> int:
+        return len(self._holds)
+
+    @property
+    def in_flight_tokens(self) -> int:
+        return self._in_flight_tokens
+
+    def in_flight_on(self, node_id: str) -> int:
+        on_node = self._by_node.get(node_id)
+        return len(on_node) if on_node else 0
+
+    def freed_tokens_per_s(self, now: float) -> float:
+        return self._freed.value(now)
+
+    def reservation_for(self, cost: RequestCost) -> int:
+        return cost.total + self.settings.reservation_overhead_tokens
+
+    def predicted_tokens(self, node: NodeState) -> float | None:
+        """Reported used tokens plus what the sample cannot reflect yet; None if unknowable."""
+        capacity = node.capacity(self.settings)
+        if capacity is None:
+            return None
+        sample = node.sample
+        used = 0.0
+        if sample is not None and sample.kv_usage is not None:
+            used = sample.kv_usage * capacity
+        return used + self.store.reserved(node.node_id)
+
+    def predicted_usage(self, node: NodeState) -> float | None:
+        capacity = node.capacity(self.settings)
+        tokens = self.predicted_tokens(node)
+        if capacity is None or tokens is None:
+            return None
+        return tokens / capacity
+
+    def least_loaded(self, candidates: Sequence[str]) -> str:
+        """Fewest live tickets; ties broken round-robin so equal nodes share the load."""
+        n = len(candidates)
+        self._rr = (self._rr + 1) % n
+        best = candidates[self._rr]
+        best_load = self.in_flight_on(best)
+        for i in range(1, n):
+            cand = candidates[(self._rr + i) % n]
+            load = self.in_flight_on(cand)
+            if load < best_load:
+                best, best_load = cand, load
+        return best
+
+    def reject_shed(self, reason: str, message: str, now: float, excess_tokens: float) -> Reject:
+        """429: shed now, come back after the cluster has freed `excess_tokens`."""
+        delay = retry_after(
+            excess_tokens, self._freed.value(now), self.settings.retry_after_max_s, self.rng
+        )
+        return Reject(status=429, reason=reason, retry_after_s=delay, message=message)
+
+    def _reject_unavailable(
+        self, reason: str, message: str, now: float, retry_s: float | None = None
+    ) -> Reject:
+        """503: no backend can serve at all; retry after about one staleness period."""
+        centre = retry_s if retry_s is not None else max(1.0, self.settings.stale_after_s)
+        centre = min(max(1.0, centre), self.settings.retry_after_max_s)
+        delay = jittered(centre, self.rng, self.settings.retry_after_max_s)
+        return Reject(status=503, reason=reason, retry_after_s=delay, message=message)
+
+    def _open(
+        self, now: float, request_id: str, node_id: str, cost: RequestCost, priority: Priority
+    ) -> Ticket:
+        key = f"{next(self._seq)}:{request_id}"
+        ticket = Ticket(
+            request_id=request_id,
+            node_id=node_id,
+            cost=cost,
+            priority=priority,
+            admitted_at=now,
+            extra={TICKET_KEY: key},
+        )
+        full = self.reservation_for(cost)
+        hold = _Hold(key, ticket, node_id, full)
+        self.store.reserve(node_id, key, full)
+        self._holds[key] = hold
+        self._by_node.setdefault(node_id, {})[key] = hold
+        self._in_flight_tokens += full
+        self._refresh_level(node_id)
+        return ticket
+
+    def _reflect(self, node_id: str, sample: NodeSample) -> None:
+        """Lower each live ticket's reservation by what this sample already contains."""
+        on_node = self._by_node.get(node_id)
+        if not on_node or sample.kv_usage is None:
+            return
+        cutoff = sample.sampled_at - self.settings.reflect_margin_s
+        overhead = self.settings.reservation_overhead_tokens
+        for hold in on_node.values():
+            first = hold.ticket.first_token_at
+            if first is None or first > cutoff:
+                continue
+            reflected = hold.ticket.cost.prompt_tokens + hold.output_known_by(cutoff)
+            reflected = min(max(reflected, hold.reflected), hold.full - overhead)
+            if reflected != hold.reflected:
+                hold.reflected = reflected
+                self.store.update(node_id, hold.key, hold.full - reflected)
+
+    def _refresh_level(self, node_id: str) -> None:
+        """Move the node's watermark state (with hysteresis) after its usage changed."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        usage = self.predicted_usage(node)
+        if usage is None:
+            return
+        s = self.settings
+        node.level = next_level(
+            node.level, usage, s.high_watermark, s.panic_watermark, s.hysteresis
+        )
+
+    def _node_state(self, now: float, node: NodeState) -> str:
+        if node.sample is None:
+            return "unknown"
+        if not node.is_fresh(now, self.settings):
+            return "stale"
+        if node.is_thrashing(now):
+            return "thrashing"
+        return node.level
+
+    def _node_snapshot(self, now: float, node: NodeState) -> dict[str, Any]:
+        sample = node.sample
+        return {
+            "fresh": node.is_fresh(now, self.settings),
+            "age_s": node.age(now),
+            "state": self._node_state(now, node),
+            "sample": None
+            if sample is None
+            else {
+                "kv_usage": sample.kv_usage,
+                "kv_capacity_tokens": sample.kv_capacity_tokens,
+                "running": sample.running,
+                "waiting": sample.waiting,
+                "iteration_latency_s": sample.iteration_latency_s,
+                "sampled_at": sample.sampled_at,
+            },
+            "reserved_tokens": self.store.reserved(node.node_id),
+            "in_flight": self.in_flight_on(node.node_id),
+            "predicted_usage": self.predicted_usage(node),
+        }

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from kvgate.core.admission import Admit, Outcome, Reject
+from kvgate.core.request import Priority
+
+from .helpers import assert_books_empty, cost, make, sample
+
+
+def test_none_admits_everything_and_spreads_load() -> None:
+    policy, _ = make("none")
+    tickets = []
+    for i in range(10):
+        decision = policy.admit(f"r{i}", cost(), Priority.SHEDDABLE, ["a", "b"])
+        assert isinstance(decision, Admit)
+        tickets.append(decision.ticket)
+    per_node = {n: sum(t.node_id == n for t in tickets) for n in ("a", "b")}
+    assert per_node == {"a": 5, "b": 5}
+    assert policy.snapshot()["in_flight_requests"] == 10
+    for t in tickets:
+        policy.release(t, Outcome.DONE)
+        policy.release(t, Outcome.DONE)  # idempotent
+    assert_books_empty(policy)
+
+
+def test_none_rejects_only_when_no_candidate() -> None:
+    policy, _ = make("none")
+    decision = policy.admit("r", cost(), Priority.STANDARD, [])
+    assert isinstance(decision, Reject)
+    assert decision.status == 503
+    assert decision.retry_after_s >= 1
+
+
+def test_none_snapshot_shape() -> None:
+    policy, clock = make("none")
+    policy.observe("a", sample(clock, usage=0.5))
+    decision = policy.admit("r", cost(), Priority.STANDARD, ["a"])
+    assert isinstance(decision, Admit)
+    snap = policy.snapshot()
+    node = snap["nodes"]["a"]
+    assert node["fresh"] and node["state"] == "ok" and node["in_flight"] == 1
+    assert node["reserved_tokens"] == 216
+    assert abs(node["predicted_usage"] - (5000 + 216) / 10_000) < 1e-9
+    assert set(snap) == {
+        "policy",
+        "time",
+        "nodes",
+        "controller",
+        "in_flight_requests",
+        "released_tokens_per_s",
+    }
