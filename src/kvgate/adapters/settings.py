@@ -19,6 +19,14 @@ class BackendSettings(BaseModel):
     api_key: str | None = Field(
         None, description="Bearer token sent upstream (never logged, never a client key)."
     )
+    kv_capacity_tokens: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "KV capacity in tokens, for engines whose metrics do not say "
+            "(TGI: --max-batch-total-tokens; llama.cpp: --ctx-size). Ignored when the page has it."
+        ),
+    )
 
 
 class ScrapeSettings(BaseModel):

@@ -1,0 +1,285 @@
+"""What every engine adapter shares: the error type, a targeted Prometheus line scanner,
+value checks, the histogram-delta tracker and the adapter interface.
+
+Why a targeted scanner instead of `prometheus_client.parser`: an engine's page is mostly
+histogram buckets nobody here reads (a vLLM page is ~53 KB, 614 lines). Parsing it all
+costs ~3 ms of CPU per scrape; picking out only the lines whose metric name we need with
+one compiled regex costs ~0.1 ms (numbers: `benchmarks/scrape_cost/results.md`). At 50 ms
+per node that is the difference between ~15 nodes and hundreds per process.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import aiohttp
+
+from kvgate.core.signals import NodeSample
+
+_LABEL_RE = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\\n]|\\.)*)"')
+
+#: Largest page the scraper reads and the parser accepts; real pages are 5-100 KB.
+MAX_PAGE_BYTES = 8 * 1024 * 1024
+
+
+class MetricsParseError(ValueError):
+    """A metrics page that cannot be turned into a sample: garbage, truncated, missing a
+    required metric, or carrying an impossible value (NaN, negative count, usage > 1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One exposition line of a wanted metric: its raw label text and its value."""
+
+    labels_raw: bytes
+    value: float
+
+    def labels(self) -> dict[str, str]:
+        """Decode the labels only when an adapter needs them (most do not)."""
+        return {
+            k.decode("utf-8", "replace"): _unescape(v)
+            for k, v in _LABEL_RE.findall(self.labels_raw)
+        }
+
+    def label(self, name: str) -> str | None:
+        return self.labels().get(name)
+
+
+def _unescape(raw: bytes) -> str:
+    text = raw.decode("utf-8", "replace")
+    if "\\" not in text:
+        return text
+    return text.replace("\\n", "\n").replace('\\"', '"').replace("\\\\", "\\")
+
+
+class MetricScanner:
+    """Finds the lines of a few named metrics in a Prometheus text page, skipping the rest.
+
+    For each wanted name it searches `\\n<name>` with `bytes.find` (memchr speed, no
+    Python work per skipped line), then parses only the hits. A hit that is not a
+    well-formed sample line is an error, so corruption of a line we need is never skipped.
+    """
+
+    def __init__(self, names: Iterable[str]) -> None:
+        wanted = sorted(set(names))
+        if not wanted:
+            raise ValueError("a scanner needs at least one metric name")
+        self._names = tuple((n, b"\n" + n.encode()) for n in wanted)
+
+    def scan(self, page: bytes) -> dict[str, list[Series]]:
+        """Return every line of each wanted metric that is present; raise on a malformed one."""
+        if not isinstance(page, bytes | bytearray | memoryview):
+            raise MetricsParseError(f"a metrics page must be bytes, not {type(page).__name__}")
+        if len(page) > MAX_PAGE_BYTES:
+            raise MetricsParseError(f"metrics page too large ({len(page)} bytes)")
+        page = b"\n" + bytes(page)  # so that a sample on the first line is found too
+        found: dict[str, list[Series]] = {}
+        for name, needle in self._names:
+            start = 0
+            while (hit := page.find(needle, start)) >= 0:
+                begin = hit + 1
+                start = begin + len(needle) - 1
+                if start < len(page) and page[start] not in _AFTER_NAME:
+                    continue  # a longer name that merely starts with ours
+                stop = page.find(b"\n", start)
+                line = page[begin : len(page) if stop < 0 else stop]
+                found.setdefault(name, []).append(_parse_line(line, len(needle) - 1, name))
+        return found
+
+
+_AFTER_NAME = frozenset(b"{ \t")
+
+
+def _parse_line(line: bytes, name_len: int, name: str) -> Series:
+    rest = line[name_len:]
+    labels = b""
+    if rest[:1] == b"{":
+        close = rest.rfind(b"}")
+        if close < 0:
+            raise MetricsParseError(f"{name}: unterminated label set in {line[:80]!r}")
+        labels = rest[1:close]
+        rest = rest[close + 1 :]
+    fields = rest.split()
+    if not fields or len(fields) > 2:
+        raise MetricsParseError(f"{name}: malformed sample line {line[:80]!r}")
+    return Series(labels, _number(fields[0], name))
+
+
+def _number(raw: bytes, name: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise MetricsParseError(f"{name}: value {raw[:40]!r} is not a number") from None
+    if not math.isfinite(value):
+        raise MetricsParseError(f"{name}: value {raw[:40]!r} is not finite")
+    return value
+
+
+# ---- helpers for adapters -------------------------------------------------------------
+
+
+def require(found: Mapping[str, list[Series]], *names: str) -> tuple[str, list[Series]]:
+    """The first of `names` present on the page (newest name first); error when none is."""
+    for name in names:
+        series = found.get(name)
+        if series:
+            return name, series
+    raise MetricsParseError(f"required metric missing: {' or '.join(names)}")
+
+
+def optional(found: Mapping[str, list[Series]], *names: str) -> list[Series]:
+    for name in names:
+        series = found.get(name)
+        if series:
+            return series
+    return []
+
+
+def total(series: Iterable[Series]) -> float:
+    return math.fsum(s.value for s in series)
+
+
+def count(value: float, name: str) -> int:
+    """A gauge that counts requests: non-negative and (after float formatting) integral."""
+    if value < 0:
+        raise MetricsParseError(f"{name}: negative count {value}")
+    if value > 1e12:
+        raise MetricsParseError(f"{name}: implausible count {value}")
+    return round(value)
+
+
+def fraction(value: float, name: str) -> float:
+    """A 0-1 usage. Tiny float noise above 1 is clamped; anything else out of range is an error."""
+    if value < 0 or value > 1.0 + 1e-6:
+        raise MetricsParseError(f"{name}: usage {value} outside [0, 1]")
+    return min(value, 1.0)
+
+
+def non_negative(value: float, name: str) -> float:
+    if value < 0:
+        raise MetricsParseError(f"{name}: negative value {value}")
+    return value
+
+
+def positive_int_label(series: Series, label: str, name: str) -> int | None:
+    """An integer carried in a label (vLLM's cache_config_info); None when absent or 'None'."""
+    raw = series.label(label)
+    if raw is None or raw in ("", "None", "null"):
+        return None
+    try:
+        value = int(float(raw))
+    except ValueError:
+        raise MetricsParseError(f"{name}: label {label}={raw[:40]!r} is not a number") from None
+    if value <= 0:
+        raise MetricsParseError(f"{name}: label {label}={value} must be positive")
+    return value
+
+
+def capacity_weighted_usage(parts: list[tuple[float, int | None]]) -> float:
+    """Combine the KV usages of several engines behind one node (data parallelism).
+
+    Weighted by capacity when every part's capacity is known, so one full engine and one
+    empty one of equal size read 0.5 and a small full engine does not dominate; a plain
+    mean otherwise.
+    """
+    if all(cap is not None for _, cap in parts):
+        cap_total = sum(cap for _, cap in parts if cap is not None)
+        if cap_total > 0:
+            return min(1.0, sum(u * cap for u, cap in parts if cap is not None) / cap_total)
+    return min(1.0, sum(u for u, _ in parts) / len(parts))
+
+
+class HistogramDelta:
+    """Mean of a histogram between two scrapes: (sum_now - sum_prev) / (count_now - count_prev).
+
+    Stateful per node. Returns None on the first scrape, when no observation was made in
+    between, and when the counters went backwards (engine restart): then it starts over.
+    """
+
+    __slots__ = ("_count", "_sum")
+
+    def __init__(self) -> None:
+        self._sum: float | None = None
+        self._count: float | None = None
+
+    def update(self, hist_sum: float, hist_count: float) -> float | None:
+        prev_sum, prev_count = self._sum, self._count
+        self._sum, self._count = hist_sum, hist_count
+        if prev_sum is None or prev_count is None:
+            return None
+        d_count = hist_count - prev_count
+        d_sum = hist_sum - prev_sum
+        if d_count < 0 or d_sum < 0:
+            return None  # counter reset: the engine restarted
+        if d_count == 0:
+            return None
+        return d_sum / d_count
+
+    def reset(self) -> None:
+        self._sum = self._count = None
+
+
+# ---- the interface ---------------------------------------------------------------------
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """Turns one engine dialect's metrics page into a `NodeSample`, and aborts requests.
+
+    One instance per node: it keeps the previous histogram totals for latency deltas and
+    remembers whether the node's abort API works.
+    """
+
+    kind: str
+
+    def parse(self, page: bytes, now: float) -> NodeSample:
+        """Raise `MetricsParseError` (and nothing else) on any unusable page."""
+        ...
+
+    async def abort(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        request_id: str,
+        *,
+        endpoint: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> bool:
+        """Ask the engine to drop `request_id` now. True when the engine confirmed it; False
+        when the engine has no abort API (then closing the connection is the abort), the
+        API is disabled, or the call failed. Never raises except on cancellation."""
+        ...
+
+
+class NoAbortAPI:
+    """Mixin for engines whose only abort is closing the upstream connection."""
+
+    abort_supported: bool = False
+
+    async def abort(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        request_id: str,
+        *,
+        endpoint: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> bool:
+        return False
+
+
+def grouped(series: Iterable[Series], label: str) -> dict[str, list[Series]]:
+    """Split series by one label's value ("" when absent): one group per engine/DP rank."""
+    out: dict[str, list[Series]] = {}
+    for s in series:
+        out.setdefault(s.label(label) or "", []).append(s)
+    return out
+
+
+def with_label(series: Iterable[Series], label: str, value: str) -> list[Series]:
+    """The series whose `label` equals `value` (Triton packs several gauges in one family)."""
+    return [s for s in series if s.label(label) == value]

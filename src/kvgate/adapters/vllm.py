@@ -1,0 +1,162 @@
+"""vLLM: `/metrics` page to `NodeSample`, and vLLM's abort-by-id API.
+
+Data-parallel vLLM serves several engines behind one API server and labels each series
+with `engine="0"`, `engine="1"`, ...: counts are summed, KV usage is the capacity-weighted
+mean (see `capacity_weighted_usage`), histogram totals are summed before the delta.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+
+import aiohttp
+
+from kvgate.adapters.base import (
+    HistogramDelta,
+    MetricScanner,
+    Series,
+    capacity_weighted_usage,
+    count,
+    fraction,
+    non_negative,
+    optional,
+    positive_int_label,
+    require,
+    total,
+)
+from kvgate.core.signals import NodeSample
+
+log = logging.getLogger(__name__)
+
+USAGE = "vllm:kv_cache_usage_perc"
+USAGE_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM v1 renamed it
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+CACHE_INFO = "vllm:cache_config_info"
+ITL_SUM = "vllm:inter_token_latency_seconds_sum"
+ITL_COUNT = "vllm:inter_token_latency_seconds_count"
+ITL_SUM_OLD = "vllm:time_per_output_token_seconds_sum"  # pre-v1 name of the same histogram
+ITL_COUNT_OLD = "vllm:time_per_output_token_seconds_count"
+PREEMPTIONS = "vllm:num_preemptions_total"
+
+_SCANNER = MetricScanner(
+    [
+        *(USAGE, USAGE_OLD, RUNNING, WAITING, CACHE_INFO, PREEMPTIONS),
+        *(ITL_SUM, ITL_COUNT, ITL_SUM_OLD, ITL_COUNT_OLD),
+    ]
+)
+
+ABORT_PATH = "/inference/v1/abort_requests"
+
+
+def _by_engine(series: list[Series]) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for s in series:
+        out[s.label("engine") or ""] += s.value
+    return out
+
+
+class VllmAdapter:
+    """One vLLM node (API server, possibly several data-parallel engines)."""
+
+    kind = "vllm"
+
+    def __init__(self) -> None:
+        self._itl = HistogramDelta()
+        #: False once the node answered 403/404 to an abort: it runs without
+        #: `--enable-scale-out`, so the connection close is the only abort.
+        self.abort_supported: bool = True
+
+    def parse(self, page: bytes, now: float) -> NodeSample:
+        found = _SCANNER.scan(page)
+        usage_name, usage_series = require(found, USAGE, USAGE_OLD)
+        _, running_series = require(found, RUNNING)
+        _, waiting_series = require(found, WAITING)
+        capacities = self._capacities(optional(found, CACHE_INFO))
+        usages = {e: fraction(u, usage_name) for e, u in _by_engine(usage_series).items()}
+        parts = [(u, capacities.get(e)) for e, u in usages.items()]
+        known = [c for c in capacities.values() if c is not None]
+        return NodeSample(
+            kv_usage=capacity_weighted_usage(parts),
+            kv_capacity_tokens=sum(known) if known and len(known) == len(capacities) else None,
+            running=count(total(running_series), RUNNING),
+            waiting=count(total(waiting_series), WAITING),
+            iteration_latency_s=self._latency(found),
+            sampled_at=now,
+            preemptions_total=self._preemptions(found),
+        )
+
+    @staticmethod
+    def _capacities(info: list[Series]) -> dict[str, int | None]:
+        """Per engine: num_gpu_blocks x block_size tokens, from the info gauge's labels."""
+        out: dict[str, int | None] = {}
+        for s in info:
+            blocks = positive_int_label(s, "num_gpu_blocks", CACHE_INFO)
+            size = positive_int_label(s, "block_size", CACHE_INFO)
+            out[s.label("engine") or ""] = blocks * size if blocks and size else None
+        return out
+
+    def _latency(self, found: Mapping[str, list[Series]]) -> float | None:
+        sums = optional(found, ITL_SUM, ITL_SUM_OLD)
+        counts = optional(found, ITL_COUNT, ITL_COUNT_OLD)
+        if not sums or not counts:
+            return None
+        return self._itl.update(
+            non_negative(total(sums), ITL_SUM), non_negative(total(counts), ITL_COUNT)
+        )
+
+    @staticmethod
+    def _preemptions(found: Mapping[str, list[Series]]) -> float | None:
+        series = optional(found, PREEMPTIONS)
+        return non_negative(total(series), PREEMPTIONS) if series else None
+
+    async def abort(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        request_id: str,
+        *,
+        endpoint: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> bool:
+        """POST the engine-side ids of `request_id` (the X-Request-Id kvgate sent).
+
+        vLLM turns X-Request-Id `abc` into `chatcmpl-abc` for chat and `cmpl-abc-0` for
+        completions; `endpoint` ("chat" or "completions") picks one, None sends both.
+        Only servers started with `--enable-scale-out` have this API (403 otherwise):
+        the first refusal is remembered and later calls return False at once.
+        """
+        if not self.abort_supported:
+            return False
+        ids = vllm_engine_ids(request_id, endpoint)
+        url = base_url.rstrip("/") + ABORT_PATH
+        try:
+            async with session.post(
+                url, json={"request_ids": ids}, headers=dict(headers or {})
+            ) as resp:
+                await resp.read()
+                if resp.status in (403, 404, 405):
+                    self.abort_supported = False
+                    log.info(
+                        "vLLM at %s has no abort API (HTTP %d); relying on disconnect",
+                        base_url,
+                        resp.status,
+                    )
+                    return False
+                return 200 <= resp.status < 300
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.debug("vLLM abort of %s at %s failed: %r", request_id, base_url, exc)
+            return False
+
+
+def vllm_engine_ids(request_id: str, endpoint: str | None) -> list[str]:
+    """The ids vLLM gives a request whose X-Request-Id header was `request_id`."""
+    if endpoint == "chat":
+        return [f"chatcmpl-{request_id}"]
+    if endpoint == "completions":
+        return [f"cmpl-{request_id}-0"]
+    if endpoint is not None:
+        raise ValueError(f"unknown endpoint {endpoint!r}: expected 'chat' or 'completions'")
+    return [f"chatcmpl-{request_id}", f"cmpl-{request_id}-0"]
