@@ -104,6 +104,11 @@ class AdmissionSettings(BaseModel):
     controller_kd: float = Field(
         0.05, ge=0, description="PID derivative gain, applied to the measurement (seconds)."
     )
+    control_interval_s: float = Field(
+        0.05,
+        gt=0,
+        description="The feedback controller runs at most this often (driven by samples).",
+    )
     thrash_latency_factor: float = Field(
         4.0,
         gt=1,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from kvgate.core.admission import AdmissionPolicy
 from kvgate.core.clock import Clock
+from kvgate.core.policies.adaptive import AdaptivePolicy
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.policies.none import NonePolicy
 from kvgate.core.reservations import ReservationStore
@@ -23,7 +24,7 @@ _REGISTRY: dict[str, PolicyFactory] = {
     "static-qps": NonePolicy,
     "static-concurrency": NonePolicy,
     "seed": NonePolicy,
-    "adaptive": NonePolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 
@@ -42,4 +43,4 @@ def build_policy(
     return factory(settings, clock, rng_seed=rng_seed, store=store)
 
 
-__all__ = ["BasePolicy", "NonePolicy", "build_policy"]
+__all__ = ["AdaptivePolicy", "BasePolicy", "NonePolicy", "build_policy"]

@@ -123,6 +123,7 @@ class BasePolicy:
         self._by_node: dict[str, dict[str, _Hold]] = {}
         self._seq = itertools.count()
         self._in_flight_tokens = 0
+        self._full_by_node: dict[str, int] = {}
         self._freed = DecayingRate(settings.release_rate_halflife_s)
         self._rr = 0
 
@@ -174,6 +175,11 @@ class BasePolicy:
             if not on_node:
                 del self._by_node[hold.node_id]
         self._in_flight_tokens -= hold.full
+        left = self._full_by_node.get(hold.node_id, 0) - hold.full
+        if left:
+            self._full_by_node[hold.node_id] = left
+        else:
+            self._full_by_node.pop(hold.node_id, None)
         self._refresh_level(hold.node_id)
         now = self.clock.now()
         self._freed.add(now, hold.full)
@@ -250,6 +256,10 @@ class BasePolicy:
         on_node = self._by_node.get(node_id)
         return len(on_node) if on_node else 0
 
+    def full_reserved_on(self, node_id: str) -> int:
+        """The full (not only unreflected) reservations of the live tickets on `node_id`."""
+        return self._full_by_node.get(node_id, 0)
+
     def freed_tokens_per_s(self, now: float) -> float:
         return self._freed.value(now)
 
@@ -321,6 +331,7 @@ class BasePolicy:
         self._holds[key] = hold
         self._by_node.setdefault(node_id, {})[key] = hold
         self._in_flight_tokens += full
+        self._full_by_node[node_id] = self._full_by_node.get(node_id, 0) + full
         self._refresh_level(node_id)
         return ticket
 
