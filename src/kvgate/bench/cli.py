@@ -1,0 +1,86 @@
+"""`kvgate bench`: run the overload benchmark and write its report.
+
+    kvgate bench virtual  [--preset gpu-8b --nodes 16 --duration 300 --seeds 1,2,3 ...]
+    kvgate bench live-sim [--nodes 2 --duration 60 ...]   # HTTP: kvgate serve -> kvgate sim
+    kvgate bench live-vllm [--duration 90 ...]            # HTTP: the real vLLM CPU engine
+
+Every mode measures the sustainable capacity first (or takes `--capacity-scale`), then
+runs each load x policy x seed on the same seeded workload and writes `report.md`, PNG
+plots and `results.json` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from kvgate.bench.profiles import POLICIES
+
+DEFAULT_LOADS = "0.5,1,2,3"
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2.5: {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2: {text!r}") from None
+
+
+def _policies(text: str) -> list[str]:
+    names = list(POLICIES) if text == "all" else [x.strip() for x in text.split(",") if x]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)} or 'all'"
+        )
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "mode",
+        choices=["virtual", "live-sim", "live-vllm"],
+        help="virtual time (simulator + admission core), or live HTTP runs",
+    )
+    parser.add_argument("--preset", default=None, help="engine preset (default per mode)")
+    parser.add_argument("--nodes", type=int, default=None, help="engines (default per mode)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds of traffic")
+    parser.add_argument("--warmup", type=float, default=None, help="seconds not scored")
+    parser.add_argument("--loads", type=_floats, default=_floats(DEFAULT_LOADS))
+    parser.add_argument("--policies", type=_policies, default=None, help="comma list or 'all'")
+    parser.add_argument("--seeds", type=_ints, default=None, help="comma list of seeds")
+    parser.add_argument(
+        "--retry", choices=["immediate", "backoff"], default="immediate",
+        help="client retry on timeout/5xx",
+    )  # fmt: skip
+    parser.add_argument("--max-attempts", type=int, default=4, help="tries before giving up")
+    parser.add_argument("--timeout", type=float, default=None, help="client timeout (s)")
+    parser.add_argument(
+        "--capacity-scale", type=float, default=None,
+        help="skip the capacity search and use this scale of the profile's mix as 1x",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None, help="report directory")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgate.bench.driver import BenchOptions, main_live, main_virtual
+
+    command = "kvgate bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    opts = BenchOptions.from_args(args, command)
+    try:
+        report = main_virtual(opts) if args.mode == "virtual" else main_live(opts)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        print(f"kvgate bench: {exc}", file=sys.stderr)
+        return 2
+    print(f"report written to {report}")
+    return 0

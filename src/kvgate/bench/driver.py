@@ -1,0 +1,301 @@
+"""Glue for `kvgate bench`: options per mode, capacity, the grid, the report.
+
+Virtual mode measures capacity with a geometric bisection of `direct` runs (see
+`kvgate.bench.suite`). Live modes cannot afford a bisection in real time: they take the
+1x scale from the same bisection run in virtual time on the `cpu-tiny` preset, which is
+calibrated to the real vLLM CPU engine, and then report the goodput `direct` actually
+achieved live at 1x as the live sustainable capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rich.console import Console
+
+from kvgate.bench.metrics import RunResult, summarize
+from kvgate.bench.profiles import POLICIES, Profile, get_profile
+from kvgate.bench.report import ReportMeta, write_report
+from kvgate.bench.suite import (
+    RunSpec,
+    describe_capacity,
+    find_capacity,
+    run_grid,
+    tuned_overrides,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+RESULTS = REPO / "benchmarks" / "overload" / "results"
+REAL_VLLM_LOCK = Path(os.environ.get("KVGATE_REAL_VLLM_LOCK", "/work/notes/real-vllm.lock"))
+REAL_VLLM_SERVE = Path(
+    os.environ.get("KVGATE_REAL_VLLM_SERVE", str(REPO.parent / "shared/real-vllm/serve.sh"))
+)
+
+console = Console(stderr=True)
+
+
+@dataclass
+class BenchOptions:
+    mode: str
+    command: str
+    preset: str
+    nodes: int
+    duration_s: float
+    warmup_s: float
+    loads: list[float]
+    policies: list[str]
+    seeds: list[int]
+    retry: str
+    max_attempts: int
+    timeout_s: float | None
+    capacity_scale: float | None
+    out: Path
+    quick: bool
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace, command: str) -> BenchOptions:
+        quick = bool(a.quick)
+        if a.mode == "virtual":
+            d = dict(preset="gpu-8b", nodes=4 if quick else 16, dur=60.0 if quick else 300.0)
+            d |= dict(warm=10.0 if quick else 30.0, seeds=[1] if quick else [1, 2, 3])
+            pol = list(POLICIES)
+        elif a.mode == "live-sim":
+            d = dict(preset="cpu-tiny", nodes=2, dur=20.0 if quick else 60.0, warm=5.0, seeds=[1])
+            pol = ["direct", "static-qps", "static-concurrency", "seed", "adaptive"]
+        else:
+            d = dict(preset="cpu-tiny", nodes=1, dur=20.0 if quick else 60.0, warm=5.0, seeds=[1])
+            pol = ["direct", "adaptive"]
+        if a.mode == "live-vllm" and (a.nodes or 1) != 1:
+            raise ValueError("live-vllm runs one real engine (this machine holds one)")
+        out = a.out or RESULTS / (a.mode + ("-quick" if quick else ""))
+        return cls(
+            mode=a.mode,
+            command=command,
+            preset=a.preset or str(d["preset"]),
+            nodes=a.nodes or int(d["nodes"]),  # type: ignore[call-overload]
+            duration_s=a.duration or float(d["dur"]),  # type: ignore[arg-type]
+            warmup_s=a.warmup if a.warmup is not None else float(d["warm"]),  # type: ignore[arg-type]
+            loads=a.loads,
+            policies=a.policies or pol,
+            seeds=a.seeds or list(d["seeds"]),  # type: ignore[call-overload]
+            retry=a.retry,
+            max_attempts=a.max_attempts,
+            timeout_s=a.timeout,
+            capacity_scale=a.capacity_scale,
+            out=out,
+            quick=quick,
+        )
+
+
+def _profile(opts: BenchOptions) -> Profile:
+    prof = get_profile(opts.preset)
+    client = replace(prof.client, retry=opts.retry, max_attempts=opts.max_attempts)
+    if opts.timeout_s is not None:
+        client = replace(client, timeout_s=opts.timeout_s)
+    return replace(prof, client=client)
+
+
+def _base_spec(opts: BenchOptions, prof: Profile, duration_s: float, nodes: int) -> RunSpec:
+    return RunSpec(
+        preset=prof.preset,
+        nodes=nodes,
+        shape=prof.shape,
+        load=1.0,
+        seed=opts.seeds[0],
+        duration_s=duration_s,
+        warmup_s=min(opts.warmup_s, duration_s / 4),
+        client=prof.client,
+        slo=prof.slo,
+        label="direct",
+        policy="none",
+    )
+
+
+def _capacity(
+    opts: BenchOptions, prof: Profile, nodes: int, duration_s: float
+) -> tuple[float, RunResult | None, RunSpec, str]:
+    """The 1x scale (virtual-time bisection with `direct`), unless given on the command line."""
+    from kvgate.bench.virtual import run_virtual
+
+    base = _base_spec(opts, prof, duration_s, nodes)
+    how = (
+        "highest scale of the profile's mix at which `direct` (no gateway) served >= 95% of "
+        "user requests within the SLO with zero preemptions, found by a 7-step geometric "
+        f"bisection in virtual time ({nodes} x {prof.preset}, {duration_s:g} s, seed "
+        f"{base.seed})"
+    )
+    if opts.capacity_scale is not None:
+        scale = opts.capacity_scale
+        run = run_virtual(replace(base, shape=prof.shape.scaled(scale)))
+        return scale, run, base, "given with --capacity-scale; " + how
+
+    def step(scale: float, ok: bool) -> None:
+        console.print(f"  capacity search: scale {scale:.3f} {'sustained' if ok else 'failed'}")
+
+    console.print("[bold]measuring sustainable capacity with `direct`...")
+    scale, run = find_capacity(base, run_virtual, on_step=step)
+    return scale, run, base, how
+
+
+def _specs(opts: BenchOptions, prof: Profile, scale: float, cap_run: RunResult | None) -> list:
+    shape = prof.shape.scaled(scale)
+    specs = []
+    for load in opts.loads:
+        for label in opts.policies:
+            policy, cancel = POLICIES[label]
+            for seed in opts.seeds:
+                specs.append(
+                    RunSpec(
+                        preset=prof.preset,
+                        nodes=opts.nodes,
+                        shape=shape,
+                        load=load,
+                        seed=seed,
+                        duration_s=opts.duration_s,
+                        warmup_s=opts.warmup_s,
+                        client=prof.client,
+                        slo=prof.slo,
+                        label=label,
+                        policy=policy,
+                        cancel=cancel,
+                        policy_overrides=tuned_overrides(label, shape, opts.nodes, cap_run),
+                    )
+                )
+    return specs
+
+
+def _scenario(opts: BenchOptions, prof: Profile, scale: float) -> dict:
+    s = prof.shape.scaled(scale)
+    c = prof.client
+    return {
+        "engines": f"{opts.nodes} x `{prof.preset}` ({prof.why})",
+        "traffic": f"{opts.duration_s:g} s per run, first {opts.warmup_s:g} s not scored",
+        "chat turns": f"prompt {s.chat_prompt[0]}-{s.chat_prompt[1]} tokens, "
+        f"output {s.chat_output[0]}-{s.chat_output[1]} tokens (max_tokens, ignore_eos)",
+        "long summaries": f"prompt {s.long_prompt_frac[0]:.0%}-{s.long_prompt_frac[1]:.0%} "
+        f"of one node's {s.kv_capacity_tokens:,} KV tokens, output "
+        f"{s.long_output[0]}-{s.long_output[1]} tokens",
+        "bursts": f"from {s.first_burst_s:g} s, every {s.burst_every_s:g} s, "
+        f"{s.burst_per_node:g} x nodes x load long requests within 200 ms",
+        "loads": ", ".join(f"{x:g}x" for x in opts.loads),
+        "clients": f"timeout {c.timeout_s:g} s (then disconnect), retry on timeout/5xx "
+        f"{c.retry}, 429 waits Retry-After, give up after {c.max_attempts} tries",
+        "static-qps": "token bucket at the 1x mean arrival rate, depth one 1x burst",
+        "static-concurrency": "cap = peak requests running at 1x under `direct`",
+    }
+
+
+def main_virtual(opts: BenchOptions) -> Path:
+    from kvgate.bench.virtual import run_virtual
+
+    prof = _profile(opts)
+    cap_duration = min(opts.duration_s, 120.0)
+    scale, cap_run, base, how = _capacity(opts, prof, opts.nodes, cap_duration)
+    cap = describe_capacity(scale, base, cap_run, how)
+    specs = _specs(opts, prof, scale, cap_run)
+    runs = run_grid(specs, run_virtual, f"virtual {opts.preset} x{opts.nodes}")
+    # Capacity goodput: `direct` at 1x in the grid itself (same duration) when it ran.
+    cap["goodput_tok_s"] = _direct_1x_goodput(runs, cap.get("goodput_tok_s", 0.0))
+    meta = ReportMeta(
+        title=f"kvgate overload benchmark, virtual time, {opts.nodes} x {opts.preset}",
+        command=opts.command,
+        seeds=opts.seeds,
+        scenario=_scenario(opts, prof, scale),
+        slo=_slo_dict(prof),
+        capacity=cap,
+        notes=_notes(runs),
+    )
+    return write_report(runs, meta, opts.out)
+
+
+def _direct_1x_goodput(runs: list[RunResult], fallback: float) -> float:
+    vals = [summarize(r)["goodput_tok_s"] for r in runs if r.policy == "direct" and r.load == 1.0]
+    return round(sum(vals) / len(vals), 1) if vals else fallback
+
+
+def _slo_dict(prof: Profile) -> dict:
+    s = prof.slo
+    return {
+        "TTFT, chat (from the user's first try)": f"<= {s.ttft_s:g} s",
+        "TTFT, long prompt (from the user's first try)": f"<= {s.long_ttft_s:g} s",
+        "TPOT (mean after the first token)": f"<= {s.tpot_s * 1000:g} ms",
+        "and": "the whole answer within the client's timeout",
+    }
+
+
+def _notes(runs: list[RunResult]) -> list[str]:
+    notes = []
+    for r in runs:
+        for text in r.extra.get("notes", []):
+            if text not in notes:
+                notes.append(text)
+    return notes
+
+
+# --- live -----------------------------------------------------------------------------------
+
+
+def main_live(opts: BenchOptions) -> Path:
+    from kvgate.bench.live_driver import live_runner
+
+    prof = _profile(opts)
+    cap_nodes = opts.nodes
+    scale, cap_run, base, how = _capacity(opts, prof, cap_nodes, 120.0)
+    how = (
+        "1x taken from the virtual-time capacity search on the calibrated `cpu-tiny` preset "
+        f"({how}); the live capacity is the goodput `direct` achieved live at 1x"
+    )
+    cap = describe_capacity(scale, base, cap_run, how)
+    specs = _specs(opts, prof, scale, cap_run)
+    with live_runner(opts) as runner:
+        runs = run_grid(specs, runner, f"{opts.mode} x{opts.nodes}")
+    cap["goodput_tok_s"] = _direct_1x_goodput(runs, math.nan)
+    where = "`kvgate serve` -> `kvgate sim`" if opts.mode == "live-sim" else "real vLLM CPU"
+    meta = ReportMeta(
+        title=f"kvgate overload benchmark, live HTTP, {where}, {opts.nodes} engine(s)",
+        command=opts.command,
+        seeds=opts.seeds,
+        scenario=_scenario(opts, prof, scale),
+        slo=_slo_dict(prof),
+        capacity=cap,
+        notes=_notes(runs),
+    )
+    return write_report(runs, meta, opts.out)
+
+
+@contextlib.contextmanager
+def real_vllm_lock(timeout_s: float = 1800.0) -> Iterator[None]:
+    """Hold the machine-wide lock for the real engine, so two measurements never overlap."""
+    REAL_VLLM_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(REAL_VLLM_LOCK, "a") as fh:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{REAL_VLLM_LOCK} held by someone else too long") from None
+                time.sleep(2.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def dump_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+
+
+def run_async(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]

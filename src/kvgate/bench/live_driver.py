@@ -1,0 +1,172 @@
+"""Start and stop what a live run talks to: `kvgate sim` engines, `kvgate serve`, real vLLM.
+
+Each live-sim run gets fresh engines and a fresh gateway, so no run inherits another's
+queues or counters. The real vLLM engine takes 30-60 s to start, so it is started once
+for all the runs of a report, under the machine-wide lock, and the runner waits until it
+is idle between runs. Every process started here is stopped here, by its own pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+
+from kvgate.bench.live import (
+    LiveTarget,
+    Proc,
+    free_port,
+    kvgate_cmd,
+    parse_metrics,
+    run_live,
+    start,
+    wait_healthy,
+)
+from kvgate.bench.metrics import RunResult
+from kvgate.bench.suite import RunSpec
+from kvgate.bench.workload import burst_times, generate
+
+LOGS = Path("/tmp/kvgate-bench-logs")
+
+
+def _gateway_env(spec: RunSpec, engines: list[str], port: int) -> dict[str, str]:
+    env = {
+        "KVGATE_BACKENDS": json.dumps([{"url": u} for u in engines]),
+        "KVGATE_ADMISSION__POLICY": spec.policy,
+        "KVGATE_ADMISSION__SEED": str(spec.seed),
+        "KVGATE_SERVER__PORT": str(port),
+        "KVGATE_SERVER__HOST": "127.0.0.1",
+        "KVGATE_SERVER__ACCESS_LOG": "false",
+        "KVGATE_SERVER__LOG_LEVEL": "warning",
+    }
+    for key, value in spec.policy_overrides.items():
+        env[f"KVGATE_ADMISSION__{key.upper()}"] = str(value)
+    return env
+
+
+async def _model_of(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(url + "/v1/models") as r:
+        data = await r.json()
+    return str(data["data"][0]["id"])
+
+
+async def _wait_idle(engines: list[str], timeout_s: float = 60.0) -> None:
+    """Wait until no engine runs or queues anything (the previous run's aborts landed)."""
+    deadline = time.monotonic() + timeout_s
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            busy = 0.0
+            for e in engines:
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with s.get(e + "/metrics") as r:
+                        busy += sum(parse_metrics(await r.text(), names).values())
+            if busy == 0:
+                return
+            await asyncio.sleep(0.5)
+
+
+def _play(spec: RunSpec, target: LiveTarget) -> RunResult:
+    arrivals = generate(spec.shape, spec.nodes, spec.duration_s, spec.load, spec.seed)
+    bursts = burst_times(spec.shape, spec.duration_s)
+    return asyncio.run(
+        run_live(
+            arrivals,
+            spec.client,
+            target,
+            policy=spec.label,
+            load=spec.load,
+            seed=spec.seed,
+            preset=spec.preset,
+            duration_s=spec.duration_s,
+            warmup_s=spec.warmup_s,
+            slo=spec.slo,
+            bursts=bursts,
+        )
+    )
+
+
+def _with_gateway(spec: RunSpec, engines: list[str], zombie_counter: bool) -> RunResult:
+    """Run `spec` against `engines`, through a fresh `kvgate serve` unless it is `direct`."""
+    model = asyncio.run(_model_of(engines[0]))
+    if spec.label == "direct":
+        target = LiveTarget(engines, engines, model, zombie_counter)
+        return _play(spec, target)
+    port = free_port()
+    gw = start(
+        kvgate_cmd("serve"),
+        "kvgate serve",
+        LOGS / f"serve-{spec.label}-{spec.load:g}.log",
+        _gateway_env(spec, engines, port),
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(wait_healthy(url + "/healthz", gw, 30.0))
+        asyncio.run(asyncio.sleep(1.0))  # a few scrapes, so nodes are fresh
+        return _play(spec, LiveTarget([url], engines, model, zombie_counter))
+    finally:
+        gw.stop()
+
+
+def _sim_run(spec: RunSpec) -> RunResult:
+    """live-sim: fresh `kvgate sim` engines (cancellation per the spec) for every run."""
+    port = free_port(spec.nodes)
+    args = ["sim", "--port", str(port), "--nodes", str(spec.nodes), "--preset", spec.preset]
+    if not spec.cancel:
+        args.append("--no-abort-on-disconnect")
+    sim = start(kvgate_cmd(*args), "kvgate sim", LOGS / f"sim-{spec.label}-{spec.load:g}.log")
+    engines = [f"http://127.0.0.1:{port + i}" for i in range(spec.nodes)]
+    try:
+        for e in engines:
+            asyncio.run(wait_healthy(e + "/health", sim, 30.0))
+        return _with_gateway(spec, engines, zombie_counter=True)
+    finally:
+        sim.stop()
+
+
+@contextlib.contextmanager
+def _real_vllm() -> Iterator[list[str]]:
+    """The real vLLM CPU engine, started under the lock and always stopped."""
+    from kvgate.bench.driver import REAL_VLLM_SERVE, real_vllm_lock
+
+    with real_vllm_lock():
+        port = free_port()
+        proc: Proc = start(
+            ["bash", str(REAL_VLLM_SERVE), str(port)], "real vLLM", LOGS / "real-vllm.log"
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(wait_healthy(url + "/health", proc, 240.0))
+            yield [url]
+        finally:
+            proc.stop(grace_s=20.0)
+
+
+@contextlib.contextmanager
+def live_runner(opts: object) -> Iterator[Callable[[RunSpec], RunResult]]:
+    """A runner for the grid: live-sim starts engines per run, live-vllm once for all."""
+    mode = getattr(opts, "mode", "live-sim")
+    if mode == "live-sim":
+        yield _sim_run
+        return
+    with _real_vllm() as engines:
+
+        def run(spec: RunSpec) -> RunResult:
+            asyncio.run(_wait_idle(engines))
+            # No zombie counter on a real engine: zombies = generated - delivered.
+            result = _with_gateway(replace(spec), engines, zombie_counter=False)
+            result.extra.setdefault("notes", []).append(
+                "real vLLM: zombie tokens are estimated as tokens the engine generated minus "
+                "tokens delivered to clients (it includes tokens made in the step during "
+                "which a disconnect was noticed); preemptions are vLLM's own counter, "
+                "which counts a preemption only when the request runs again"
+            )
+            return result
+
+        yield run
