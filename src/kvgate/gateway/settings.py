@@ -21,6 +21,17 @@ class ServerSettings(BaseModel):
         30.0, ge=0, description="On SIGTERM, how long in-flight streams may finish."
     )
     log_level: str = Field("info", description="Log level.")
+    access_log: bool = Field(
+        True, description="Write one JSON line per request to the `kvgate.access` logger."
+    )
+    admin_token: str | None = Field(
+        None,
+        description="Bearer token that `POST /admin/signals` requires (pushes are refused "
+        "while it is unset).",
+    )
+    models_cache_s: float = Field(
+        5.0, gt=0, description="How long the union of the backends' `/v1/models` is reused."
+    )
 
 
 class UpstreamSettings(BaseModel):

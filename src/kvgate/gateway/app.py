@@ -1,0 +1,356 @@
+"""The gateway as one raw ASGI application: a dict of routes, no framework on the hot path.
+
+`Gateway(config)` builds the policy, the upstream pool, the model catalog, the relay and
+the metrics; its ASGI lifespan (or `async with gateway.running():` in tests and embedders)
+opens the upstream session and starts the scraper and background refreshes in a task group
+the gateway owns, and tears all of it down on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import importlib
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+
+from kvgate.adapters.backend import Backend, backends_from_settings
+from kvgate.config import KvgateConfig
+from kvgate.core.admission import AdmissionPolicy
+from kvgate.core.clock import Clock, MonotonicClock
+from kvgate.core.policies import build_policy
+from kvgate.core.request import RequestCost
+from kvgate.core.settings import AdmissionSettings
+from kvgate.gateway.errors import GatewayError, send_error, send_json
+from kvgate.gateway.proxy import CostEstimator, Relay
+from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.gateway.upstream import ModelCatalog, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_PUSH_BODY_LIMIT = 1024 * 1024
+
+
+class Gateway:
+    """kvgate's ASGI application. Inject `policy`, `clock` or `estimator` to replace them."""
+
+    def __init__(
+        self,
+        config: KvgateConfig,
+        *,
+        policy: AdmissionPolicy | None = None,
+        clock: Clock | None = None,
+        estimator: CostEstimator | None = None,
+        backends: list[Backend] | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.backends = (
+            backends if backends is not None else backends_from_settings(config.backends)
+        )
+        self.policy = policy or build_policy(config.admission, self.clock)
+        for backend in self.backends:
+            self.policy.add_node(backend.node_id)
+        self.metrics = GatewayMetrics()
+        self.metrics.policy_snapshot = self.policy.snapshot
+        self.pool = UpstreamPool(self.backends, config.upstream)
+        self.catalog = ModelCatalog(self.pool, config.server.models_cache_s)
+        self.catalog.bind(self.spawn)
+        self.relay = Relay(
+            pool=self.pool,
+            catalog=self.catalog,
+            policy=self.policy,
+            estimator=estimator or _default_estimator(config),
+            metrics=self.metrics,
+            upstream=config.upstream,
+            limits=config.limits,
+            spawn=self.spawn,
+        )
+        self.scraper: Any = None
+        self._group: asyncio.TaskGroup | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self.routes: dict[tuple[str, str], ASGIApp] = {
+            ("POST", "/v1/completions"): self.relay.completion,
+            ("POST", "/v1/chat/completions"): self.relay.completion,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/healthz"): self._healthz,
+            ("GET", "/readyz"): self._readyz,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/admin/state"): self._state,
+            ("POST", "/admin/signals"): self._signals,
+        }
+        self._merge_dashboard()
+        self._paths = {path for _, path in self.routes}
+
+    # ---- ASGI ---------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            handler = self.routes.get((scope["method"], scope["path"]))
+            if handler is not None:
+                await handler(scope, receive, send)
+            elif scope["path"].startswith("/v1/") and scope["path"] not in self._paths:
+                await self.relay.passthrough(scope, receive, send)
+            elif scope["path"] in self._paths:
+                await send_error(
+                    send,
+                    GatewayError(
+                        405, f"Method {scope['method']} not allowed.", "method_not_allowed"
+                    ),
+                )
+            else:
+                await send_error(send, GatewayError(404, f"No route {scope['path']}.", "not_found"))
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        started = False
+        try:
+            async with self.running():
+                started = True
+                await send({"type": "lifespan.startup.complete"})
+                await receive()  # lifespan.shutdown
+        except Exception as exc:
+            log.exception("gateway lifespan failed")
+            if not started:
+                await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                return
+        await send({"type": "lifespan.shutdown.complete"})
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Gateway]:
+        """Open the upstream pool and run the background tasks until the block ends."""
+        await self.pool.start()
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                try:
+                    self._start_scraper()
+                    self.spawn(self.catalog.refresh())
+                    yield self
+                finally:
+                    self._group = None
+                    self.relay.cancel_all("shutdown")
+                    for task in list(self._background):
+                        task.cancel()
+        finally:
+            await self.pool.close()
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Run `coro` in the gateway's task group (owned, cancelled on shutdown)."""
+        if self._group is None:
+            task = asyncio.ensure_future(coro)
+            task.cancel()  # nothing may outlive the gateway: refuse after shutdown
+            return task
+        task = self._group.create_task(_quiet(coro))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _start_scraper(self) -> None:
+        try:
+            from kvgate.gateway.scraper import Scraper
+        except ImportError:  # the scraper ships separately; the gateway still relays
+            log.warning("kvgate.gateway.scraper is unavailable: engines are not watched")
+            return
+        self.scraper = Scraper(
+            self.backends, self.config.scrape, self.policy, self.pool.session, self.clock
+        )
+        self.metrics.scraper_stats = self.scraper.snapshot
+        self.spawn(self.scraper.run())
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let in-flight requests finish for up to `timeout_s`, then cancel the rest."""
+        self.relay.accepting = False
+        if await self.relay.wait_idle(timeout_s):
+            return
+        cancelled = self.relay.cancel_all("shutdown")
+        log.warning("drain timeout: cancelled %d request(s) upstream", cancelled)
+        await self.relay.wait_idle(2.0)
+
+    # ---- small routes -------------------------------------------------------------------------
+
+    async def _healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, b'{"status":"ok"}')
+
+    async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
+        nodes = self.policy.snapshot().get("nodes", {})
+        fresh = {nid: bool(state.get("fresh")) for nid, state in nodes.items()}
+        ready = any(fresh.values()) or (self.scraper is None and self.catalog.known)
+        body = orjson.dumps({"ready": ready, "backends": fresh})
+        await send_json(send, 200 if ready else 503, body)
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.metrics.render()
+        headers = [
+            (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        models = await self.catalog.models()
+        await send_json(send, 200, orjson.dumps({"object": "list", "data": models}))
+
+    def state(self) -> dict[str, Any]:
+        """Everything `/admin/state` and the dashboard show."""
+        return {
+            "time": self.clock.now(),
+            "policy": self.policy.snapshot(),
+            "scraper": None if self.scraper is None else self.scraper.snapshot(),
+            "gateway": {
+                **self.metrics.counters(),
+                "backends": [
+                    {"node_id": b.node_id, "url": b.base_url, "engine": b.engine}
+                    for b in self.backends
+                ],
+            },
+        }
+
+    async def _state(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, orjson.dumps(self.state(), option=orjson.OPT_NON_STR_KEYS))
+
+    async def _signals(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Samples pushed by sidecars, for engines kvgate cannot scrape itself."""
+        try:
+            self._check_admin(scope)
+            body = await _read_small_body(receive, _PUSH_BODY_LIMIT)
+            accepted = self._apply_push(body)
+        except GatewayError as err:
+            await send_error(send, err)
+            return
+        await send_json(send, 202, orjson.dumps({"accepted": accepted}))
+
+    def _check_admin(self, scope: Scope) -> None:
+        token = self.config.server.admin_token
+        if not token:
+            raise GatewayError(
+                403, "Pushed signals are disabled: set server.admin_token.", "push_disabled"
+            )
+        sent = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                sent = value
+        expected = b"Bearer " + token.encode()
+        if not hmac.compare_digest(sent, expected):
+            raise GatewayError(401, "A valid admin bearer token is required.", "invalid_token")
+
+    def _apply_push(self, body: bytes) -> int:
+        try:
+            push = importlib.import_module("kvgate.adapters.push")
+        except ImportError:
+            raise GatewayError(
+                501, "Pushed signals are not available.", "not_implemented"
+            ) from None
+        known = {b.node_id for b in self.backends}
+        try:
+            samples = push.parse_push(body, self.clock.now())
+        except ValueError as exc:
+            raise GatewayError(400, f"Invalid pushed sample: {exc}", "invalid_signal") from None
+        unknown = sorted({node_id for node_id, _ in samples} - known)
+        if unknown:
+            raise GatewayError(
+                400, f"Unknown node id(s): {', '.join(unknown)}.", "unknown_node", param="node_id"
+            )
+        for node_id, sample in samples:
+            self.policy.observe(node_id, sample)
+        return len(samples)
+
+    def _merge_dashboard(self) -> None:
+        try:
+            dashboard = importlib.import_module("kvgate.gateway.dashboard")
+        except ImportError:
+            return
+        for key, app in dashboard.routes(self.state).items():
+            self.routes.setdefault(key, app)
+
+
+async def _quiet(coro: Awaitable[Any]) -> Any:
+    """A background task's failure is logged, never allowed to tear down the gateway."""
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("background task failed")
+        return None
+
+
+async def _read_small_body(receive: Receive, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise GatewayError(400, "The client went away.", "client_gone")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"The body is larger than {limit} bytes.", "request_too_large")
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _default_estimator(config: KvgateConfig) -> CostEstimator:
+    try:
+        cost = importlib.import_module("kvgate.core.cost")
+    except ImportError:  # until the admission core ships its estimator
+        return CharRatioEstimator(config.admission)
+    return cost.build_estimator(config.admission)  # type: ignore[no-any-return]
+
+
+class CharRatioEstimator:
+    """Prompt characters / chars-per-token, plus `max_tokens` (or the configured default)."""
+
+    def __init__(self, settings: AdmissionSettings) -> None:
+        self._ratio = settings.chars_per_token
+        self._factor = settings.prompt_safety_factor
+        self._default_max = settings.default_max_tokens
+
+    def estimate(self, model: str, body: dict[str, Any], max_tokens: int | None) -> RequestCost:
+        chars = _prompt_chars(body)
+        prompt = math.ceil(chars / self._ratio * self._factor)
+        output = self._default_max if max_tokens is None else max_tokens
+        return RequestCost(prompt_tokens=prompt, max_output_tokens=output)
+
+    def learn(self, model: str, body: dict[str, Any], prompt_tokens: int) -> None:
+        return None
+
+
+def _prompt_chars(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) if isinstance(p, str) else 4 * _len(p) for p in prompt)
+    total = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(
+                    len(part.get("text", "")) for part in content if isinstance(part, dict)
+                )
+    return total
+
+
+def _len(value: Any) -> int:
+    return len(value) if isinstance(value, list) else 1

@@ -1,0 +1,255 @@
+"""`kvgate serve`: run the gateway; with no backend, in front of the built-in simulator.
+
+The quick start is `pip install . && kvgate serve`: when neither the config file, the
+environment nor `--backend` names an engine, two simulated vLLM engines are started as a
+child process on free ports (and stopped on exit) so that the gateway has something real
+to protect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+log = logging.getLogger("kvgate.serve")
+
+SIM_NODES = 2
+SIM_PRESET = "cpu-tiny"
+SIM_START_TIMEOUT_S = 60.0
+_URL_RE = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML config file")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        metavar="URL",
+        help="engine base URL (repeatable; a bare URL is a vLLM engine)",
+    )
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    parser.add_argument(
+        "--policy",
+        choices=["none", "static-qps", "static-concurrency", "seed", "adaptive"],
+        help="admission policy (default adaptive)",
+    )
+    parser.add_argument(
+        "--server",
+        choices=["uvicorn", "hypercorn"],
+        help="uvicorn (HTTP/1.1, fastest) or hypercorn (HTTP/2: h2c, or h2 over TLS)",
+    )
+    parser.add_argument("--log-level", help="log level (default info)")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides: dict[str, Any] = {
+        "server.host": args.host,
+        "server.port": args.port,
+        "server.server": args.server,
+        "server.log_level": args.log_level,
+        "admission.policy": args.policy,
+    }
+    if args.backend:
+        overrides["backends"] = [{"url": url} for url in args.backend]
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from kvgate.config import load_config
+
+    try:
+        config = load_config(args.config, **_overrides(args))
+    except (OSError, ValueError, ValidationError) as exc:
+        print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(config.server.log_level, config.server.access_log)
+    sim: SimulatorProcess | None = None
+    try:
+        if not config.backends:
+            sim = SimulatorProcess.start(SIM_NODES, SIM_PRESET)
+            log.info(
+                "no backend configured: started the built-in simulator (%d x %s) at %s",
+                SIM_NODES,
+                SIM_PRESET,
+                ", ".join(sim.urls),
+            )
+            config = load_config(
+                args.config, **{**_overrides(args), "backends": [{"url": u} for u in sim.urls]}
+            )
+        return _serve(config)
+    except SimulatorError as exc:
+        print(f"kvgate serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if sim is not None:
+            sim.stop()
+
+
+def _serve(config: Any) -> int:
+    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.server import bind_socket, run_server
+
+    server = config.server
+    try:
+        sock = bind_socket(server.host, server.port)
+    except OSError as exc:
+        print(f"kvgate serve: cannot listen on {server.host}:{server.port}: {exc}", file=sys.stderr)
+        return 1
+    gateway = Gateway(config)
+    host, port = sock.getsockname()[:2]
+    scheme = "https" if server.certfile and server.keyfile else "http"
+    log.info(
+        "kvgate listening on %s://%s:%d (%s, policy %s, %d backend(s): %s)",
+        scheme,
+        host,
+        port,
+        server.server,
+        config.admission.policy,
+        len(gateway.backends),
+        ", ".join(b.node_id for b in gateway.backends),
+    )
+    run_server(gateway, sock)
+    return 0
+
+
+def _setup_logging(level: str, access_log: bool) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    access = logging.getLogger("kvgate.access")
+    access.propagate = False
+    access.handlers.clear()
+    if access_log:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
+    else:
+        access.setLevel(logging.CRITICAL + 1)
+
+
+class SimulatorError(RuntimeError):
+    """The built-in simulator could not be started."""
+
+
+class SimulatorProcess:
+    """`python -m kvgate sim` as a child process: started on free ports, stopped on exit."""
+
+    def __init__(self, process: subprocess.Popen[str], urls: list[str]) -> None:
+        self.process = process
+        self.urls = urls
+
+    @classmethod
+    def start(
+        cls, nodes: int, preset: str, timeout_s: float = SIM_START_TIMEOUT_S
+    ) -> SimulatorProcess:
+        port = free_port_block(nodes)
+        command = [
+            sys.executable, "-m", "kvgate", "sim",
+            "--port", str(port), "--nodes", str(nodes), "--preset", preset,
+        ]  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        sim = cls(process, [f"http://127.0.0.1:{port + i}" for i in range(nodes)])
+        try:
+            sim._wait_ready(nodes, timeout_s)
+        except BaseException:
+            sim.stop()
+            raise
+        return sim
+
+    def _wait_ready(self, nodes: int, timeout_s: float) -> None:
+        """One stdout line per ready engine; then each must answer `GET /health`."""
+        assert self.process.stdout is not None
+        announced: list[str] = []
+        lines: list[str] = []
+
+        def read() -> None:
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                lines.append(line)
+                sys.stderr.write(line)
+            # keep draining so the child never blocks on a full pipe
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SimulatorError(
+                    f"the simulator exited with code {self.process.returncode}"
+                    " (is `kvgate sim` available?)"
+                )
+            for line in lines[len(announced) :]:
+                match = _URL_RE.search(line)
+                announced.append(match.group(0).rstrip("/") if match else "")
+            urls = [u for u in announced if u]
+            if len(urls) >= nodes:
+                self.urls = urls[:nodes]
+            if len(lines) >= nodes and all(_healthy(u) for u in self.urls):
+                return
+            time.sleep(0.1)
+        raise SimulatorError(f"the simulator was not ready within {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1.0) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def free_port_block(count: int, attempts: int = 50) -> int:
+    """A port P such that P..P+count-1 are all free on 127.0.0.1 right now."""
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count > 65535:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                with contextlib.suppress(OSError):
+                    sock.close()
+    raise SimulatorError("no block of free ports found")

@@ -1,0 +1,746 @@
+"""The relay: admit, pick a backend, forward, stream back, and stop the engine when asked.
+
+One request's life:
+
+1. Read the body (413 past the limit), parse it once with orjson (400 on anything
+   malformed), resolve the model (404 when no backend serves it), estimate its KV cost and
+   ask the admission policy (429/503 with Retry-After on a refusal).
+2. Inside one `CancelScope`, with a watcher task waiting for the client's
+   `http.disconnect`, send the request to the chosen backend and relay its answer: whole
+   for ordinary responses, chunk by chunk for server-sent events (`await send()` before the
+   next read, so a slow client slows the upstream read and memory stays bounded).
+3. Whoever cancels the scope (client gone, first-byte or idle timeout, shutdown drain), the
+   upstream response is closed at once, which is how vLLM learns to abort; an engine with
+   an abort API is told as well. The ticket is released exactly once in a `finally`.
+
+A connection refused or reset before any response byte is retried once on another backend
+(the first ticket released, a new one admitted). A failure after the response started
+ends the stream with an SSE `error` event; nothing ever answers with a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+
+from kvgate.adapters.backend import Backend
+from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
+from kvgate.core.request import Priority, RequestCost
+from kvgate.gateway.errors import GatewayError, send_error, sse_error_event
+from kvgate.gateway.scope import CancelScope, ScopeCancelled
+from kvgate.gateway.settings import LimitSettings, UpstreamSettings
+from kvgate.gateway.telemetry import GatewayMetrics, log_access
+from kvgate.gateway.upstream import (
+    HOP_BY_HOP,
+    ModelCatalog,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    close_quietly,
+    request_headers,
+)
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Spawn = Callable[[Awaitable[Any]], "asyncio.Task[Any]"]
+
+#: Upstream response headers the server or this relay sets itself.
+_DROP_RESPONSE = HOP_BY_HOP | {b"x-request-id", b"date", b"server"}
+#: Client headers meant for kvgate only.
+_DROP_REQUEST = frozenset({b"x-kvgate-priority"})
+_EVENT_STREAM = b"text/event-stream"
+_DATA = b"data:"
+_DONE = b"[DONE]"
+_PROMPT_TOKENS = b'"prompt_tokens"'
+
+
+class CostEstimator(Protocol):
+    """Turns a parsed request into its KV cost, and learns from the usage engines report."""
+
+    def estimate(self, model: str, body: dict[str, Any], max_tokens: int | None) -> RequestCost: ...
+
+    def learn(self, model: str, body: dict[str, Any], prompt_tokens: int) -> None: ...
+
+
+class ClientGone(Exception):
+    """The client disconnected before the request was even read."""
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What the access log and the metrics need to know about one request."""
+
+    request_id: str
+    route: str
+    started: float
+    backend: str = "-"
+    status: int = 0
+    streamed: bool = False
+    ending: str = "done"
+    model: str | None = None
+    priority: str | None = None
+    stage: str = "read"
+    first_byte_at: float | None = None
+    first_token_at: float | None = None
+    last_chunk_at: float = 0.0
+    disconnected_at: float | None = None
+    response_done: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    retried: bool = False
+    rejected_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    model: str
+    stream: bool
+    max_tokens: int | None
+    data: dict[str, Any]
+
+
+class Relay:
+    """Everything a proxied request needs, shared by all requests of one gateway."""
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        catalog: ModelCatalog,
+        policy: AdmissionPolicy,
+        estimator: CostEstimator,
+        metrics: GatewayMetrics,
+        upstream: UpstreamSettings,
+        limits: LimitSettings,
+        spawn: Spawn,
+    ) -> None:
+        self.pool = pool
+        self.catalog = catalog
+        self.policy = policy
+        self.estimator = estimator
+        self.metrics = metrics
+        self.upstream = upstream
+        self.limits = limits
+        self.spawn = spawn
+        self.active: set[CancelScope] = set()
+        self.accepting = True
+        self._idle: asyncio.Event | None = None
+
+    # ---- entry points ------------------------------------------------------------------------
+
+    async def completion(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST /v1/completions and /v1/chat/completions."""
+        await self._serve(scope, receive, send, scope["path"], self._completion_plan)
+
+    async def passthrough(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Any other /v1/... path: forwarded unchanged to a backend serving its model."""
+        await self._serve(scope, receive, send, "/v1/*", self._passthrough_plan)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight; False when `timeout_s` passed first."""
+        if self.metrics.in_flight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return self.metrics.in_flight == 0
+        return True
+
+    def cancel_all(self, reason: str) -> int:
+        """Cancel every request in flight (shutdown after the drain timeout)."""
+        scopes = list(self.active)
+        for cscope in scopes:
+            cscope.cancel(reason)
+        return len(scopes)
+
+    # ---- one request ----------------------------------------------------------------------------
+
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: str,
+        plan: Callable[[bytes, Exchange], Awaitable[tuple[RequestCost, tuple[str, ...], Any]]],
+    ) -> None:
+        rid, priority_text, declared = _request_fields(scope["headers"])
+        ex = Exchange(request_id=rid, route=route, started=time.monotonic())
+        rid_bytes = rid.encode()
+        self.metrics.in_flight += 1
+        try:
+            if not self.accepting:
+                raise GatewayError(
+                    503,
+                    "The gateway is shutting down.",
+                    "shutting_down",
+                    headers=[(b"retry-after", b"1")],
+                )
+            body = await _read_body(receive, self.limits.max_body_bytes, declared)
+            try:
+                priority = Priority.parse(priority_text)
+            except ValueError as exc:
+                raise GatewayError(
+                    400, str(exc), "invalid_priority", param="X-Kvgate-Priority"
+                ) from None
+            ex.priority = priority.name.lower()
+            cost, nodes, parsed = await plan(body, ex)
+            await self._admit_and_relay(
+                scope, receive, send, ex, body, cost, priority, nodes, parsed
+            )
+        except GatewayError as err:
+            ex.status = err.status
+            if ex.ending == "done":
+                ex.ending = "rejected" if err.status in (429, 503) else "bad_request"
+            with contextlib.suppress(OSError):
+                await send_error(send, err, rid_bytes)
+        except ClientGone:
+            ex.status, ex.ending = 499, "client_cancel"
+        except Exception:
+            # Never a traceback as a response: log it, answer 500 if nothing was sent yet.
+            log.exception("request %s failed", rid)
+            ex.ending = "internal_error"
+            if ex.first_byte_at is None:
+                ex.status = 500
+                with contextlib.suppress(Exception):
+                    await send_error(
+                        send,
+                        GatewayError(500, "Internal gateway error.", "internal_error"),
+                        rid_bytes,
+                    )
+        finally:
+            self.metrics.in_flight -= 1
+            if self._idle is not None and self.metrics.in_flight == 0:
+                self._idle.set()
+            self._finish(ex)
+
+    async def _completion_plan(
+        self, body: bytes, ex: Exchange
+    ) -> tuple[RequestCost, tuple[str, ...], ParsedRequest]:
+        parsed = parse_completion(body, self.limits.max_tokens_limit)
+        ex.model = parsed.model
+        nodes = await self._nodes_for(parsed.model)
+        cost = self.estimator.estimate(parsed.model, parsed.data, parsed.max_tokens)
+        return cost, nodes, parsed
+
+    async def _passthrough_plan(
+        self, body: bytes, ex: Exchange
+    ) -> tuple[RequestCost, tuple[str, ...], None]:
+        model = _model_of(body)
+        if model is None:
+            nodes = tuple(self.pool.backends)
+        else:
+            ex.model = model
+            nodes = await self._nodes_for(model)
+        # Embeddings and the like hold KV only for their input, roughly a token per 4 bytes.
+        return RequestCost(prompt_tokens=len(body) // 4, max_output_tokens=0), nodes, None
+
+    async def _nodes_for(self, model: str) -> tuple[str, ...]:
+        nodes = await self.catalog.resolve(model)
+        if nodes is not None:
+            return nodes
+        if not self.catalog.known:
+            raise GatewayError(
+                503,
+                "No backend is reachable to serve this request.",
+                "no_backend",
+                headers=[(b"retry-after", b"1"), (b"x-kvgate-reason", b"no_backend")],
+            )
+        raise GatewayError(
+            404, f"The model `{model}` does not exist.", "model_not_found", param="model"
+        )
+
+    # ---- admission, retry, cancellation ------------------------------------------------------
+
+    async def _admit_and_relay(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ex: Exchange,
+        body: bytes,
+        cost: RequestCost,
+        priority: Priority,
+        nodes: Sequence[str],
+        parsed: ParsedRequest | None,
+    ) -> None:
+        cscope = CancelScope()
+        self.active.add(cscope)
+        watcher = asyncio.create_task(_watch_disconnect(receive, cscope, ex))
+        try:
+            with cscope:
+                await self._attempts(scope, send, ex, cscope, body, cost, priority, nodes, parsed)
+        except ScopeCancelled as stop:
+            await self._after_cancel(send, ex, stop.reason)
+        finally:
+            self.active.discard(cscope)
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _attempts(
+        self,
+        scope: Scope,
+        send: Send,
+        ex: Exchange,
+        cscope: CancelScope,
+        body: bytes,
+        cost: RequestCost,
+        priority: Priority,
+        nodes: Sequence[str],
+        parsed: ParsedRequest | None,
+    ) -> None:
+        tried: list[str] = []
+        last_error: UpstreamError | None = None
+        for attempt in range(2):
+            candidates = [n for n in nodes if n not in tried]
+            if attempt and not candidates:
+                break
+            decision = self.policy.admit(ex.request_id, cost, priority, candidates)
+            if isinstance(decision, Reject):
+                self.metrics.admissions["rejected", ex.priority or "-", decision.reason] += 1
+                raise _rejection(decision, after_failure=attempt > 0)
+            self.metrics.admissions["admitted", ex.priority or "-", "admitted"] += 1
+            ticket = decision.ticket
+            backend = self.pool.backends[ticket.node_id]
+            ex.backend = backend.node_id
+            outcome = Outcome.UPSTREAM_ERROR
+            try:
+                outcome = await self._exchange(
+                    scope, send, ex, cscope, backend, ticket, body, parsed
+                )
+                return
+            except UpstreamConnectError as exc:
+                self.metrics.upstream_errors[backend.node_id, exc.kind] += 1
+                tried.append(backend.node_id)
+                last_error = exc
+                ex.retried = attempt == 0
+                if attempt == 0:
+                    self.metrics.retries += 1
+            except asyncio.CancelledError:
+                outcome = _OUTCOMES.get(cscope.reason or "", Outcome.CLIENT_CANCEL)
+                raise
+            finally:
+                self.policy.release(ticket, outcome)
+        ex.ending = "upstream_error"
+        message = str(last_error) if last_error else "No other backend to retry on."
+        raise GatewayError(
+            503,
+            f"Upstream unavailable: {message}.",
+            "upstream_unavailable",
+            headers=[(b"retry-after", b"1"), (b"x-kvgate-reason", b"upstream_unavailable")],
+        )
+
+    async def _exchange(
+        self,
+        scope: Scope,
+        send: Send,
+        ex: Exchange,
+        cscope: CancelScope,
+        backend: Backend,
+        ticket: Ticket,
+        body: bytes,
+        parsed: ParsedRequest | None,
+    ) -> Outcome:
+        """One attempt on one backend; closes the upstream response on every early exit."""
+        path_qs = scope["path"] + (
+            "?" + scope["query_string"].decode() if scope["query_string"] else ""
+        )
+        headers = request_headers(scope["headers"], ex.request_id, _DROP_REQUEST)
+        response: aiohttp.ClientResponse | None = None
+        clean = False
+        cscope.deadline(self.upstream.first_byte_timeout_s, "first_byte_timeout")
+        ex.stage = "headers"
+        try:
+            response = await self.pool.open(backend, scope["method"], path_qs, headers, body)
+            content_type = response.headers.get("Content-Type", "")
+            if response.status == 200 and content_type.startswith("text/event-stream"):
+                outcome = await self._relay_stream(send, ex, cscope, response, ticket, parsed)
+            else:
+                outcome = await self._relay_whole(send, ex, response, ticket, parsed)
+            clean = outcome is Outcome.DONE
+            return outcome
+        except UpstreamConnectError:
+            raise
+        except UpstreamError as exc:
+            self.metrics.upstream_errors[backend.node_id, exc.kind] += 1
+            ex.ending = "upstream_error"
+            raise GatewayError(502, f"Upstream error: {exc}.", "upstream_error") from None
+        finally:
+            cscope.clear_deadline()
+            if clean and response is not None:
+                response.release()
+            else:
+                await close_quietly(response)
+                self._propagated(ex, cscope, backend)
+
+    def _propagated(self, ex: Exchange, cscope: CancelScope, backend: Backend) -> None:
+        """The upstream request is closed: time it, and use the engine's abort API too."""
+        if cscope.reason is None:
+            return
+        since = ex.disconnected_at if cscope.reason == "client_cancel" else cscope.cancelled_at
+        if since is not None:
+            self.metrics.observe_cancel(ex.stage, time.monotonic() - since)
+        if getattr(backend.adapter, "abort_supported", False):
+            self.spawn(self._abort(backend, ex.request_id, ex.route))
+
+    async def _abort(self, backend: Backend, request_id: str, route: str) -> None:
+        try:
+            await backend.adapter.abort(
+                self.pool.session,
+                backend.base_url,
+                request_id,
+                endpoint=route,
+                headers=backend.auth_headers(),
+            )
+        except Exception:
+            log.debug("abort of %s on %s failed", request_id, backend.node_id, exc_info=True)
+
+    async def _after_cancel(self, send: Send, ex: Exchange, reason: str) -> None:
+        """Answer (if anyone is listening) after the scope was cancelled for `reason`."""
+        if reason == "client_cancel":
+            ex.ending = "client_cancel"
+            if ex.first_byte_at is None:
+                ex.status = 499
+            return
+        ex.ending = "shutdown" if reason == "shutdown" else "upstream_error"
+        if reason != "shutdown":
+            self.metrics.upstream_errors[ex.backend, reason] += 1
+        messages = {
+            "first_byte_timeout": (504, "The upstream did not answer in time.", "upstream_timeout"),
+            "read_timeout": (504, "The upstream stopped sending.", "upstream_timeout"),
+            "shutdown": (503, "The gateway is shutting down.", "shutting_down"),
+        }
+        status, message, code = messages.get(reason, (502, "Upstream error.", "upstream_error"))
+        with contextlib.suppress(Exception):
+            if ex.first_byte_at is None:
+                ex.status = status
+                await send_error(
+                    send,
+                    GatewayError(status, message, code, headers=[(b"retry-after", b"1")]),
+                    ex.request_id.encode(),
+                )
+            elif not ex.response_done:
+                await _end_stream_with_error(send, ex, status, message, code)
+
+    # ---- relaying ------------------------------------------------------------------------------
+
+    async def _relay_whole(
+        self,
+        send: Send,
+        ex: Exchange,
+        response: aiohttp.ClientResponse,
+        ticket: Ticket,
+        parsed: ParsedRequest | None,
+    ) -> Outcome:
+        ex.stage = "waiting"
+        try:
+            data = await response.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            self.metrics.upstream_errors[ex.backend, "reset"] += 1
+            ex.ending = "upstream_error"
+            raise GatewayError(
+                502, "The upstream closed the connection mid-response.", "upstream_error"
+            ) from exc
+        now = time.monotonic()
+        ex.first_token_at = now
+        self.policy.on_first_token(ticket)
+        if response.status >= 500:
+            self.metrics.upstream_errors[ex.backend, "status"] += 1
+        headers = _response_headers(response.raw_headers, ex.request_id)
+        headers.append((b"content-length", str(len(data)).encode()))
+        ex.status = response.status
+        ex.response_done = True
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        ex.first_byte_at = time.monotonic()
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+        if response.status == 200 and b'"usage"' in data:
+            self._learn_usage(ex, parsed, _usage_from_json(data))
+        return Outcome.DONE
+
+    async def _relay_stream(
+        self,
+        send: Send,
+        ex: Exchange,
+        cscope: CancelScope,
+        response: aiohttp.ClientResponse,
+        ticket: Ticket,
+        parsed: ParsedRequest | None,
+    ) -> Outcome:
+        ex.streamed = True
+        ex.status = 200
+        headers = _response_headers(response.raw_headers, ex.request_id)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        ex.first_byte_at = time.monotonic()
+        ex.stage = "first_token"
+        content = response.content
+        policy = self.policy
+        events = 0
+        done_marks = 0
+        tail = b""
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                ex.last_chunk_at = time.monotonic()
+                if ex.first_token_at is None:
+                    ex.first_token_at = ex.last_chunk_at
+                    ex.stage = "streaming"
+                    policy.on_first_token(ticket)
+                    cscope.idle_deadline(self.upstream.read_timeout_s, lambda: ex.last_chunk_at)
+                # Count events without decoding them; a `data:` split across two chunks is
+                # caught by looking at the 8 bytes around the boundary.
+                found = chunk.count(_DATA)
+                if tail:
+                    found += (tail + chunk[:4]).count(_DATA)
+                tail = chunk[-4:]
+                if found:
+                    events += found
+                    if _DONE in chunk:
+                        done_marks += chunk.count(_DONE)
+                    policy.on_tokens(ticket, events - done_marks)
+                    if _PROMPT_TOKENS in chunk:
+                        self._learn_usage(ex, parsed, _usage_from_sse(chunk))
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, OSError):
+            self.metrics.upstream_errors[ex.backend, "reset"] += 1
+            await _end_stream_with_error(
+                send, ex, 502, "The upstream connection failed mid-stream.", "upstream_error"
+            )
+            return Outcome.UPSTREAM_ERROR
+        if ex.completion_tokens is None:
+            ex.completion_tokens = max(0, events - done_marks) or None
+        ex.response_done = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return Outcome.DONE
+
+    def _learn_usage(
+        self, ex: Exchange, parsed: ParsedRequest | None, usage: dict[str, Any] | None
+    ) -> None:
+        if not usage:
+            return
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        if isinstance(prompt, int) and not isinstance(prompt, bool):
+            ex.prompt_tokens = prompt
+            if parsed is not None and prompt > 0:
+                try:
+                    self.estimator.learn(parsed.model, parsed.data, prompt)
+                except Exception:
+                    log.debug("cost estimator could not learn", exc_info=True)
+        if isinstance(completion, int) and not isinstance(completion, bool):
+            ex.completion_tokens = completion
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def _finish(self, ex: Exchange) -> None:
+        now = time.monotonic()
+        total = now - ex.started
+        m = self.metrics
+        m.requests[ex.route, str(ex.status), ex.backend] += 1
+        m.observe_duration(ex.route, total)
+        if ex.first_byte_at is not None:
+            m.observe_ttfb(ex.route, ex.first_byte_at - ex.started)
+        log_access(
+            {
+                "id": ex.request_id,
+                "route": ex.route,
+                "model": ex.model,
+                "backend": ex.backend,
+                "status": ex.status,
+                "streamed": ex.streamed,
+                "priority": ex.priority,
+                "prompt_tokens": ex.prompt_tokens,
+                "completion_tokens": ex.completion_tokens,
+                "ttft_s": None
+                if ex.first_token_at is None
+                else round(ex.first_token_at - ex.started, 6),
+                "total_s": round(total, 6),
+                "ending": ex.ending,
+                "retried": ex.retried,
+            }
+        )
+
+
+_OUTCOMES = {
+    "client_cancel": Outcome.CLIENT_CANCEL,
+    "shutdown": Outcome.SHUTDOWN,
+    "first_byte_timeout": Outcome.UPSTREAM_ERROR,
+    "read_timeout": Outcome.UPSTREAM_ERROR,
+}
+
+
+async def _watch_disconnect(receive: Receive, cscope: CancelScope, ex: Exchange) -> None:
+    """The request's owner-child: turns the client's `http.disconnect` into a cancel."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not ex.response_done:
+                ex.disconnected_at = time.monotonic()
+                cscope.cancel("client_cancel")
+            return
+
+
+async def _end_stream_with_error(
+    send: Send, ex: Exchange, status: int, message: str, code: str
+) -> None:
+    """Close a stream that already answered 200 with an SSE `error` event and a clean end."""
+    ex.ending = "upstream_error" if code != "shutting_down" else "shutdown"
+    ex.response_done = True
+    with contextlib.suppress(Exception):
+        await send(
+            {
+                "type": "http.response.body",
+                "body": sse_error_event(status, message, code),
+                "more_body": True,
+            }
+        )
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _request_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[str, str | None, int | None]:
+    """Request id, priority header and declared length, in one pass over the headers."""
+    rid: str | None = None
+    priority: str | None = None
+    declared: int | None = None
+    for name, value in headers:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if 0 < len(text) <= 128 and text.isascii() and text.isprintable():
+                rid = text
+        elif name == b"x-kvgate-priority":
+            priority = value.decode("latin-1")
+        elif name == b"content-length" and value.isdigit():
+            declared = int(value)
+    return rid or uuid.uuid4().hex, priority, declared
+
+
+async def _read_body(receive: Receive, limit: int, declared: int | None) -> bytes:
+    if declared is not None and declared > limit:
+        raise _too_large(limit)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        more = message.get("more_body", False)
+        if not more and not parts:
+            return chunk
+        parts.append(chunk)
+        if not more:
+            return b"".join(parts)
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"The request body is larger than {limit} bytes.", "request_too_large")
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> GatewayError:
+    return GatewayError(400, message, code, param=param)
+
+
+def parse_completion(body: bytes, max_tokens_limit: int) -> ParsedRequest:
+    """Validate only what the gateway needs (model, stream, max_tokens); relay the rest."""
+    if not body:
+        raise _bad("The request body is empty; expected a JSON object.")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(
+            f"The request body is not valid JSON (UTF-8): {exc}.", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise _bad("The request body must be a JSON object.", code="invalid_json")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("`model` is required and must be a non-empty string.", "model")
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("`stream` must be a boolean.", "stream")
+    max_tokens: int | None = None
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(f"`{key}` must be an integer.", key)
+        if value < 0:
+            raise _bad(f"`{key}` must not be negative.", key)
+        if value > max_tokens_limit:
+            raise _bad(f"`{key}` must be at most {max_tokens_limit}.", key)
+        max_tokens = value if max_tokens is None else min(max_tokens, value)
+    return ParsedRequest(model=model, stream=stream, max_tokens=max_tokens, data=data)
+
+
+def _model_of(body: bytes) -> str | None:
+    """The `model` of a pass-through JSON body, if it has one (no error if it is not JSON)."""
+    if not body or b'"model"' not in body:
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+def _rejection(decision: Reject, *, after_failure: bool) -> GatewayError:
+    """The policy's refusal as an OpenAI error with Retry-After (whole seconds, at least 1)."""
+    retry_s = max(0.0, decision.retry_after_s)
+    headers = [
+        (b"retry-after", str(max(1, math.ceil(retry_s))).encode()),
+        (b"retry-after-ms", str(max(1, round(retry_s * 1000))).encode()),
+        (b"x-kvgate-reason", decision.reason.encode("latin-1", "replace")),
+    ]
+    status = 503 if after_failure else decision.status
+    code = "cluster_saturated" if status == 429 else "service_unavailable"
+    return GatewayError(status, decision.message, code, headers=headers)
+
+
+def _response_headers(
+    raw: Sequence[tuple[bytes, bytes]], request_id: str
+) -> list[tuple[bytes, bytes]]:
+    out = [(k.lower(), v) for k, v in raw if k.lower() not in _DROP_RESPONSE]
+    out.append((b"x-request-id", request_id.encode()))
+    return out
+
+
+def _usage_from_json(data: bytes) -> dict[str, Any] | None:
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    usage = parsed.get("usage") if isinstance(parsed, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _usage_from_sse(chunk: bytes) -> dict[str, Any] | None:
+    """The usage object of the (final) event in `chunk` that carries one."""
+    for line in reversed(chunk.split(b"\n")):
+        if line.startswith(_DATA) and _PROMPT_TOKENS in line:
+            usage = _usage_from_json(line[5:])
+            if usage:
+                return usage
+    return None

@@ -1,0 +1,178 @@
+"""Serve the gateway with uvicorn (HTTP/1.1) or hypercorn (HTTP/2, h2c and TLS+ALPN).
+
+Why two servers: uvicorn with uvloop and httptools is the cheapest HTTP/1.1 server in
+Python (see `benchmarks/proxy_overhead/results.md`), but it does not speak HTTP/2;
+hypercorn does (prior-knowledge h2c on a plain port, h2 negotiated by ALPN with TLS) and
+maps an `RST_STREAM` to `http.disconnect` of that one stream.
+
+Graceful shutdown is the same for both: the first SIGTERM/SIGINT closes the listening
+socket, new requests on kept-alive connections get 503, in-flight requests may finish for
+`drain_timeout_s`, then whatever is left is cancelled (upstream too) and the lifespan
+stops the scraper and closes the upstream pool. A second SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Callable, Generator
+
+import uvicorn
+
+from kvgate.gateway.app import Gateway
+from kvgate.gateway.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+#: Extra time the ASGI server waits after the drain before it cancels tasks itself.
+_SERVER_GRACE_S = 3.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 picks a free one; read it from `getsockname()`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class GatewayServer:
+    """Runs one `Gateway` on one socket until `stop()` (or a signal) and the drain end."""
+
+    def __init__(self, gateway: Gateway, settings: ServerSettings | None = None) -> None:
+        self.gateway = gateway
+        self.settings = settings or gateway.config.server
+        self._stop = asyncio.Event()
+        self._uvicorn: _Uvicorn | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.settings.certfile and self.settings.keyfile)
+
+    def stop(self) -> None:
+        """Begin the graceful shutdown (idempotent; a second call forces it)."""
+        if self._stop.is_set():
+            if self._uvicorn is not None:
+                self._uvicorn.force_exit = True
+            self.gateway.relay.cancel_all("shutdown")
+            return
+        self._stop.set()
+        log.info("shutting down: draining for up to %.1f s", self.settings.drain_timeout_s)
+        # The server closes its listener and idle connections now and waits for the busy
+        # ones; the drain, alongside, cancels whatever outlives `drain_timeout_s`.
+        self._drain_task = asyncio.get_running_loop().create_task(
+            self.gateway.drain(self.settings.drain_timeout_s)
+        )
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+
+    async def serve(self, sock: socket.socket, *, handle_signals: bool = True) -> None:
+        """Serve on `sock` until stopped; returns after the drain and the lifespan shutdown."""
+        with self._signals(handle_signals):
+            if self.settings.server == "hypercorn":
+                await self._serve_hypercorn(sock)
+            else:
+                await self._serve_uvicorn(sock)
+        if self._drain_task is not None:
+            await self._drain_task
+
+    async def _serve_uvicorn(self, sock: socket.socket) -> None:
+        s = self.settings
+        config = uvicorn.Config(
+            self.gateway,
+            http="httptools",
+            loop="none",
+            lifespan="on",
+            log_level=s.log_level.lower(),
+            access_log=False,
+            server_header=False,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=int(s.drain_timeout_s + _SERVER_GRACE_S),
+            ssl_certfile=s.certfile if self.tls else None,
+            ssl_keyfile=s.keyfile if self.tls else None,
+            backlog=2048,
+        )
+        self._uvicorn = _Uvicorn(config)
+        if self._stop.is_set():
+            self._uvicorn.should_exit = True
+        await self._uvicorn.serve(sockets=[sock])
+
+    async def _serve_hypercorn(self, sock: socket.socket) -> None:
+        from hypercorn.asyncio import serve
+        from hypercorn.config import Config
+
+        s = self.settings
+        config = Config()
+        config.bind = [f"fd://{sock.fileno()}"]
+        if self.tls:
+            config.certfile = s.certfile
+            config.keyfile = s.keyfile
+            config.alpn_protocols = ["h2", "http/1.1"]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")
+        config.loglevel = s.log_level.upper()
+        config.graceful_timeout = s.drain_timeout_s + _SERVER_GRACE_S
+        config.keep_alive_timeout = 30
+        config.h2_max_concurrent_streams = 1000
+        config.include_server_header = False
+
+        async def shutdown_trigger() -> None:
+            await self._stop.wait()
+            # Hypercorn closes the listener now and then waits `graceful_timeout` for
+            # requests; the drain runs alongside and cancels what is left in time.
+
+        await serve(self.gateway, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def _signals(self, enabled: bool) -> Generator[None, None, None]:
+        if not enabled:
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        installed: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self.stop)
+                installed.append(sig)
+        try:
+            yield
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: `GatewayServer` owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def run_server(
+    gateway: Gateway, sock: socket.socket, on_ready: Callable[[], None] | None = None
+) -> None:
+    """Blocking entry point: an event loop (uvloop when installed) serving until SIGTERM."""
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        pass
+
+    async def main() -> None:
+        server = GatewayServer(gateway)
+        if on_ready is not None:
+            on_ready()
+        await server.serve(sock)
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())

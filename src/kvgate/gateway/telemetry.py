@@ -1,0 +1,277 @@
+"""kvgate's own Prometheus metrics and its one-JSON-line-per-request access log.
+
+Hot-path cost matters (the proxy's budget is a quarter of a millisecond of CPU per
+request), so counters are plain dict increments exposed by a custom collector at scrape
+time, histogram children are looked up once and cached, and everything derived from the
+admission policy or the scraper (node usage, shedding probability, scrape latency) is read
+from their snapshots only when `/metrics` is scraped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+access_logger = logging.getLogger("kvgate.access")
+
+# Buckets from 1 ms to 10 min: time to first byte ranges from a cached reply to a long queue.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+# Cancellation should take about a millisecond; anything above 50 ms is a bug.
+_CANCEL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+SnapshotFn = Callable[[], Mapping[str, Any]]
+
+
+class GatewayMetrics:
+    """Every metric of one gateway instance, in its own registry (tests run several)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.in_flight = 0
+        self.requests: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self.upstream_errors: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.cancellations: defaultdict[str, int] = defaultdict(int)
+        self.admissions: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self.retries = 0
+        self._ttfb = Histogram(
+            "kvgate_time_to_first_byte_seconds",
+            "From request arrival to the first response byte sent to the client.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._duration = Histogram(
+            "kvgate_request_duration_seconds",
+            "From request arrival to the end of the response, however it ended.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._cancel = Histogram(
+            "kvgate_cancel_propagation_seconds",
+            "From noticing the client disconnect to closing the upstream request.",
+            buckets=_CANCEL_BUCKETS,
+            registry=self.registry,
+        )
+        self._children: dict[tuple[str, str], Any] = {}
+        self.policy_snapshot: SnapshotFn | None = None
+        self.scraper_stats: SnapshotFn | None = None
+        self.registry.register(_SnapshotCollector(self))
+
+    def _child(self, which: str, route: str) -> Any:
+        key = (which, route)
+        child = self._children.get(key)
+        if child is None:
+            parent = self._ttfb if which == "ttfb" else self._duration
+            child = self._children[key] = parent.labels(route=route)
+        return child
+
+    def observe_ttfb(self, route: str, seconds: float) -> None:
+        self._child("ttfb", route).observe(seconds)
+
+    def observe_duration(self, route: str, seconds: float) -> None:
+        self._child("duration", route).observe(seconds)
+
+    def observe_cancel(self, stage: str, seconds: float) -> None:
+        self.cancellations[stage] += 1
+        self._cancel.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def counters(self) -> dict[str, Any]:
+        """Plain JSON counters for `/admin/state`."""
+        return {
+            "in_flight": self.in_flight,
+            "requests": {"|".join(k): v for k, v in self.requests.items()},
+            "upstream_errors": {"|".join(k): v for k, v in self.upstream_errors.items()},
+            "cancellations": dict(self.cancellations),
+            "admissions": {"|".join(k): v for k, v in self.admissions.items()},
+            "retries": self.retries,
+        }
+
+
+class _SnapshotCollector(Collector):
+    """Turns the gateway's counters and the policy/scraper snapshots into metrics on scrape."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        yield _gauge("kvgate_requests_in_flight", "Requests being served now.", m.in_flight)
+        yield _counter(
+            "kvgate_requests",
+            "Requests answered, by route, status and backend.",
+            ["route", "status", "backend"],
+            m.requests,
+        )
+        yield _counter(
+            "kvgate_upstream_errors",
+            "Upstream failures, by backend and kind (connect, reset, timeout, status).",
+            ["backend", "kind"],
+            m.upstream_errors,
+        )
+        yield _counter(
+            "kvgate_cancellations_propagated",
+            "Client disconnects carried upstream, by the stage the request was in.",
+            ["stage"],
+            {(k,): v for k, v in m.cancellations.items()},
+        )
+        yield _counter(
+            "kvgate_admissions",
+            "Admission decisions, by decision, priority and reason.",
+            ["decision", "priority", "reason"],
+            m.admissions,
+        )
+        retries = CounterMetricFamily(
+            "kvgate_upstream_retries", "Requests retried on another backend before any byte."
+        )
+        retries.add_metric([], m.retries)
+        yield retries
+        if m.policy_snapshot is not None:
+            yield from _policy_metrics(_safe(m.policy_snapshot))
+        if m.scraper_stats is not None:
+            yield from _scraper_metrics(_safe(m.scraper_stats))
+
+
+def _safe(fn: SnapshotFn) -> Mapping[str, Any]:
+    """A broken snapshot must not break `/metrics` (nor the gateway)."""
+    try:
+        result = fn()
+    except Exception:
+        logging.getLogger(__name__).exception("snapshot for /metrics failed")
+        return {}
+    return result if isinstance(result, Mapping) else {}
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _counter(
+    name: str, doc: str, labels: list[str], values: Mapping[tuple[str, ...], int]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, value in list(values.items()):
+        family.add_metric(list(key), value)
+    return family
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _nodes(snapshot: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Nodes from a snapshot that lists them as a mapping or as a list of `{"node_id"}`."""
+    nodes = snapshot.get("nodes")
+    if isinstance(nodes, Mapping):
+        for node_id, state in nodes.items():
+            if isinstance(state, Mapping):
+                yield str(node_id), state
+    elif isinstance(nodes, list):
+        for state in nodes:
+            if isinstance(state, Mapping):
+                node_id = state.get("node_id", state.get("name", state.get("id")))
+                if node_id is not None:
+                    yield str(node_id), state
+
+
+# (metric name, help, keys tried in order in each node's state)
+_NODE_GAUGES = (
+    ("kvgate_node_kv_usage", "KV-cache usage the engine last reported (0-1).", ("kv_usage",)),
+    (
+        "kvgate_node_predicted_usage",
+        "Reported KV usage plus reservations the engine cannot show yet (0-1).",
+        ("predicted_usage", "predicted_kv_usage"),
+    ),
+    (
+        "kvgate_inflight_tokens",
+        "KV tokens reserved by requests admitted to the node and not yet released.",
+        ("inflight_tokens", "reserved_tokens", "reservations_tokens"),
+    ),
+    (
+        "kvgate_node_sample_age_seconds",
+        "Age of the node's last good sample.",
+        ("age_s", "sample_age_s"),
+    ),
+)
+
+
+def _policy_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
+    nodes = list(_nodes(snapshot))
+    for name, doc, keys in _NODE_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["node"])
+        for node_id, state in nodes:
+            value = next((_number(state.get(k)) for k in keys if k in state), None)
+            if value is None and isinstance(state.get("sample"), Mapping):
+                value = next((_number(state["sample"].get(k)) for k in keys), None)
+            if value is not None:
+                family.add_metric([node_id], value)
+        yield family
+    shed = GaugeMetricFamily(
+        "kvgate_shed_probability",
+        "Probability that a new request of this priority is shed now.",
+        labels=["priority"],
+    )
+    probabilities = snapshot.get("shed_probability")
+    if not isinstance(probabilities, Mapping) and isinstance(snapshot.get("controller"), Mapping):
+        probabilities = snapshot["controller"].get("shed_probability")
+    if isinstance(probabilities, Mapping):
+        for priority, value in probabilities.items():
+            number = _number(value)
+            if number is not None:
+                shed.add_metric([str(priority).lower()], number)
+    yield shed
+
+
+def _scraper_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    latency = GaugeMetricFamily(
+        "kvgate_scrape_latency_seconds",
+        "Duration of the last scrape of the node's metrics page.",
+        labels=["node"],
+    )
+    failures = CounterMetricFamily(
+        "kvgate_scrape_failures",
+        "Scrapes that failed (timeout, refused, unparseable page).",
+        labels=["node"],
+    )
+    for node_id, state in _nodes(stats):
+        value = next(
+            (
+                _number(state.get(k))
+                for k in ("last_latency_s", "latency_s", "scrape_latency_s")
+                if k in state
+            ),
+            None,
+        )
+        if value is not None:
+            latency.add_metric([node_id], value)
+        count = next(
+            (_number(state.get(k)) for k in ("failures", "failures_total") if k in state), None
+        )
+        if count is not None:
+            failures.add_metric([node_id], count)
+    yield latency
+    yield failures
+
+
+def log_access(record: dict[str, Any]) -> None:
+    """Write one request's JSON line (only if someone listens: no work when disabled)."""
+    if access_logger.isEnabledFor(logging.INFO):
+        access_logger.info(orjson.dumps(record).decode())

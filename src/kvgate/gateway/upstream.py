@@ -1,0 +1,243 @@
+"""The upstream side: one shared aiohttp client, the backends, and which models they serve.
+
+One `aiohttp.ClientSession` (C HTTP parser, keep-alive pool) serves every request: opening
+a connection per request would cost more CPU than the whole relay. Auto-decompression is
+off because the gateway relays bytes and headers as the engine sent them.
+
+Connection faults are sorted by whether the engine can have seen the request: a refused
+or reset connection before any response byte is `UpstreamConnectError`, which the proxy may
+retry once on another backend; anything later is final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import aiohttp
+import orjson
+
+from kvgate.adapters.backend import Backend
+from kvgate.gateway.settings import UpstreamSettings
+
+log = logging.getLogger(__name__)
+
+#: Headers that describe one connection, not the message (RFC 9110 7.6.1), plus the ones
+#: the client library computes itself. Lower-case bytes, as ASGI delivers them.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"expect",
+        b"http2-settings",
+    }
+)
+
+
+class UpstreamError(Exception):
+    """The upstream failed; `kind` labels the metric (connect, reset, timeout, status)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class UpstreamConnectError(UpstreamError):
+    """Refused or reset before any response byte: safe to retry on another backend."""
+
+
+class UpstreamPool:
+    """The shared client session and the backends it talks to."""
+
+    def __init__(self, backends: Sequence[Backend], settings: UpstreamSettings) -> None:
+        self.backends: dict[str, Backend] = {b.node_id: b for b in backends}
+        if len(self.backends) != len(backends):
+            raise ValueError("two backends share one name; give them distinct `name`s")
+        self.settings = settings
+        self._auth: dict[str, list[tuple[str, str]]] = {
+            b.node_id: list(b.auth_headers().items()) for b in backends
+        }
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the upstream pool is not started")
+        return self._session
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=self.settings.max_connections,
+            limit_per_host=0,
+            keepalive_timeout=30.0,
+            ttl_dns_cache=60,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=self.settings.connect_timeout_s, sock_read=None
+            ),
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def open(
+        self,
+        backend: Backend,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+    ) -> aiohttp.ClientResponse:
+        """Send the request and wait for the response headers (the caller bounds the wait)."""
+        auth = self._auth.get(backend.node_id)
+        if auth:  # the engine's own key replaces whatever the client sent
+            headers = [h for h in headers if h[0].lower() != "authorization"]
+            headers.extend(auth)
+        try:
+            return await self.session.request(
+                method,
+                backend.base_url + path_qs,
+                headers=headers,
+                data=body if body else None,
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise UpstreamConnectError("connect", f"cannot connect to {backend.node_id}") from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            raise UpstreamConnectError(
+                "reset", f"{backend.node_id} closed the connection before answering"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError("protocol", f"{backend.node_id}: {exc.__class__.__name__}") from exc
+
+
+class ModelCatalog:
+    """Which backend serves which model, from their `/v1/models`, refreshed lazily.
+
+    The hot path only reads a dict. A stale catalog is used as is while one refresh runs in
+    the background; an unknown model waits for a fresh look (at most one per second) before
+    it is declared unknown, so a model loaded a moment ago is not refused.
+    """
+
+    def __init__(self, pool: UpstreamPool, ttl_s: float, timeout_s: float = 2.0) -> None:
+        self._pool = pool
+        self._ttl_s = ttl_s
+        self._timeout_s = timeout_s
+        self._by_backend: dict[str, list[dict[str, Any]]] = {}
+        self._nodes_by_model: dict[str, tuple[str, ...]] = {}
+        self._fetched_at = -1e9
+        self._refresh: asyncio.Task[None] | None = None
+        self._spawn: Callable[[Awaitable[None]], asyncio.Task[None]] | None = None
+
+    def bind(self, spawn: Callable[[Awaitable[None]], asyncio.Task[None]]) -> None:
+        """Background refreshes run in the owner's task group."""
+        self._spawn = spawn
+
+    @property
+    def known(self) -> bool:
+        return bool(self._by_backend)
+
+    def nodes_for(self, model: str) -> tuple[str, ...] | None:
+        """Backends serving `model`, or None when no backend lists it."""
+        if time.monotonic() - self._fetched_at > self._ttl_s:
+            self._refresh_in_background()
+        return self._nodes_by_model.get(model)
+
+    async def resolve(self, model: str) -> tuple[str, ...] | None:
+        """Like `nodes_for`, but looks again (rate-limited) before saying "unknown"."""
+        nodes = self.nodes_for(model)
+        if nodes is None and time.monotonic() - self._fetched_at > 1.0:
+            await self.refresh()
+            nodes = self._nodes_by_model.get(model)
+        return nodes
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The union of every backend's model objects, first backend wins on duplicates."""
+        if time.monotonic() - self._fetched_at > self._ttl_s:
+            await self.refresh()
+        seen: dict[str, dict[str, Any]] = {}
+        for entries in self._by_backend.values():
+            for entry in entries:
+                seen.setdefault(str(entry.get("id")), entry)
+        return list(seen.values())
+
+    def _refresh_in_background(self) -> None:
+        if self._spawn is None or (self._refresh is not None and not self._refresh.done()):
+            return
+        self._refresh = self._spawn(self.refresh())
+
+    async def refresh(self) -> None:
+        """Ask every backend at once; a backend that fails keeps no models until it answers."""
+        if self._refresh is not None and not self._refresh.done():
+            current = asyncio.current_task()
+            if self._refresh is not current:
+                await asyncio.shield(self._refresh)
+                return
+        backends = list(self._pool.backends.values())
+        results = await asyncio.gather(*(self._fetch(b) for b in backends))
+        by_backend = {b.node_id: r for b, r in zip(backends, results, strict=True) if r is not None}
+        nodes: dict[str, list[str]] = {}
+        for node_id, entries in by_backend.items():
+            for entry in entries:
+                nodes.setdefault(str(entry.get("id")), []).append(node_id)
+        self._by_backend = by_backend
+        self._nodes_by_model = {k: tuple(v) for k, v in nodes.items()}
+        self._fetched_at = time.monotonic()
+
+    async def _fetch(self, backend: Backend) -> list[dict[str, Any]] | None:
+        headers = dict(backend.auth_headers())
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._pool.session.get(
+                    backend.base_url + "/v1/models", headers=headers
+                ) as resp:
+                    if resp.status != 200:
+                        return None
+                    data = orjson.loads(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, OSError) as exc:
+            log.debug("models of %s unavailable: %r", backend.node_id, exc)
+            return None
+        entries = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            return None
+        return [e for e in entries if isinstance(e, dict) and "id" in e]
+
+
+def request_headers(
+    raw: Iterable[tuple[bytes, bytes]], request_id: str, drop: frozenset[bytes] = frozenset()
+) -> list[tuple[str, str]]:
+    """The client's headers minus hop-by-hop ones, plus our `X-Request-Id`."""
+    out = [
+        (name.decode("latin-1"), value.decode("latin-1"))
+        for name, value in raw
+        if name not in HOP_BY_HOP and name != b"x-request-id" and name not in drop
+    ]
+    out.append(("X-Request-Id", request_id))
+    return out
+
+
+async def close_quietly(response: aiohttp.ClientResponse | None) -> None:
+    """Close an upstream response at once: for vLLM the closed socket is the abort."""
+    if response is None:
+        return
+    with contextlib.suppress(Exception):
+        response.close()
