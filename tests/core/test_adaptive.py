@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 from kvgate.core.admission import Admit, Outcome, Reject, Ticket
 from kvgate.core.request import Priority
 
@@ -267,7 +270,6 @@ def test_usage_held_above_target_ends_in_full_shedding_of_non_critical() -> None
 def test_watermark_crossing_does_not_flap() -> None:
     """Usage creeping through the high watermark with noise: no 0<->100 % jumps."""
     policy, clock = make(seed=7)
-    import random
 
     noise = random.Random(3)
     probabilities = []
@@ -280,11 +282,11 @@ def test_watermark_crossing_does_not_flap() -> None:
         probabilities.append(snap["controller"]["shed_probability"]["standard"])
         states.append(snap["nodes"]["a"]["state"])
         clock.advance(0.05)
-    state_flips = sum(1 for x, y in zip(states, states[1:], strict=False) if x != y)
+    state_flips = sum(1 for x, y in itertools.pairwise(states) if x != y)
     # ok -> high -> panic -> high -> ok, plus at most a couple of noise-induced returns.
     assert state_flips <= 6
-    jumps = [abs(y - x) for x, y in zip(probabilities, probabilities[1:], strict=False)]
+    jumps = [abs(y - x) for x, y in itertools.pairwise(probabilities)]
     assert max(jumps) < 0.35
     halves = [p >= 0.5 for p in probabilities]
-    crossings = sum(1 for x, y in zip(halves, halves[1:], strict=False) if x != y)
+    crossings = sum(1 for x, y in itertools.pairwise(halves) if x != y)
     assert crossings <= 4  # up once, down once, a little dither allowed

@@ -88,7 +88,7 @@ class PidLimit:
         ki: float,
         kd: float,
         hysteresis: float,
-        derivative_smoothing: float = 0.5,
+        derivative_smoothing: float = 0.2,
         max_dt_s: float = 1.0,
     ) -> None:
         if not 0 < setpoint < panic:

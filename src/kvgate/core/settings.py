@@ -96,13 +96,13 @@ class AdmissionSettings(BaseModel):
         description="A node leaves the high/panic state only this far below the watermark.",
     )
     controller_kp: float = Field(
-        0.5, ge=0, description="PID proportional gain (shed pressure per unit of error)."
+        0.25, ge=0, description="PID proportional gain (shed pressure per unit of error)."
     )
     controller_ki: float = Field(
         2.0, ge=0, description="PID integral gain (shed pressure per unit of error per second)."
     )
     controller_kd: float = Field(
-        0.05, ge=0, description="PID derivative gain, applied to the measurement (seconds)."
+        0.01, ge=0, description="PID derivative gain, applied to the measurement (seconds)."
     )
     control_interval_s: float = Field(
         0.05,
