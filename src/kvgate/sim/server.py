@@ -1,0 +1,463 @@
+"""Live mode: one simulated engine behind vLLM's OpenAI-compatible HTTP API (aiohttp).
+
+An engine task steps the pure model in real time: `begin_step(now)`, sleep until the step's
+end, `finish_step()`, then hand each produced token to the handler waiting for it. A client
+that disconnects (streaming or not) is reported with `Engine.disconnect`, which aborts the
+request at the next step unless the engine runs with `abort_on_disconnect=False`.
+
+What a client sees follows vLLM: `cmpl-<X-Request-Id>` / `chatcmpl-<X-Request-Id>` ids
+(engine ids `cmpl-<id>-0` and `chatcmpl-<id>`, the ones `POST /inference/v1/abort_requests`
+takes), `usage` and `stream_options.include_usage`, `ignore_eos` and `priority` extensions,
+OpenAI-style JSON errors. Prompt length comes from the request: token ids count one each,
+text counts `len(text) / chars_per_token`, so a 32k-token prompt is cheap to send. The
+generated text is filler; one token is one short word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from kvgate.sim.engine import Engine, EngineError, StepResult
+from kvgate.sim.metrics import CONTENT_TYPE, MetricsPage
+
+_WORDS = tuple(
+    " " + w
+    for w in (
+        "the kv cache was full so the gateway shed load and every stream kept its pace "
+        "while the engine stayed below its watermark"
+    ).split()
+)
+_CHAT_TOKENS_PER_MESSAGE = 4  # role markers and separators a chat template adds
+_MAX_BODY = 64 * 1024 * 1024
+
+
+class BadRequest(Exception):
+    """An invalid request: answered with an OpenAI-style 400 (or the given status)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(
+        status, "InternalServerError"
+    )
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+class _Stream:
+    """Where the engine loop leaves a request's progress for its handler."""
+
+    __slots__ = ("aborted", "event", "finish_reason", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.aborted = False
+        self.event = asyncio.Event()
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    prompt_tokens: int
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    priority: int
+
+
+class SimServer:
+    """One engine and its HTTP app. `start()` binds; `close()` stops everything."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str = "sim-llama",
+        chars_per_token: float = 4.0,
+        time_scale: float = 1.0,
+        engine_label: str = "0",
+        preset: str = "custom",
+    ) -> None:
+        if chars_per_token <= 0 or time_scale <= 0:
+            raise ValueError("chars_per_token and time_scale must be positive")
+        self.engine = engine
+        engine.record_emissions = True
+        self.model_name = model_name
+        self.chars_per_token = chars_per_token
+        self.time_scale = time_scale
+        self.metrics = MetricsPage(engine, model_name, engine_label, preset)
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self._t0 = time.monotonic()
+        self._id_counter = 0
+        self.port: int | None = None
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_BODY, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/inference/v1/abort_requests", self._abort_requests)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind and start the engine loop; returns the bound port."""
+        self._t0 = time.monotonic()
+        self._loop_task = asyncio.create_task(self._engine_loop(), name="sim-engine")
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, backlog=1024)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self.port
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def now(self) -> float:
+        """Engine time: seconds since start, divided by the time scale."""
+        return (time.monotonic() - self._t0) / self.time_scale
+
+    # ------------------------------------------------------------------ engine loop
+    async def _engine_loop(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+            start = self.now()
+            duration = engine.begin_step(start)
+            if duration is None:
+                continue
+            delay = (start + duration - self.now()) * self.time_scale
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.sleep(0)  # let handlers run even when we lag
+            self._deliver(engine.finish_step())
+
+    def _deliver(self, result: StepResult) -> None:
+        streams = self._streams
+        for rid in result.emitted:
+            stream = streams.get(rid)
+            if stream is not None:
+                stream.tokens += 1
+                stream.event.set()
+        for done in result.finished:
+            stream = streams.get(done.request_id)
+            if stream is not None:
+                stream.finish_reason = done.reason
+                stream.event.set()
+        for rid in result.aborted:
+            stream = streams.get(rid)
+            if stream is not None:
+                stream.aborted = True
+                stream.event.set()
+
+    # ------------------------------------------------------------------ middleware
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return error_response(exc.status, exc.message, exc.param)
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return error_response(exc.status, exc.reason)
+            raise
+
+    # ------------------------------------------------------------------ simple routes
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE}
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": self.model_name,
+            "parent": None,
+            "max_model_len": self.engine.config.max_model_len,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def _abort_requests(self, request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        ids = body.get("request_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise BadRequest("request_ids must be a list of strings", "request_ids")
+        aborted = [rid for rid in ids if self.engine.abort(rid)]
+        if aborted:
+            self._wake.set()
+        return _json({"aborted": aborted})
+
+    # ------------------------------------------------------------------ generation
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
+        self._check_model(body)
+        parsed = self._parse_common(body, self._completion_prompt_tokens(body.get("prompt")))
+        xid = self._request_id(request)
+        return await self._generate(request, parsed, f"cmpl-{xid}", f"cmpl-{xid}-0", chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
+        self._check_model(body)
+        parsed = self._parse_common(body, self._chat_prompt_tokens(body.get("messages")))
+        xid = self._request_id(request)
+        return await self._generate(
+            request, parsed, f"chatcmpl-{xid}", f"chatcmpl-{xid}", chat=True
+        )
+
+    def _request_id(self, request: web.Request) -> str:
+        header = request.headers.get("X-Request-Id")
+        return header if header else uuid.uuid4().hex
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
+
+    def _text_tokens(self, text: str) -> int:
+        return max(1, math.ceil(len(text) / self.chars_per_token)) if text else 0
+
+    def _completion_prompt_tokens(self, prompt: Any) -> int:
+        if isinstance(prompt, str):
+            return self._text_tokens(prompt)
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return len(prompt)
+            if len(prompt) == 1:
+                return self._completion_prompt_tokens(prompt[0])
+            raise BadRequest("the simulator serves one prompt per request", "prompt")
+        raise BadRequest("prompt must be a non-empty string or list of token ids", "prompt")
+
+    def _chat_prompt_tokens(self, messages: Any) -> int:
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list", "messages")
+        total = 0
+        for message in messages:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise BadRequest("each message needs a role and content", "messages")
+            content = message.get("content")
+            if isinstance(content, list):
+                texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+                content = "".join(t for t in texts if isinstance(t, str))
+            if content is not None and not isinstance(content, str):
+                raise BadRequest("message content must be a string or parts", "messages")
+            total += self._text_tokens(content or "") + _CHAT_TOKENS_PER_MESSAGE
+        return total
+
+    def _parse_common(self, body: dict[str, Any], prompt_tokens: int) -> _Parsed:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (
+            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+        ):
+            raise BadRequest("max_tokens must be a positive integer", "max_tokens")
+        n = body.get("n", 1)
+        if n != 1:
+            raise BadRequest("the simulator supports only n=1", "n")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("stream must be a boolean", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options must be an object", "stream_options")
+        if options and not stream:
+            raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise BadRequest("priority must be an integer", "priority")
+        return _Parsed(
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            stream=stream,
+            include_usage=bool(options.get("include_usage", False)),
+            ignore_eos=bool(body.get("ignore_eos", False)),
+            priority=priority,
+        )
+
+    async def _generate(
+        self, request: web.Request, p: _Parsed, public_id: str, engine_id: str, chat: bool
+    ) -> web.StreamResponse:
+        if engine_id in self.engine:
+            # A reused X-Request-Id (e.g. a retry racing its aborted predecessor).
+            self._id_counter += 1
+            engine_id = f"{engine_id}-dup{self._id_counter}"
+        try:
+            self.engine.add_request(
+                engine_id,
+                p.prompt_tokens,
+                p.max_tokens,
+                self.now(),
+                ignore_eos=p.ignore_eos,
+                priority=p.priority,
+            )
+        except EngineError as exc:
+            param = "max_tokens" if "max_tokens" in str(exc) else "prompt"
+            raise BadRequest(str(exc), param) from None
+        stream = _Stream()
+        self._streams[engine_id] = stream
+        self._wake.set()
+        finished = False
+        try:
+            if p.stream:
+                response = await self._stream_out(request, p, stream, public_id, chat)
+            else:
+                response = await self._whole(p, stream, public_id, chat)
+            finished = stream.finish_reason is not None
+            return response
+        finally:
+            del self._streams[engine_id]
+            if not finished and engine_id in self.engine:
+                self.engine.disconnect(engine_id)
+                self._wake.set()
+
+    async def _whole(self, p: _Parsed, stream: _Stream, public_id: str, chat: bool) -> web.Response:
+        while stream.finish_reason is None and not stream.aborted:
+            await stream.event.wait()
+            stream.event.clear()
+        if stream.aborted:
+            return error_response(500, "the request was aborted by the engine")
+        text = _text(0, stream.tokens)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": stream.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice.update(text=text, logprobs=None, stop_reason=None)
+        return _json(
+            {
+                "id": public_id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": _usage(p.prompt_tokens, stream.tokens),
+            }
+        )
+
+    async def _stream_out(
+        self, request: web.Request, p: _Parsed, stream: _Stream, public_id: str, chat: bool
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        created = int(time.time())
+        head = {
+            "id": public_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": self.model_name,
+        }
+        try:
+            if chat:
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}  # fmt: skip
+                await response.write(_sse({**head, "choices": [first]}))
+            await self._stream_tokens(response, head, p, stream, chat)
+        except ConnectionError:
+            pass  # the client left; `_generate` reports the disconnect to the engine
+        return response
+
+    async def _stream_tokens(
+        self,
+        response: web.StreamResponse,
+        head: dict[str, Any],
+        p: _Parsed,
+        stream: _Stream,
+        chat: bool,
+    ) -> None:
+        sent = 0
+        while True:
+            await stream.event.wait()
+            stream.event.clear()
+            if stream.aborted:
+                break
+            count, reason = stream.tokens, stream.finish_reason
+            if count > sent or reason is not None:
+                text = _text(sent, count)
+                sent = count
+                choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+                if chat:
+                    choice["delta"] = {"content": text}
+                else:
+                    choice.update(text=text, stop_reason=None)
+                await response.write(_sse({**head, "choices": [choice]}))
+            if reason is not None:
+                break
+        if p.include_usage and stream.finish_reason is not None:
+            usage = _usage(p.prompt_tokens, stream.tokens)
+            await response.write(_sse({**head, "choices": [], "usage": usage}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+
+
+def _text(start: int, end: int) -> str:
+    n = len(_WORDS)
+    return "".join(_WORDS[i % n] for i in range(start, end))
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _json(payload: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest("the request body is too large", status=413) from None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
