@@ -12,6 +12,8 @@ from kvgate.core.clock import Clock
 from kvgate.core.policies.adaptive import AdaptivePolicy
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.policies.none import NonePolicy
+from kvgate.core.policies.seed import SeedPolicy
+from kvgate.core.policies.static import StaticConcurrencyPolicy, StaticQpsPolicy
 from kvgate.core.reservations import ReservationStore
 from kvgate.core.settings import AdmissionSettings
 
@@ -19,11 +21,9 @@ PolicyFactory = Callable[..., BasePolicy]
 
 _REGISTRY: dict[str, PolicyFactory] = {
     "none": NonePolicy,
-    # Interim: the remaining policies land in the next commits; until then they admit
-    # like `none` so that the shell and the simulator can run end to end.
-    "static-qps": NonePolicy,
-    "static-concurrency": NonePolicy,
-    "seed": NonePolicy,
+    "static-qps": StaticQpsPolicy,
+    "static-concurrency": StaticConcurrencyPolicy,
+    "seed": SeedPolicy,
     "adaptive": AdaptivePolicy,
 }
 
@@ -43,4 +43,12 @@ def build_policy(
     return factory(settings, clock, rng_seed=rng_seed, store=store)
 
 
-__all__ = ["AdaptivePolicy", "BasePolicy", "NonePolicy", "build_policy"]
+__all__ = [
+    "AdaptivePolicy",
+    "BasePolicy",
+    "NonePolicy",
+    "SeedPolicy",
+    "StaticConcurrencyPolicy",
+    "StaticQpsPolicy",
+    "build_policy",
+]

@@ -1,0 +1,78 @@
+"""Static baselines: what a conventional API gateway does (`static-qps`, `static-concurrency`).
+
+Both ignore the engines' state entirely (they route like `none`: fewest live tickets
+among the candidates), which is the point of comparing against them: a fixed quota is
+either too low for short requests or far too high for long-context ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvgate.core.admission import Reject
+from kvgate.core.clock import Clock
+from kvgate.core.policies.base import BasePolicy
+from kvgate.core.request import Priority, RequestCost
+from kvgate.core.reservations import ReservationStore
+from kvgate.core.retry_after import jittered
+from kvgate.core.settings import AdmissionSettings
+
+
+class StaticQpsPolicy(BasePolicy):
+    """A token bucket: `static_qps` requests per second, bursts up to `static_burst`."""
+
+    name = "static-qps"
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        clock: Clock,
+        *,
+        rng_seed: int | None = None,
+        store: ReservationStore | None = None,
+    ) -> None:
+        super().__init__(settings, clock, rng_seed=rng_seed, store=store)
+        self._rate = settings.static_qps
+        self._depth = float(settings.static_burst)
+        self._tokens = self._depth
+        self._filled_at = clock.now()
+
+    def _refill(self, now: float) -> None:
+        elapsed = now - self._filled_at
+        if elapsed > 0:
+            self._tokens = min(self._depth, self._tokens + elapsed * self._rate)
+            self._filled_at = now
+
+    def _decide(
+        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+    ) -> str | Reject:
+        self._refill(now)
+        if self._tokens < 1.0:
+            wait = (1.0 - self._tokens) / self._rate
+            centre = min(max(1.0, wait), self.settings.retry_after_max_s)
+            return Reject(
+                status=429,
+                reason="qps_limit",
+                retry_after_s=jittered(centre, self.rng, self.settings.retry_after_max_s),
+                message=f"More than {self._rate:g} requests per second; retry later.",
+            )
+        self._tokens -= 1.0
+        return self.least_loaded(candidates)
+
+
+class StaticConcurrencyPolicy(BasePolicy):
+    """At most `static_concurrency` requests in flight through this gateway."""
+
+    name = "static-concurrency"
+
+    def _decide(
+        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+    ) -> str | Reject:
+        if self.in_flight_requests >= self.settings.static_concurrency:
+            return self.reject_shed(
+                "concurrency_limit",
+                f"{self.settings.static_concurrency} requests already in flight; retry later.",
+                now,
+                self.reservation_for(cost),
+            )
+        return self.least_loaded(candidates)
