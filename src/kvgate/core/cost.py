@@ -1,0 +1,236 @@
+"""KV cost of a request: prompt tokens (estimated or exact) plus every token it may generate.
+
+Public API::
+
+    estimator = CostEstimator(settings)
+    cost = estimator.estimate(model, body)          # -> RequestCost (raises CostError)
+    estimator.learn(model, cost.prompt_tokens, usage["prompt_tokens"])
+
+Prompt tokens come from a per-model chars-per-token ratio, which learns online from the
+`usage.prompt_tokens` the engine reports (EWMA, clamped to
+[`chars_per_token_min`, `chars_per_token_max`]), and are multiplied by
+`prompt_safety_factor`, because under-estimating a prompt is the one error the
+reservation accounting cannot absorb before the request's first token. A model with a
+`tokenizer.json` configured in `tokenizers` gets exact counts for plain prompts (chat
+messages are encoded as their concatenated text plus a small per-message allowance for the
+template). Token-id prompts are counted exactly.
+
+The estimate is cheap on purpose: the prompt's length is the sum of its strings' lengths,
+found by walking the already-parsed body; nothing is re-encoded to JSON.
+
+The output side is `max_completion_tokens` (chat), else `max_tokens`, else
+`default_max_tokens`, multiplied by the number of sequences the request asks for (`n`,
+`best_of`, and the number of prompts in a batched completion), since each sequence grows
+its own KV blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvgate.core.request import RequestCost
+from kvgate.core.settings import AdmissionSettings
+
+# Template allowance per chat message (role markers, separators), in characters.
+MESSAGE_OVERHEAD_CHARS = 16
+# Exact-tokenizer template allowance per chat message, in tokens.
+MESSAGE_OVERHEAD_TOKENS = 4
+# A non-text content part (image, audio) counted as this many characters.
+MEDIA_PART_CHARS = 4096
+# Weight of one observation in the learned ratio.
+LEARN_ALPHA = 0.1
+# Deepest nesting walked when measuring a body (bounded: bodies are untrusted).
+MAX_DEPTH = 32
+
+
+class CostError(ValueError):
+    """The body cannot be costed; `param` names the offending field (OpenAI error style)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Tokenizer(Protocol):
+    """What we need of a `tokenizers.Tokenizer`: `encode(text).ids`."""
+
+    def encode(self, text: str) -> Any: ...
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    from tokenizers import Tokenizer as HfTokenizer  # optional dependency
+
+    return HfTokenizer.from_file(path)
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """What was measured: characters to convert, tokens already exact, segments."""
+
+    chars: int = 0
+    exact_tokens: int = 0
+    texts: list[str] | None = None  # kept only when a tokenizer will count them
+    sequences: int = 1  # prompts in a batched completion
+    messages: int = 0
+
+
+def _text_length(value: Any, depth: int = 0) -> int:
+    """Sum of the lengths of every string inside a parsed JSON value."""
+    if isinstance(value, str):
+        return len(value)
+    if depth >= MAX_DEPTH:
+        return 0
+    if isinstance(value, dict):
+        return sum(_text_length(v, depth + 1) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_length(v, depth + 1) for v in value)
+    return 0
+
+
+class CostEstimator:
+    """Per-model prompt estimation that learns; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        *,
+        tokenizer_loader: Callable[[str], Tokenizer] = _load_tokenizer,
+    ) -> None:
+        self.settings = settings
+        self._ratios: dict[str, float] = {}
+        self._tokenizers: dict[str, Tokenizer | None] = {}
+        self._loader = tokenizer_loader
+
+    # --- public API -----------------------------------------------------------------------
+
+    def estimate(self, model: str, body: dict[str, Any]) -> RequestCost:
+        """The request's cost; raises CostError for a body that cannot be costed."""
+        if not isinstance(body, dict):
+            raise CostError("the request body must be a JSON object")
+        prompt = self._measure(body)
+        per_prompt = self._per_prompt(body)
+        # Each of the `n` sequences may hold its own copy of the prompt (no prefix cache).
+        tokens = self._prompt_tokens(model, prompt) * per_prompt
+        output = self._output_tokens(body) * per_prompt * prompt.sequences
+        return RequestCost(prompt_tokens=tokens, max_output_tokens=output)
+
+    def learn(self, model: str, estimated_prompt: int, actual_prompt_tokens: int) -> None:
+        """Move the model's chars-per-token ratio towards what the engine actually counted.
+
+        `estimated_prompt` is the `prompt_tokens` of the cost this estimator produced;
+        from it and the current ratio we recover the characters that were measured.
+        Models with an exact tokenizer do not learn (nothing to correct).
+        """
+        if actual_prompt_tokens <= 0 or estimated_prompt <= 0 or self.tokenizer(model):
+            return
+        ratio = self.ratio(model)
+        chars = estimated_prompt / self.settings.prompt_safety_factor * ratio
+        observed = chars / actual_prompt_tokens
+        updated = ratio + LEARN_ALPHA * (observed - ratio)
+        s = self.settings
+        self._ratios[model] = min(s.chars_per_token_max, max(s.chars_per_token_min, updated))
+
+    def ratio(self, model: str) -> float:
+        """The current chars-per-token ratio for `model`."""
+        return self._ratios.get(model, self.settings.chars_per_token)
+
+    def tokenizer(self, model: str) -> Tokenizer | None:
+        """The configured tokenizer of `model`, loaded once; None when none is configured."""
+        if model not in self._tokenizers:
+            path = self.settings.tokenizers.get(model)
+            self._tokenizers[model] = self._loader(path) if path else None
+        return self._tokenizers[model]
+
+    # --- measuring --------------------------------------------------------------------------
+
+    def _measure(self, body: dict[str, Any]) -> _Prompt:
+        if "messages" in body:
+            return self._measure_messages(body)
+        if "prompt" in body:
+            return self._measure_prompt(body["prompt"])
+        raise CostError("the request has neither `messages` nor `prompt`", "messages")
+
+    def _measure_messages(self, body: dict[str, Any]) -> _Prompt:
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise CostError("`messages` must be an array", "messages")
+        prompt = _Prompt(texts=[], messages=len(messages))
+        assert prompt.texts is not None
+        for message in messages:
+            if not isinstance(message, dict):
+                raise CostError("each message must be an object", "messages")
+            content = message.get("content")
+            if isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                        prompt.chars += MEDIA_PART_CHARS
+            for key, value in message.items():
+                if key == "content" and isinstance(value, str):
+                    prompt.texts.append(value)
+                    prompt.chars += len(value)
+                else:
+                    prompt.chars += _text_length(value)
+            prompt.chars += MESSAGE_OVERHEAD_CHARS
+        for key in ("tools", "functions", "response_format"):
+            if key in body:
+                prompt.chars += _text_length(body[key])
+        return prompt
+
+    def _measure_prompt(self, value: Any) -> _Prompt:
+        if isinstance(value, str):
+            return _Prompt(chars=len(value), texts=[value])
+        if not isinstance(value, list) or not value:
+            raise CostError(
+                "`prompt` must be a string, an array of strings or of token ids", "prompt"
+            )
+        if all(isinstance(v, int) for v in value):
+            return _Prompt(exact_tokens=len(value))
+        prompt = _Prompt(texts=[], sequences=len(value))
+        assert prompt.texts is not None
+        for item in value:
+            if isinstance(item, str):
+                prompt.chars += len(item)
+                prompt.texts.append(item)
+            elif isinstance(item, list) and all(isinstance(v, int) for v in item):
+                prompt.exact_tokens += len(item)
+            else:
+                raise CostError("`prompt` items must be strings or arrays of token ids", "prompt")
+        return prompt
+
+    def _prompt_tokens(self, model: str, prompt: _Prompt) -> int:
+        chars = prompt.chars
+        exact = prompt.exact_tokens
+        tokenizer = self.tokenizer(model) if chars else None
+        if tokenizer is not None and prompt.texts is not None:
+            for text in prompt.texts:
+                exact += len(tokenizer.encode(text).ids)
+                chars -= len(text)
+            exact += MESSAGE_OVERHEAD_TOKENS * prompt.messages
+            chars -= MESSAGE_OVERHEAD_CHARS * prompt.messages
+        if chars <= 0:
+            return exact
+        return exact + math.ceil(chars / self.ratio(model) * self.settings.prompt_safety_factor)
+
+    def _output_tokens(self, body: dict[str, Any]) -> int:
+        for key in ("max_completion_tokens", "max_tokens"):
+            value = body.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CostError(f"`{key}` must be a positive integer", key)
+            return value
+        return self.settings.default_max_tokens
+
+    def _per_prompt(self, body: dict[str, Any]) -> int:
+        per_prompt = 1
+        for key in ("n", "best_of"):
+            value = body.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CostError(f"`{key}` must be a positive integer", key)
+            per_prompt = max(per_prompt, value)
+        return per_prompt

@@ -1,0 +1,130 @@
+"""The cost estimator: shapes of bodies, learning, exact tokenizer counts."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from kvgate.core.cost import MESSAGE_OVERHEAD_CHARS, CostError, CostEstimator
+from kvgate.core.settings import AdmissionSettings
+
+
+def estimator(**overrides: object) -> CostEstimator:
+    return CostEstimator(AdmissionSettings(**overrides))  # type: ignore[arg-type]
+
+
+def test_prompt_string_and_default_cap() -> None:
+    est = estimator(chars_per_token=4.0, prompt_safety_factor=1.0, default_max_tokens=300)
+    cost = est.estimate("m", {"prompt": "x" * 400})
+    assert (cost.prompt_tokens, cost.max_output_tokens) == (100, 300)
+
+
+def test_safety_factor_rounds_up() -> None:
+    cost = estimator(chars_per_token=4.0).estimate("m", {"prompt": "x" * 400, "max_tokens": 7})
+    assert cost.prompt_tokens == math.ceil(100 * 1.1)
+    assert cost.max_output_tokens == 7
+
+
+def test_chat_messages_count_every_string_and_template_overhead() -> None:
+    est = estimator(chars_per_token=1.0, prompt_safety_factor=1.0)
+    body = {
+        "messages": [
+            {"role": "system", "content": "abcd"},
+            {"role": "user", "content": [{"type": "text", "text": "efgh"}]},
+            {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
+        ],
+        "max_completion_tokens": 5,
+        "max_tokens": 999,
+    }
+    cost = est.estimate("m", body)
+    strings = len("system") + 4 + len("user") + len("text") + 4 + len("assistant") + 2
+    assert cost.prompt_tokens == strings + 3 * MESSAGE_OVERHEAD_CHARS
+    assert cost.max_output_tokens == 5  # max_completion_tokens wins
+
+
+def test_token_ids_are_exact_and_batches_and_n_multiply() -> None:
+    est = estimator(chars_per_token=4.0, prompt_safety_factor=1.0)
+    assert est.estimate("m", {"prompt": [1, 2, 3], "max_tokens": 10}).prompt_tokens == 3
+    batch = est.estimate("m", {"prompt": ["x" * 40, [1, 2]], "max_tokens": 10})
+    assert (batch.prompt_tokens, batch.max_output_tokens) == (12, 20)
+    n = est.estimate("m", {"prompt": "x" * 40, "max_tokens": 10, "n": 3})
+    assert (n.prompt_tokens, n.max_output_tokens) == (30, 30)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": ["hi"]}, "messages"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1.5]}, "prompt"),
+        ({"prompt": ["a", 3]}, "prompt"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": "9"}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "a", "n": -1}, "n"),
+    ],
+)
+def test_bad_bodies_raise_cost_error(body: dict, param: str) -> None:
+    with pytest.raises(CostError) as info:
+        estimator().estimate("m", body)
+    assert info.value.param == param
+
+
+def test_deeply_nested_body_is_bounded() -> None:
+    nested: object = "x" * 10
+    for _ in range(1000):
+        nested = [nested]
+    cost = estimator().estimate("m", {"messages": [{"role": "user", "content": nested}]})
+    assert cost.prompt_tokens > 0
+
+
+def test_ratio_learns_from_usage_and_stays_clamped() -> None:
+    est = estimator(chars_per_token=4.0, chars_per_token_min=1.0, chars_per_token_max=8.0)
+    text = {"prompt": "x" * 3000}
+    for _ in range(100):
+        cost = est.estimate("m", text)
+        est.learn("m", cost.prompt_tokens, 1000)  # truly 3 chars per token
+    assert abs(est.ratio("m") - 3.0) < 0.05
+    assert est.ratio("other") == 4.0  # per model
+    for _ in range(200):
+        est.learn("m", est.estimate("m", text).prompt_tokens, 1)
+    assert est.ratio("m") == 8.0
+    est.learn("m", 0, 10)  # ignored
+    est.learn("m", 10, 0)  # ignored
+    assert est.ratio("m") == 8.0
+
+
+def test_learned_estimate_with_safety_factor_does_not_undercount() -> None:
+    est = estimator()
+    body = {"prompt": "y" * 5000}
+    for _ in range(60):
+        est.learn("m", est.estimate("m", body).prompt_tokens, 1500)
+    assert est.estimate("m", body).prompt_tokens >= 1500
+
+
+def _train_tokenizer(path: Path) -> None:
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"], show_progress=False)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    tok.save(str(path))
+
+
+def test_exact_counts_with_a_tokenizer_json(tmp_path: Path) -> None:
+    path = tmp_path / "tokenizer.json"
+    _train_tokenizer(path)
+    est = estimator(tokenizers={"exact": str(path)})
+    text = "the quick brown fox jumps over the lazy dog"
+    reference = len(Tokenizer.from_file(str(path)).encode(text).ids)
+    assert est.estimate("exact", {"prompt": text}).prompt_tokens == reference
+    chat = est.estimate("exact", {"messages": [{"role": "user", "content": text}]})
+    assert chat.prompt_tokens >= reference + 4
+    before = est.ratio("exact")
+    est.learn("exact", reference, reference * 3)
+    assert est.ratio("exact") == before
+    assert est.tokenizer("plain") is None
