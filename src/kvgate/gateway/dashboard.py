@@ -1,0 +1,200 @@
+"""The operator's live view: `GET /dashboard`, its static files, and `GET /admin/events`.
+
+The page is plain HTML + JS with a vendored chart library (uPlot, MIT) so it runs with no
+build step and nothing fetched from a CDN: an on-call operator may be inside a network that
+reaches only the gateway. The page is fed by server-sent events carrying the same JSON as
+`/admin/state`, a few times per second; rates are derived in the browser from counters so
+the server keeps no per-client history.
+
+The gateway merges `routes(state_provider)` into its own routing table; every value is a raw
+ASGI callable, so this module depends on nothing but the standard library and orjson.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Awaitable, Callable, MutableMapping
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs
+
+import orjson
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+StateProvider = Callable[[], dict[str, Any]]
+
+log = logging.getLogger(__name__)
+
+STATIC_PREFIX = "/dashboard/static/"
+EVENTS_PATH = "/admin/events"
+DEFAULT_INTERVAL_S = 0.2  # 5 updates per second: smooth enough, cheap with 64 nodes
+MIN_INTERVAL_S = 0.1
+MAX_INTERVAL_S = 5.0
+
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".txt": "text/plain; charset=utf-8",
+    ".png": "image/png",
+    ".svg": "image/svg+xml",
+}
+
+# The page may talk only to its own origin: no CDN, no inline script from elsewhere.
+_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'"
+)
+
+
+def routes(state_provider: StateProvider) -> dict[tuple[str, str], ASGIApp]:
+    """Every route the dashboard needs, keyed by (method, exact path), for the gateway."""
+    table: dict[tuple[str, str], ASGIApp] = {
+        ("GET", "/dashboard"): _static_app("dashboard.html", cache_s=0),
+        ("GET", "/dashboard/"): _static_app("dashboard.html", cache_s=0),
+        ("GET", EVENTS_PATH): events_app(state_provider),
+    }
+    for name in static_files():
+        if name == "dashboard.html":
+            continue
+        table[("GET", STATIC_PREFIX + name)] = _static_app(name, cache_s=300)
+    return table
+
+
+def static_files() -> list[str]:
+    """Names of the files shipped under `kvgate/gateway/static/` (package data)."""
+    folder = resources.files("kvgate.gateway").joinpath("static")
+    return sorted(
+        entry.name
+        for entry in folder.iterdir()
+        if entry.is_file() and _content_type(entry.name) is not None
+    )
+
+
+def _content_type(name: str) -> str | None:
+    dot = name.rfind(".")
+    return _CONTENT_TYPES.get(name[dot:]) if dot >= 0 else None
+
+
+def _static_app(name: str, cache_s: int) -> ASGIApp:
+    """Serve one packaged file; read once, lazily, since the files never change at run time."""
+    content_type = _content_type(name) or "application/octet-stream"
+    cached: list[bytes] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if not cached:
+            folder = resources.files("kvgate.gateway").joinpath("static")
+            cached.append(folder.joinpath(name).read_bytes())
+        body = cached[0]
+        cache = f"public, max-age={cache_s}" if cache_s else "no-cache"
+        headers = [
+            (b"content-type", content_type.encode()),
+            (b"content-length", str(len(body)).encode()),
+            (b"cache-control", cache.encode()),
+            (b"x-content-type-options", b"nosniff"),
+        ]
+        if name.endswith(".html"):
+            headers.append((b"content-security-policy", _CSP.encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def parse_interval(query_string: bytes) -> float:
+    """`?interval_ms=200` picks the push period, clamped so a client can't make us spin."""
+    values = parse_qs(query_string.decode("latin-1")).get("interval_ms")
+    if not values:
+        return DEFAULT_INTERVAL_S
+    try:
+        seconds = float(values[0]) / 1000.0
+    except ValueError:
+        return DEFAULT_INTERVAL_S
+    if not math.isfinite(seconds):
+        return DEFAULT_INTERVAL_S
+    return min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, seconds))
+
+
+def encode_event(state: Any) -> bytes:
+    """One SSE `data:` frame. orjson never emits raw newlines, so one line is always enough."""
+    payload = orjson.dumps(state, default=str, option=orjson.OPT_NON_STR_KEYS)
+    return b"data: " + payload + b"\n\n"
+
+
+def _snapshot_frame(state_provider: StateProvider) -> bytes:
+    """The next frame; a failing provider becomes an `error` event, never a dead stream."""
+    try:
+        return encode_event(state_provider())
+    except Exception as exc:  # the dashboard must survive a bug elsewhere
+        log.exception("state provider failed while feeding /admin/events")
+        message = orjson.dumps({"message": f"state unavailable: {type(exc).__name__}"})
+        return b"event: error\ndata: " + message + b"\n\n"
+
+
+def events_app(state_provider: StateProvider) -> ASGIApp:
+    """`GET /admin/events`: push `state_provider()` as SSE until the client goes away.
+
+    A background task waits on `receive()` for `http.disconnect`, so a closed tab stops the
+    loop within one period instead of at the next failed write.
+    """
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        interval = parse_interval(scope.get("query_string", b""))
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(receive, gone))
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache, no-transform"),
+                        (b"x-accel-buffering", b"no"),
+                    ],
+                }
+            )
+            # Tell EventSource to reconnect after 1 s if the gateway restarts.
+            await send(
+                {"type": "http.response.body", "body": b"retry: 1000\n\n", "more_body": True}
+            )
+            await _push_loop(state_provider, send, gone, interval)
+        except OSError:
+            pass  # the client vanished mid-write; nothing to tell anyone
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        if not gone.is_set():
+            with contextlib.suppress(OSError, RuntimeError):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+async def _push_loop(
+    state_provider: StateProvider, send: Send, gone: asyncio.Event, interval: float
+) -> None:
+    while not gone.is_set():
+        frame = _snapshot_frame(state_provider)
+        await send({"type": "http.response.body", "body": frame, "more_body": True})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gone.wait(), timeout=interval)
+
+
+async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    """Drain the request side; any `http.disconnect` (or a dead receive) ends the stream."""
+    try:
+        while True:
+            message = await receive()
+            if message.get("type") == "http.disconnect":
+                break
+    finally:
+        gone.set()

@@ -1,0 +1,636 @@
+/* kvgate live dashboard.
+ *
+ * Every state pushed on /admin/events is ingested at once (cheap: a few array appends);
+ * drawing happens at most once per animation frame, so a burst of events or 64 nodes never
+ * queues work. Rates are derived here from the gateway's cumulative counters, over a
+ * trailing window, so the server keeps no per-client history. Every key is read
+ * defensively: a field the gateway does not (yet) send shows as "–", never as an error.
+ */
+(() => {
+  "use strict";
+
+  const PRIOS = ["critical", "standard", "sheddable"];
+  const PRIO_COLOR = { critical: "#bc8cff", standard: "#39c5cf", sheddable: "#f0883e" };
+  const AXIS = "#8a93a3";
+  const GRID = "#262c36";
+  const MAX_WINDOW_S = 300;
+  const RATE_WINDOW_S = 1.0;   // admitted/rejected per second, over the last second
+  const SLOW_WINDOW_S = 5.0;   // Retry-After and cancellations are rarer: smooth more
+  const REASON_WINDOW_S = 10.0;
+  const SPARK_POINTS = 120;    // per-node KV history kept for the sparkline
+  const SEVERITY = { panic: 0, thrashing: 1, stale: 2, high: 3, unknown: 4, ok: 5 };
+
+  // ---------- small helpers ----------
+  const $ = (id) => document.getElementById(id);
+  const isNum = (v) => typeof v === "number" && Number.isFinite(v);
+  const num = (v) => (isNum(v) ? v : null);
+  const obj = (v) => (v && typeof v === "object" && !Array.isArray(v) ? v : null);
+
+  /** Sum every number found under a value (a number, or nested dicts of numbers). */
+  function sumLeaves(v) {
+    if (isNum(v)) return v;
+    const o = obj(v);
+    if (!o) return 0;
+    let s = 0;
+    for (const k in o) s += sumLeaves(o[k]);
+    return s;
+  }
+
+  function first(o, keys) {
+    if (!o) return undefined;
+    for (const k of keys) if (o[k] !== undefined && o[k] !== null) return o[k];
+    return undefined;
+  }
+
+  function fmtNum(v, digits = 1) {
+    if (!isNum(v)) return "–";
+    const a = Math.abs(v);
+    if (a >= 1e6) return (v / 1e6).toFixed(digits) + "M";
+    if (a >= 1e4) return (v / 1e3).toFixed(digits) + "k";
+    if (a >= 100 || Number.isInteger(v)) return v.toFixed(0);
+    return v.toFixed(digits);
+  }
+  const fmtPct = (v) => (isNum(v) ? (v * 100).toFixed(0) + "%" : "–");
+  const fmtMs = (s) => (isNum(s) ? (s * 1000 >= 100 ? (s * 1000).toFixed(0) : (s * 1000).toFixed(1)) + " ms" : "–");
+  const fmtAge = (s) => (isNum(s) ? (s < 10 ? s.toFixed(1) : s.toFixed(0)) + " s" : "–");
+
+  // ---------- reading the state (robust to missing keys) ----------
+
+  /** Per-priority numbers from `{critical: n}` or `{critical: {reason: n}}`, or from
+   * flat `"critical/reason"` / `"critical:reason"` keys. */
+  function byPriority(v) {
+    const out = { critical: 0, standard: 0, sheddable: 0 };
+    const o = obj(v);
+    if (!o) return out;
+    for (const k in o) {
+      const p = k.split(/[/:|,]/)[0].toLowerCase();
+      if (p in out) out[p] += sumLeaves(o[k]);
+    }
+    return out;
+  }
+
+  /** Per-reason numbers from `{priority: {reason: n}}`, `{reason: n}` or flat keys. */
+  function byReason(v) {
+    const out = {};
+    const o = obj(v);
+    if (!o) return out;
+    for (const k in o) {
+      const inner = obj(o[k]);
+      if (inner && PRIOS.includes(k.toLowerCase())) {
+        for (const r in inner) out[r] = (out[r] || 0) + sumLeaves(inner[r]);
+      } else {
+        const parts = k.split(/[/:|,]/);
+        const r = PRIOS.includes(parts[0].toLowerCase()) ? parts.slice(1).join("/") || parts[0] : k;
+        out[r] = (out[r] || 0) + sumLeaves(o[k]);
+      }
+    }
+    return out;
+  }
+
+  /** `{"decision|priority|reason": n}` (the gateway's telemetry counters) split into
+   * admitted-by-priority, rejected-by-priority and rejected-by-reason. */
+  function splitAdmissions(v) {
+    const o = obj(v);
+    if (!o) return null;
+    const admitted = {}, rejected = {}, reasons = {};
+    for (const k in o) {
+      const [decision = "", prio = "", reason = "other"] = k.split("|");
+      const n = sumLeaves(o[k]);
+      if (/^(admit|accept)/i.test(decision)) {
+        admitted[prio] = (admitted[prio] || 0) + n;
+      } else {
+        rejected[prio] = (rejected[prio] || 0) + n;
+        reasons[reason] = (reasons[reason] || 0) + n;
+      }
+    }
+    return { admitted, rejected, reasons };
+  }
+
+  function readCounters(state) {
+    const c = obj(state.counters) || {};
+    const split = splitAdmissions(c.admissions);
+    const ra = first(c, ["retry_after", "retry_after_s"]);
+    const raObj = obj(ra);
+    const rejected = first(c, ["rejected", "rejected_total", "shed"]);
+    const rejectedByReason = first(c, ["rejected_by_reason"]);
+    const rej = split ? byPriority(split.rejected) : byPriority(rejected);
+    return {
+      admitted: split ? byPriority(split.admitted) : byPriority(first(c, ["admitted", "admitted_total"])),
+      rejected: rej,
+      reasons: split ? split.reasons : byReason(rejectedByReason !== undefined ? rejectedByReason : rejected),
+      // Every shed answer carries a Retry-After: without a dedicated counter, count those.
+      retryCount: num(first(c, ["retry_after_count", "retry_after_total"])) ??
+        (raObj ? num(first(raObj, ["count", "total", "n"])) : null) ?? sumLeaves(rej),
+      retrySum: num(first(c, ["retry_after_sum_s", "retry_after_seconds_sum", "retry_after_sum"])) ??
+        (raObj ? num(first(raObj, ["sum_s", "sum", "seconds"])) : null),
+      cancels: sumLeaves(first(c, ["cancellations", "cancelled", "client_cancellations", "cancels"])),
+    };
+  }
+
+  // ---------- history ----------
+  const hist = {
+    t: [],
+    adm: { critical: [], standard: [], sheddable: [] },
+    rej: { critical: [], standard: [], sheddable: [] },
+    shed: { critical: [], standard: [], sheddable: [] },
+    budget: [], used: [],
+    kvRepMean: [], kvRepMax: [], kvPredMean: [], kvPredMax: [], setpoint: [],
+    retryRate: [], retryMean: [], cancelRate: [],
+  };
+  const counterHist = []; // {t, c}
+  const nodeHist = new Map(); // id -> {rep: number[], pred: number[]}
+  let lastState = null;
+  let lastNow = null;
+  let updates = 0;
+  let renders = 0;
+  let lastMessageAt = 0;
+  let dirty = false;
+
+  /** The counter snapshot at least `span` seconds older than the newest one (or the oldest). */
+  function baseline(span) {
+    const newest = counterHist[counterHist.length - 1];
+    for (let i = counterHist.length - 2; i >= 0; i--) {
+      if (newest.t - counterHist[i].t >= span) return counterHist[i];
+    }
+    return counterHist.length > 1 ? counterHist[0] : null;
+  }
+
+  function rate(span, pick) {
+    const newest = counterHist[counterHist.length - 1];
+    const base = baseline(span);
+    if (!base || newest.t <= base.t) return null;
+    const d = pick(newest.c) - pick(base.c);
+    return d >= 0 ? d / (newest.t - base.t) : null;
+  }
+
+  function pushHist(arr, v) { arr.push(isNum(v) ? v : null); }
+
+  function trim(now) {
+    let cut = 0;
+    while (cut < hist.t.length && hist.t[cut] < now - MAX_WINDOW_S - 5) cut++;
+    if (cut < 64) return; // trim in batches: splicing 15 arrays each frame is wasted work
+    const walk = (o) => {
+      for (const k in o) Array.isArray(o[k]) ? o[k].splice(0, cut) : walk(o[k]);
+    };
+    walk(hist);
+  }
+
+  /** One flat shape from either the gateway's nested `/admin/state` (`policy` = the policy
+   * snapshot, `gateway` = counters, `scraper` = scrape stats) or a flat one (policy
+   * snapshot keys at the top, `counters`, `scrape`). */
+  function normalize(raw) {
+    const p = obj(raw.policy);
+    const nested = p && (obj(p.nodes) || obj(p.controller)) ? p : null;
+    const base = nested || raw;
+    let policy = nested ? first(nested, ["policy", "name"]) : raw.policy;
+    if (obj(policy)) policy = first(policy, ["name", "policy"]);
+    return {
+      policy: typeof policy === "string" ? policy : null,
+      time: num(raw.time) ?? num(base.time),
+      nodes: obj(base.nodes) || {},
+      controller: obj(base.controller) || {},
+      in_flight_requests: base.in_flight_requests,
+      released_tokens_per_s: base.released_tokens_per_s,
+      counters: obj(raw.counters) || obj(raw.gateway) || {},
+      scrape: obj(raw.scrape) || obj(raw.scraper) || {},
+      raw,
+    };
+  }
+
+  function ingest(raw) {
+    const state = normalize(raw);
+    const now = Date.now() / 1000;
+    const serverT = num(state.time);
+    const t = serverT ?? now;
+    const c = readCounters(state);
+    // A restarted gateway starts its counters (and clock) over: start the rates over too.
+    const prev = counterHist[counterHist.length - 1];
+    if (prev && (t < prev.t || sumLeaves(c.admitted) < sumLeaves(prev.c.admitted))) counterHist.length = 0;
+    counterHist.push({ t, c });
+    while (counterHist.length > 2 && t - counterHist[0].t > REASON_WINDOW_S + 2) counterHist.shift();
+
+    hist.t.push(now);
+    for (const p of PRIOS) {
+      pushHist(hist.adm[p], rate(RATE_WINDOW_S, (x) => x.admitted[p]));
+      pushHist(hist.rej[p], rate(RATE_WINDOW_S, (x) => x.rejected[p]));
+    }
+    const ctl = obj(state.controller) || {};
+    const shed = obj(ctl.shed_probability) || {};
+    for (const p of PRIOS) pushHist(hist.shed[p], num(shed[p]));
+    pushHist(hist.budget, num(ctl.budget_tokens));
+    pushHist(hist.used, num(ctl.in_flight_tokens));
+    pushHist(hist.setpoint, num(ctl.setpoint));
+
+    const retryRate = c.retryCount === null ? null : rate(SLOW_WINDOW_S, (x) => x.retryCount ?? 0);
+    let retryMean = null;
+    const base = baseline(SLOW_WINDOW_S);
+    if (base && c.retryCount !== null && c.retrySum !== null) {
+      const dn = c.retryCount - (base.c.retryCount ?? 0);
+      const ds = c.retrySum - (base.c.retrySum ?? 0);
+      if (dn > 0 && ds >= 0) retryMean = ds / dn;
+    }
+    pushHist(hist.retryRate, retryRate);
+    pushHist(hist.retryMean, retryMean);
+    pushHist(hist.cancelRate, rate(SLOW_WINDOW_S, (x) => x.cancels));
+
+    ingestNodes(state);
+    trim(now);
+    lastState = state;
+    lastNow = now;
+    lastMessageAt = performance.now();
+    updates++;
+  }
+
+  function ingestNodes(state) {
+    const nodes = obj(state.nodes) || {};
+    let repSum = 0, repN = 0, repMax = null, predSum = 0, predN = 0, predMax = null;
+    for (const id in nodes) {
+      const n = obj(nodes[id]) || {};
+      const rep = num(obj(n.sample)?.kv_usage);
+      const pred = num(n.predicted_usage);
+      const fresh = n.fresh !== false && n.state !== "stale";
+      if (rep !== null && fresh) { repSum += rep; repN++; repMax = Math.max(repMax ?? 0, rep); }
+      if (pred !== null) { predSum += pred; predN++; predMax = Math.max(predMax ?? 0, pred); }
+      let h = nodeHist.get(id);
+      if (!h) { h = { rep: [], pred: [] }; nodeHist.set(id, h); }
+      h.rep.push(fresh ? rep : null);
+      h.pred.push(pred);
+      if (h.rep.length > SPARK_POINTS) { h.rep.shift(); h.pred.shift(); }
+    }
+    for (const id of [...nodeHist.keys()]) if (!(id in nodes)) nodeHist.delete(id);
+    pushHist(hist.kvRepMean, repN ? repSum / repN : null);
+    pushHist(hist.kvRepMax, repMax);
+    pushHist(hist.kvPredMean, predN ? predSum / predN : null);
+    pushHist(hist.kvPredMax, predMax);
+  }
+
+  // ---------- charts ----------
+  const charts = {};
+  let windowS = 300;
+
+  function makeChart(key, series, opts = {}) {
+    const el = $(key);
+    const yScale = { auto: true };
+    if (opts.yRange) yScale.range = opts.yRange;
+    const u = new uPlot({
+      width: Math.max(200, el.clientWidth),
+      height: 190,
+      cursor: { drag: { x: false, y: false }, points: { show: false } },
+      legend: { live: true },
+      scales: { x: { time: true }, y: yScale },
+      axes: [
+        { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID, width: 1 } },
+        { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID, width: 1 }, size: 52,
+          values: (u, vals) => vals.map(opts.fmt || ((v) => fmtNum(v, Math.abs(v) >= 1e4 ? 0 : 1))) },
+      ],
+      series: [
+        { value: (u, v) => (v == null ? "–" : new Date(v * 1000).toLocaleTimeString()) },
+        ...series.map((s) => ({
+          label: s.label, stroke: s.color, width: s.width || 1.5, dash: s.dash,
+          fill: s.fill, spanGaps: false, points: { show: false },
+          value: (u, v) => (v == null ? "–" : (opts.fmt || fmtNum)(v)),
+        })),
+      ],
+    }, [[], ...series.map(() => [])], el);
+    charts[key] = { u, el, pick: series.map((s) => s.data), points: 0, nonZero: 0 };
+    new ResizeObserver(() => {
+      const w = Math.max(200, el.clientWidth);
+      if (w !== u.width) u.setSize({ width: w, height: 190 });
+    }).observe(el);
+  }
+
+  const zeroTo = (floor) => (u, min, max) => [0, Math.max(floor, (max || 0) * 1.15)];
+
+  function buildCharts() {
+    const perPrio = (src, dash) => PRIOS.map((p) => ({ label: p, color: PRIO_COLOR[p], data: src[p], dash }));
+    makeChart("c-admitted", perPrio(hist.adm), { yRange: zeroTo(1) });
+    makeChart("c-rejected", perPrio(hist.rej), { yRange: zeroTo(1) });
+    makeChart("c-shed", perPrio(hist.shed), { yRange: () => [0, 1], fmt: fmtPct });
+    makeChart("c-budget", [
+      { label: "budget", color: "#d29922", data: hist.budget, dash: [6, 4] },
+      { label: "in-flight", color: "#58a6ff", data: hist.used, fill: "rgba(88,166,255,.12)" },
+    ], { yRange: zeroTo(1) });
+    makeChart("c-kv", [
+      { label: "reported mean", color: "#58a6ff", data: hist.kvRepMean },
+      { label: "reported max", color: "#58a6ff", data: hist.kvRepMax, dash: [4, 3], width: 1 },
+      { label: "predicted mean", color: "#f0883e", data: hist.kvPredMean },
+      { label: "predicted max", color: "#f0883e", data: hist.kvPredMax, dash: [4, 3], width: 1 },
+      { label: "setpoint", color: "#d29922", data: hist.setpoint, dash: [2, 4], width: 1 },
+    ], { yRange: () => [0, 1], fmt: fmtPct });
+    makeChart("c-retry", [
+      { label: "Retry-After /s", color: "#f85149", data: hist.retryRate },
+      { label: "mean Retry-After (s)", color: "#d29922", data: hist.retryMean, dash: [4, 3] },
+      { label: "cancellations /s", color: "#bc8cff", data: hist.cancelRate },
+    ], { yRange: zeroTo(1) });
+  }
+
+  /** Index of the first time >= t (binary search: the history is sorted). */
+  function lowerBound(arr, t) {
+    let lo = 0, hi = arr.length;
+    while (lo < hi) { const mid = (lo + hi) >> 1; if (arr[mid] < t) lo = mid + 1; else hi = mid; }
+    return lo;
+  }
+
+  function renderCharts() {
+    if (!hist.t.length) return;
+    const end = hist.t[hist.t.length - 1];
+    const start = lowerBound(hist.t, end - windowS);
+    const xs = hist.t.slice(start);
+    for (const key in charts) {
+      const ch = charts[key];
+      const ys = ch.pick.map((a) => a.slice(start));
+      ch.u.setData([xs, ...ys]);
+      ch.points = xs.length;
+      ch.nonZero = ys.reduce((n, a) => n + a.filter((v) => isNum(v) && v > 0).length, 0);
+    }
+  }
+
+  // ---------- tiles ----------
+  function last(arr) { return arr.length ? arr[arr.length - 1] : null; }
+
+  function setTile(id, value, detail, level) {
+    const v = $(id), d = $(id + "-d");
+    if (v.textContent !== value) v.textContent = value;
+    if (d && d.textContent !== detail) d.textContent = detail;
+    const tile = v.parentElement;
+    tile.classList.toggle("alert", level === "alert");
+    tile.classList.toggle("warn", level === "warn");
+  }
+
+  function renderTiles(state) {
+    const perPrio = (src) => PRIOS.map((p) => `${p[0].toUpperCase()} ${fmtNum(last(src[p]))}`).join(" · ");
+    const sum = (src) => PRIOS.reduce((s, p) => s + (last(src[p]) ?? 0), 0);
+    setTile("t-admitted", fmtNum(sum(hist.adm)), perPrio(hist.adm));
+    const rej = sum(hist.rej);
+    setTile("t-rejected", fmtNum(rej), perPrio(hist.rej), rej > 0 ? "warn" : null);
+    const ctl = obj(state.controller) || {};
+    const shed = obj(ctl.shed_probability) || {};
+    const maxShed = Math.max(0, ...PRIOS.map((p) => num(shed[p]) ?? 0));
+    setTile("t-shed", fmtPct(num(shed.standard) ?? (Object.keys(shed).length ? maxShed : null)),
+      PRIOS.map((p) => `${p[0].toUpperCase()} ${fmtPct(num(shed[p]))}`).join(" · "),
+      num(shed.critical) > 0 ? "alert" : maxShed > 0 ? "warn" : null);
+    const used = num(ctl.in_flight_tokens), budget = num(ctl.budget_tokens);
+    const frac = used !== null && budget ? used / budget : null;
+    setTile("t-budget", `${fmtNum(used)} / ${fmtNum(budget)}`,
+      `${fmtPct(frac)} used · setpoint ${fmtPct(num(ctl.setpoint))}`,
+      frac !== null && frac >= 1 ? "alert" : frac !== null && frac > 0.9 ? "warn" : null);
+    const rr = last(hist.retryRate), rm = last(hist.retryMean);
+    setTile("t-retry", fmtNum(rr), rm !== null ? `mean ${fmtNum(rm)} s` : "", rr > 0 ? "warn" : null);
+    const c = readCounters(state);
+    setTile("t-cancel", fmtNum(last(hist.cancelRate)), `total ${fmtNum(c.cancels)}`);
+    setTile("t-inflight", fmtNum(num(state.in_flight_requests)),
+      `released ${fmtNum(num(state.released_tokens_per_s))} tok/s`);
+  }
+
+  // ---------- nodes ----------
+  const rows = new Map(); // id -> {tr, cells, canvas, ...}
+  let order = [];
+  let lastSortAt = 0;
+
+  function nodeState(n) {
+    const s = typeof n.state === "string" ? n.state.toLowerCase() : null;
+    if (s && s in SEVERITY) return s;
+    if (n.fresh === false) return "stale";
+    return s || "unknown";
+  }
+
+  function makeRow(id) {
+    const tr = document.createElement("tr");
+    tr.className = "node";
+    tr.dataset.node = id;
+    const td = (cls) => { const c = document.createElement("td"); if (cls) c.className = cls; tr.appendChild(c); return c; };
+    const cells = {
+      id: td(), state: td(), age: td("num"), kv: td("kvcol"), rep: td("num"), pred: td("num"),
+      reserved: td("num"), inflight: td("num"), running: td("num"), waiting: td("num"),
+      latency: td("num"), scrape: td("num"), spark: td(),
+    };
+    cells.id.textContent = id;
+    const badge = document.createElement("span");
+    cells.state.appendChild(badge);
+    const bar = document.createElement("div");
+    bar.className = "bar";
+    const pred = document.createElement("div"); pred.className = "pred";
+    const rep = document.createElement("div"); rep.className = "rep";
+    const high = document.createElement("div"); high.className = "mark";
+    const panic = document.createElement("div"); panic.className = "mark panic";
+    bar.append(pred, rep, high, panic);
+    cells.kv.appendChild(bar);
+    const canvas = document.createElement("canvas");
+    canvas.className = "spark"; canvas.width = 120; canvas.height = 20;
+    cells.spark.appendChild(canvas);
+    return { tr, cells, badge, rep, pred, high, panic, canvas, last: {} };
+  }
+
+  function setText(row, key, text) {
+    if (row.last[key] !== text) { row.last[key] = text; row.cells[key].textContent = text; }
+  }
+
+  function scrapeInfo(state, id) {
+    const s = obj(obj(state.scrape)?.[id]) || obj(obj(obj(state.scrape)?.nodes)?.[id]);
+    if (!s) return { text: "–", title: "" };
+    const lat = num(first(s, ["latency_s", "last_latency_s", "scrape_latency_s"]));
+    const fails = num(first(s, ["consecutive_failures", "failures", "failures_total"]));
+    let text = lat !== null ? fmtMs(lat) : "–";
+    if (fails) text += ` ✗${fmtNum(fails)}`;
+    return { text, title: typeof s.last_error === "string" ? s.last_error : "" };
+  }
+
+  function watermarks(state) {
+    const ctl = obj(state.controller) || {};
+    const pol = obj(state.raw.policy) || {};
+    const cfg = obj(state.raw.config) || {};
+    const pick = (k) => num(ctl[k]) ?? num(pol[k]) ?? num(cfg[k]) ?? num(obj(cfg.admission)?.[k]);
+    // The adaptive policy's setpoint is its high watermark.
+    return { high: pick("high_watermark") ?? num(ctl.setpoint), panic: pick("panic_watermark") };
+  }
+
+  function renderNode(row, id, n, state, wm) {
+    const st = nodeState(n);
+    if (row.last.st !== st) {
+      row.last.st = st;
+      row.tr.className = `node state-${st}`;
+      row.badge.className = `badge b-${st}`;
+      row.badge.textContent = st;
+    }
+    const sample = obj(n.sample);
+    const rep = num(sample?.kv_usage), pred = num(n.predicted_usage);
+    setText(row, "age", fmtAge(num(n.age_s)));
+    row.rep.style.width = rep === null ? "0" : `${Math.min(100, rep * 100).toFixed(1)}%`;
+    row.pred.style.width = pred === null ? "0" : `${Math.min(100, pred * 100).toFixed(1)}%`;
+    row.high.style.display = wm.high === null ? "none" : "";
+    row.panic.style.display = wm.panic === null ? "none" : "";
+    if (wm.high !== null) row.high.style.left = `${wm.high * 100}%`;
+    if (wm.panic !== null) row.panic.style.left = `${wm.panic * 100}%`;
+    setText(row, "rep", fmtPct(rep));
+    setText(row, "pred", fmtPct(pred));
+    setText(row, "reserved", fmtNum(num(n.reserved_tokens)));
+    setText(row, "inflight", fmtNum(num(n.in_flight)));
+    setText(row, "running", fmtNum(num(sample?.running)));
+    setText(row, "waiting", fmtNum(num(sample?.waiting)));
+    setText(row, "latency", fmtMs(num(sample?.iteration_latency_s)));
+    const scrape = scrapeInfo(state, id);
+    setText(row, "scrape", scrape.text);
+    if (row.cells.scrape.title !== scrape.title) row.cells.scrape.title = scrape.title;
+    drawSpark(row.canvas, nodeHist.get(id));
+  }
+
+  function drawSpark(canvas, h) {
+    const ctx = canvas.getContext("2d");
+    const w = canvas.width, ht = canvas.height;
+    ctx.clearRect(0, 0, w, ht);
+    if (!h) return;
+    const line = (arr, color) => {
+      ctx.strokeStyle = color; ctx.lineWidth = 1.2; ctx.beginPath();
+      let pen = false;
+      const off = SPARK_POINTS - arr.length;
+      for (let i = 0; i < arr.length; i++) {
+        const v = arr[i];
+        if (!isNum(v)) { pen = false; continue; }
+        const x = ((off + i) / (SPARK_POINTS - 1)) * (w - 1);
+        const y = ht - 1 - Math.min(1, Math.max(0, v)) * (ht - 2);
+        if (pen) ctx.lineTo(x, y); else { ctx.moveTo(x, y); pen = true; }
+      }
+      ctx.stroke();
+    };
+    line(h.pred, "#f0883e");
+    line(h.rep, "#58a6ff");
+  }
+
+  function sortKey(mode, nodes) {
+    const ids = Object.keys(nodes);
+    const natural = (a, b) => a.localeCompare(b, undefined, { numeric: true });
+    if (mode === "name") return ids.sort(natural);
+    if (mode === "predicted") {
+      return ids.sort((a, b) => (num(nodes[b].predicted_usage) ?? -1) - (num(nodes[a].predicted_usage) ?? -1) || natural(a, b));
+    }
+    return ids.sort((a, b) => SEVERITY[nodeState(nodes[a])] - SEVERITY[nodeState(nodes[b])] ||
+      (num(nodes[b].predicted_usage) ?? -1) - (num(nodes[a].predicted_usage) ?? -1) || natural(a, b));
+  }
+
+  function renderNodes(state, force) {
+    const nodes = obj(state.nodes) || {};
+    const tbody = $("node-rows");
+    for (const [id, row] of rows) if (!(id in nodes)) { row.tr.remove(); rows.delete(id); }
+    const wm = watermarks(state);
+    const counts = {};
+    for (const id in nodes) {
+      let row = rows.get(id);
+      if (!row) { row = makeRow(id); rows.set(id, row); tbody.appendChild(row.tr); force = true; }
+      const n = obj(nodes[id]) || {};
+      renderNode(row, id, n, state, wm);
+      const st = nodeState(n);
+      counts[st] = (counts[st] || 0) + 1;
+    }
+    // Re-sort at most once a second, so rows don't jump under the operator's eyes.
+    const now = performance.now();
+    if (force || now - lastSortAt > 1000) {
+      lastSortAt = now;
+      const next = sortKey($("sort").value, Object.fromEntries(Object.entries(nodes).map(([k, v]) => [k, obj(v) || {}])));
+      if (next.join("\u0000") !== order.join("\u0000")) {
+        order = next;
+        const frag = document.createDocumentFragment();
+        for (const id of order) frag.appendChild(rows.get(id).tr);
+        tbody.appendChild(frag);
+      }
+    }
+    const total = Object.keys(nodes).length;
+    $("no-nodes").hidden = total > 0;
+    $("node-count").textContent = `(${total})`;
+    const summary = Object.keys(SEVERITY).filter((s) => counts[s])
+      .map((s) => `<span class="badge b-${s}">${counts[s]} ${s}</span>`).join("");
+    if ($("node-summary").innerHTML !== summary) $("node-summary").innerHTML = summary;
+  }
+
+  function renderReasons() {
+    const el = $("reasons");
+    if (counterHist.length < 2) return;
+    const newest = counterHist[counterHist.length - 1];
+    const base = baseline(REASON_WINDOW_S);
+    const parts = [];
+    for (const r in newest.c.reasons) {
+      const d = newest.c.reasons[r] - (base.c.reasons[r] || 0);
+      if (d > 0) parts.push([r, d]);
+    }
+    parts.sort((a, b) => b[1] - a[1]);
+    const text = parts.length ? parts.map(([r, d]) => `<span>${escapeHtml(r)} <b>${fmtNum(d)}</b></span>`).join("") : "none";
+    if (el.innerHTML !== text) el.innerHTML = text;
+  }
+
+  function escapeHtml(s) {
+    return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+  }
+
+  // ---------- main loop ----------
+  function render() {
+    dirty = false;
+    if (!lastState) return;
+    $("policy").textContent = lastState.policy || "–";
+    renderTiles(lastState);
+    renderCharts();
+    renderNodes(lastState, false);
+    renderReasons();
+    renders++;
+  }
+
+  function schedule() {
+    if (dirty) return;
+    dirty = true;
+    requestAnimationFrame(render);
+  }
+
+  function setConn(cls, text) {
+    const el = $("conn");
+    el.className = `conn ${cls}`;
+    el.textContent = text;
+  }
+
+  function connect() {
+    const params = new URLSearchParams(location.search);
+    const q = new URLSearchParams();
+    if (params.get("token")) q.set("token", params.get("token"));
+    if (params.get("interval_ms")) q.set("interval_ms", params.get("interval_ms"));
+    const url = "/admin/events" + (q.toString() ? `?${q}` : "");
+    const es = new EventSource(url);
+    es.onopen = () => setConn("conn-live", "live");
+    es.onmessage = (ev) => {
+      let state;
+      try { state = JSON.parse(ev.data); } catch { return; }
+      if (!obj(state)) return;
+      ingest(state);
+      schedule();
+    };
+    es.addEventListener("error", (ev) => {
+      if (ev.data) setConn("conn-down", "gateway error");
+      else setConn(es.readyState === EventSource.CLOSED ? "conn-down" : "conn-wait", "reconnecting…");
+    });
+    // A stream that stays open but goes silent is as bad as a closed one: say so.
+    setInterval(() => {
+      if (!lastMessageAt) return;
+      const silent = (performance.now() - lastMessageAt) / 1000;
+      if (silent > 2) setConn("conn-down", `no data for ${silent.toFixed(0)} s`);
+      else if (es.readyState === EventSource.OPEN) setConn("conn-live", "live");
+    }, 1000);
+    return es;
+  }
+
+  function start() {
+    windowS = Number($("window").value) || 300;
+    $("window").addEventListener("change", (e) => { windowS = Number(e.target.value) || 300; schedule(); });
+    $("sort").addEventListener("change", () => { if (lastState) renderNodes(lastState, true); });
+    buildCharts();
+    const es = connect();
+    // A read-only handle for tests and for operators poking at the console.
+    window.kvgate = {
+      get updates() { return updates; },
+      get renders() { return renders; },
+      get state() { return lastState; },
+      get lastUpdate() { return lastNow; },
+      charts,
+      hist,
+      staleNodes: () => [...document.querySelectorAll("tr.node.state-stale")].map((tr) => tr.dataset.node),
+      events: es,
+    };
+  }
+
+  start();
+})();

@@ -1,0 +1,349 @@
+"""`kvgate status`: what a running gateway sees, as a table in the terminal.
+
+It reads `GET /admin/state` (the same JSON the dashboard streams), so an operator on a
+jump host with only `ssh` gets the same facts as the browser: per node what the engine
+reports and what kvgate predicts, and what admission is doing about it. `--watch` redraws
+every `--interval` seconds and adds per-second rates derived from the counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+PRIORITIES = ("critical", "standard", "sheddable")
+STATE_STYLE = {
+    "ok": "green",
+    "high": "yellow",
+    "panic": "bold red",
+    "thrashing": "bold magenta",
+    "stale": "bold white on red",
+    "unknown": "dim",
+}
+
+
+class StatusError(Exception):
+    """The gateway could not be read; the message says why, for a human."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", default="http://127.0.0.1:8080", help="gateway base URL (default: %(default)s)"
+    )
+    parser.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    parser.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)"
+    )
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("KVGATE_SERVER__ADMIN_TOKEN"),
+        help="bearer token for the admin API (default: $KVGATE_SERVER__ADMIN_TOKEN)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="HTTP timeout in seconds (default: 3)"
+    )
+    parser.add_argument("--count", type=int, default=None, help="with --watch: stop after N")
+    parser.add_argument("--json", action="store_true", help="print the raw state as JSON")
+
+
+def _console() -> Console:
+    """A terminal keeps its width; piped output gets room for the whole node table."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 150))
+    return console
+
+
+def run(args: argparse.Namespace) -> int:
+    console = _console()
+    if args.interval <= 0 or args.timeout <= 0:
+        console.print("[red]error:[/] --interval and --timeout must be positive")
+        return 2
+    if args.count is not None and args.count < 1:
+        console.print("[red]error:[/] --count must be at least 1")
+        return 2
+    if args.watch:
+        return _watch(args, console)
+    try:
+        state = fetch_state(args.url, args.admin_token, args.timeout)
+    except StatusError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
+    if args.json:
+        console.print_json(data=state)
+    else:
+        console.print(render(state))
+    return 0
+
+
+def fetch_state(url: str, token: str | None = None, timeout: float = 3.0) -> dict[str, Any]:
+    """GET `<url>/admin/state` as a dict, or raise StatusError with a readable reason."""
+    endpoint = url.rstrip("/") + "/admin/state"
+    request = urllib.request.Request(endpoint, headers={"Accept": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as exc:
+        hint = " (pass --admin-token)" if exc.code in (401, 403) else ""
+        raise StatusError(f"{endpoint} answered {exc.code} {exc.reason}{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StatusError(f"cannot reach the gateway at {endpoint}: {reason}") from None
+    try:
+        state = json.loads(body)
+    except ValueError:
+        raise StatusError(f"{endpoint} did not answer JSON") from None
+    if not isinstance(state, dict):
+        raise StatusError(f"{endpoint} answered JSON that is not an object")
+    return state
+
+
+def normalize(raw: dict[str, Any]) -> dict[str, Any]:
+    """One flat shape from the gateway's nested state or a flat one.
+
+    The gateway serves `{"time", "policy": <policy snapshot>, "scraper", "gateway":
+    <counters>}`; a bare policy snapshot has its keys at the top. Both read the same here.
+    """
+    policy = _obj(raw.get("policy"))
+    nested = policy if ("nodes" in policy or "controller" in policy) else None
+    base = nested if nested is not None else raw
+    name = nested.get("policy", nested.get("name")) if nested is not None else raw.get("policy")
+    if isinstance(name, dict):
+        name = name.get("name")
+    return {
+        "policy": name if isinstance(name, str) else None,
+        "time": raw.get("time", base.get("time")),
+        "nodes": _obj(base.get("nodes")),
+        "controller": _obj(base.get("controller")),
+        "in_flight_requests": base.get("in_flight_requests"),
+        "released_tokens_per_s": base.get("released_tokens_per_s"),
+        "counters": _obj(raw.get("counters")) or _obj(raw.get("gateway")),
+        "scrape": _obj(raw.get("scrape")) or _obj(raw.get("scraper")),
+    }
+
+
+# ---------------------------------------------------------------- rates (watch mode)
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """The cumulative counters rates are derived from."""
+
+    at: float
+    admitted: dict[str, float]
+    rejected: dict[str, float]
+    cancellations: float
+
+
+def totals(state: dict[str, Any], at: float) -> Totals:
+    """Admitted/rejected per priority and cancellations, from the gateway's counters."""
+    counters = normalize(state)["counters"]
+    admitted = dict.fromkeys(PRIORITIES, 0.0)
+    rejected = dict.fromkeys(PRIORITIES, 0.0)
+    for key, value in _obj(counters.get("admissions")).items():
+        decision, _, rest = str(key).partition("|")
+        priority = rest.partition("|")[0].lower()
+        target = admitted if decision.lower().startswith(("admit", "accept")) else rejected
+        if priority in target:
+            target[priority] += _sum(value)
+    return Totals(at, admitted, rejected, _sum(counters.get("cancellations")))
+
+
+def rates(old: Totals | None, new: Totals) -> dict[str, float] | None:
+    """Per-second rates between two readings; None before the second one or after a reset."""
+    if old is None or new.at <= old.at:
+        return None
+    span = new.at - old.at
+    out: dict[str, float] = {}
+    for prio in PRIORITIES:
+        out[f"admitted_{prio}"] = (new.admitted[prio] - old.admitted[prio]) / span
+        out[f"rejected_{prio}"] = (new.rejected[prio] - old.rejected[prio]) / span
+    out["cancellations"] = (new.cancellations - old.cancellations) / span
+    return None if any(v < 0 for v in out.values()) else out
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render(state: dict[str, Any], per_second: dict[str, float] | None = None) -> RenderableType:
+    """The whole screen: cluster summary, then one row per node (worst first)."""
+    state = normalize(state)
+    return Group(_cluster_table(state, per_second), _node_table(state))
+
+
+def _cluster_table(state: dict[str, Any], per_second: dict[str, float] | None) -> Table:
+    ctl = _obj(state.get("controller"))
+    shed = _obj(ctl.get("shed_probability"))
+    policy = state.get("policy")
+    table = Table(title=f"kvgate · policy {policy or '?'}", show_header=True, expand=False)
+    for column in ("", *PRIORITIES, "total"):
+        table.add_column(column, justify="right" if column else "left")
+    shed_cells = [_pct(_num(shed.get(p))) for p in PRIORITIES]
+    table.add_row("shed probability", *shed_cells, "")
+    count = totals(state, 0.0)
+    for label, source in (("admitted", count.admitted), ("rejected", count.rejected)):
+        cells = [_fmt(source[p]) for p in PRIORITIES]
+        table.add_row(f"{label} (total)", *cells, _fmt(sum(source.values())))
+        if per_second is not None:
+            per = [per_second[f"{label}_{p}"] for p in PRIORITIES]
+            table.add_row(f"{label} /s", *(_fmt(v) for v in per), _fmt(sum(per)))
+    budget, used = _num(ctl.get("budget_tokens")), _num(ctl.get("in_flight_tokens"))
+    table.add_row("in-flight tokens / budget", "", "", "", f"{_fmt(used)} / {_fmt(budget)}")
+    table.add_row("setpoint", "", "", "", _pct(_num(ctl.get("setpoint"))))
+    table.add_row("in-flight requests", "", "", "", _fmt(_num(state.get("in_flight_requests"))))
+    table.add_row("released tokens /s", "", "", "", _fmt(_num(state.get("released_tokens_per_s"))))
+    cancel = _fmt(count.cancellations)
+    if per_second is not None:
+        cancel += f" ({_fmt(per_second['cancellations'])}/s)"
+    table.add_row("cancellations propagated", "", "", "", cancel)
+    return table
+
+
+def _node_table(state: dict[str, Any]) -> Table:
+    nodes = {str(k): _obj(v) for k, v in _obj(state.get("nodes")).items()}
+    scrape = _obj(_obj(state.get("scrape")).get("nodes"))
+    table = Table(title=f"nodes ({len(nodes)})", show_header=True)
+    for column in ("node", "state", "age", "KV rep.", "KV pred.", "reserved tok", "in-flight"):
+        table.add_column(column, justify="left" if column in ("node", "state") else "right")
+    for column in ("running", "waiting", "iter. latency", "scrape"):
+        table.add_column(column, justify="right")
+    for node_id in sorted(nodes, key=lambda n: (_severity(nodes[n]), _natural(n))):
+        table.add_row(*_node_cells(node_id, nodes[node_id], _obj(scrape.get(node_id))))
+    return table
+
+
+def _node_cells(node_id: str, node: dict[str, Any], scrape: dict[str, Any]) -> list[Any]:
+    state = _node_state(node)
+    sample = _obj(node.get("sample"))
+    latency = _num(sample.get("iteration_latency_s"))
+    scrape_text = _ms(_num(scrape.get("last_latency_s")))
+    failures = _num(scrape.get("consecutive_failures"))
+    if failures:
+        scrape_text += f" ✗{_fmt(failures)}"
+    style = STATE_STYLE.get(state, "")
+    return [
+        Text(node_id, style="bold red" if state == "stale" else ""),
+        Text(state.upper(), style=style),
+        _age(_num(node.get("age_s"))),
+        _pct(_num(sample.get("kv_usage"))),
+        _pct(_num(node.get("predicted_usage"))),
+        _fmt(_num(node.get("reserved_tokens"))),
+        _fmt(_num(node.get("in_flight"))),
+        _fmt(_num(sample.get("running"))),
+        _fmt(_num(sample.get("waiting"))),
+        _ms(latency),
+        scrape_text,
+    ]
+
+
+def _watch(args: argparse.Namespace, console: Console) -> int:
+    """Redraw until Ctrl-C (or `--count` frames); an unreachable gateway is shown, not fatal."""
+    from rich.live import Live
+
+    previous: Totals | None = None
+    shown = 0
+    with Live(console=console, auto_refresh=False, screen=False) as live:
+        try:
+            while args.count is None or shown < args.count:
+                started = time.monotonic()
+                try:
+                    state = fetch_state(args.url, args.admin_token, args.timeout)
+                except StatusError as exc:
+                    live.update(Text(f"error: {exc} (retrying)", style="red"), refresh=True)
+                    previous = None
+                else:
+                    current = totals(state, started)
+                    live.update(render(state, rates(previous, current)), refresh=True)
+                    previous = current
+                shown += 1
+                if args.count is not None and shown >= args.count:
+                    break
+                time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+# ---------------------------------------------------------------- small helpers
+
+_SEVERITY = {"panic": 0, "thrashing": 1, "stale": 2, "high": 3, "unknown": 4, "ok": 5}
+
+
+def _node_state(node: dict[str, Any]) -> str:
+    state = node.get("state")
+    if isinstance(state, str) and state.lower() in _SEVERITY:
+        return state.lower()
+    return "stale" if node.get("fresh") is False else "unknown"
+
+
+def _severity(node: dict[str, Any]) -> int:
+    return _SEVERITY[_node_state(node)]
+
+
+def _natural(text: str) -> tuple[Any, ...]:
+    """`node-2` before `node-10`."""
+    parts: list[Any] = []
+    digits = ""
+    for char in text + "\0":
+        if char.isdigit():
+            digits += char
+            continue
+        if digits:
+            parts.append((0, int(digits), ""))
+            digits = ""
+        parts.append((1, 0, char))
+    return tuple(parts)
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if value == value and abs(value) != float("inf") else None
+
+
+def _sum(value: Any) -> float:
+    """Every number under a value: a number, or nested dicts of numbers."""
+    number = _num(value)
+    if number is not None:
+        return number
+    return sum(_sum(v) for v in value.values()) if isinstance(value, dict) else 0.0
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if abs(value) >= 1e6:
+        return f"{value / 1e6:.1f}M"
+    if abs(value) >= 1e4:
+        return f"{value / 1e3:.1f}k"
+    if value == int(value) or abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.0f}%"
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def _age(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds:.1f} s"

@@ -1,0 +1,145 @@
+"""The dashboard's routes served by a real uvicorn: page, static files, the SSE stream."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from opview_synthetic import SyntheticCluster, router, serve
+
+from kvgate.gateway import dashboard
+
+
+def _events(response: httpx.Response, wanted: int, timeout_s: float = 5.0) -> list[str]:
+    """Read `wanted` SSE frames (event type + data) from a streaming response."""
+    frames: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    buffer = ""
+    for chunk in response.iter_text():
+        buffer += chunk
+        while "\n\n" in buffer:
+            frame, buffer = buffer.split("\n\n", 1)
+            if "data:" in frame:
+                frames.append(frame)
+        if len(frames) >= wanted or time.monotonic() > deadline:
+            break
+    return frames
+
+
+def test_routes_cover_page_static_files_and_events() -> None:
+    table = dashboard.routes(lambda: {})
+    paths = {path for method, path in table if method == "GET"}
+    assert {"/dashboard", "/admin/events"} <= paths
+    for name in ("dashboard.js", "dashboard.css", "uPlot.iife.min.js", "uPlot.min.css"):
+        assert f"/dashboard/static/{name}" in paths
+    assert "/dashboard/static/uPlot.LICENSE.txt" in paths  # the vendored library's license
+
+
+def test_page_loads_only_its_own_files() -> None:
+    """Nothing from a CDN: every script/stylesheet the page names is served by us."""
+    cluster = SyntheticCluster(2)
+    with serve(router(cluster.state)) as url, httpx.Client(base_url=url) as client:
+        page = client.get("/dashboard")
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+        refs = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+        assert refs, "the page references its scripts and styles"
+        for ref in refs:
+            if ref.startswith("data:"):
+                continue
+            assert ref.startswith("/dashboard/static/"), ref
+            asset = client.get(ref)
+            assert asset.status_code == 200, ref
+            assert int(asset.headers["content-length"]) == len(asset.content) > 0
+        script = client.get("/dashboard/static/dashboard.js").text
+        assert "http://" not in script and "https://" not in script
+
+
+def test_events_stream_pushes_state_about_five_times_a_second() -> None:
+    cluster = SyntheticCluster(3)
+    with (
+        serve(router(cluster.state)) as url,
+        httpx.Client(base_url=url, timeout=5) as client,
+        client.stream("GET", "/admin/events") as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        started = time.monotonic()
+        frames = _events(response, wanted=6)
+        elapsed = time.monotonic() - started
+    assert len(frames) == 6
+    states = [orjson.loads(frame.split("data: ", 1)[1]) for frame in frames]
+    assert all(set(s["policy"]["nodes"]) == {"node-00", "node-01", "node-02"} for s in states)
+    assert [s["time"] for s in states] == sorted(s["time"] for s in states)
+    # Six frames at 5 Hz need about a second (the first is immediate); generous upper bound.
+    assert 0.7 < elapsed < 4.0
+
+
+def test_events_stop_promptly_when_the_client_disconnects() -> None:
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def provider() -> dict[str, Any]:
+        with lock:
+            calls["n"] += 1
+        return {"time": time.monotonic(), "nodes": {}}
+
+    with serve(router(provider)) as url:
+        with (
+            httpx.Client(base_url=url, timeout=5) as client,
+            client.stream("GET", "/admin/events?interval_ms=100") as response,
+        ):
+            assert len(_events(response, wanted=3)) == 3
+        time.sleep(0.5)  # the disconnect reaches the server; its loop must notice
+        after_close = calls["n"]
+        time.sleep(0.6)  # six periods at 100 ms: a loop still running would call 6 more times
+        assert calls["n"] == after_close
+
+
+def test_a_failing_state_provider_yields_error_events_not_a_dead_stream() -> None:
+    calls = {"n": 0}
+
+    def provider() -> dict[str, Any]:
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("policy exploded")
+        return {"time": 1.0, "nodes": {}}
+
+    with (
+        serve(router(provider)) as url,
+        httpx.Client(base_url=url, timeout=5) as client,
+        client.stream("GET", "/admin/events?interval_ms=100") as response,
+    ):
+        frames = _events(response, wanted=4)
+    kinds = ["error" if frame.startswith("event: error") else "state" for frame in frames]
+    assert "error" in kinds and "state" in kinds
+    error = next(f for f in frames if f.startswith("event: error"))
+    assert "RuntimeError" in orjson.loads(error.split("data: ", 1)[1])["message"]
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        (b"", 0.2),
+        (b"interval_ms=500", 0.5),
+        (b"interval_ms=1", 0.1),  # clamped: a client cannot make the server spin
+        (b"interval_ms=999999", 5.0),
+        (b"interval_ms=nan", 0.2),
+        (b"interval_ms=abc", 0.2),
+    ],
+)
+def test_interval_is_clamped(query: bytes, expected: float) -> None:
+    assert dashboard.parse_interval(query) == pytest.approx(expected)
+
+
+def test_event_frames_are_single_line_json() -> None:
+    frame = dashboard.encode_event({"text": "a\nb", 3: float("inf")})
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    assert frame.count(b"\n") == 2
+    assert orjson.loads(frame[6:]) == {"text": "a\nb", "3": None}
