@@ -1,0 +1,322 @@
+"""The scraper: polls every engine's metrics page and feeds the admission policy.
+
+One task per backend, all owned by one `asyncio.TaskGroup` inside `Scraper.run()`, so
+cancelling `run()` stops every poll and nothing outlives it. Each poll has a timeout
+shorter than the period; a failed, slow or garbage answer becomes `observe_failure()`
+(the policy then lets the node go stale after `stale_after_s`) and is logged once when
+the node goes down and once when it comes back, never per scrape.
+
+Start/stop from an ASGI lifespan::
+
+    scraper = Scraper(backends, config.scrape, policy, session, clock)
+    async with scraper:          # starts run() in a task
+        ...                      # serve
+    # leaving the block cancels and awaits it
+
+or own the task yourself: `task = asyncio.create_task(scraper.run())`, later
+`task.cancel()` and `await` it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from kvgate.adapters.backend import Backend
+from kvgate.adapters.base import MAX_PAGE_BYTES, MetricsParseError
+from kvgate.adapters.settings import ScrapeSettings
+from kvgate.core.clock import Clock
+from kvgate.core.signals import NodeSample
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_SHARE = 0.8  # default timeout: 80% of the interval
+
+
+class SignalSink(Protocol):
+    """The part of `AdmissionPolicy` the scraper talks to."""
+
+    def observe(self, node_id: str, sample: NodeSample) -> None: ...
+
+    def observe_failure(self, node_id: str) -> None: ...
+
+
+class ScrapeError(Exception):
+    """A scrape that produced no page: HTTP status, oversized body, connection trouble."""
+
+
+@dataclass(slots=True)
+class NodeStats:
+    """What the scraper knows about one node, for `/admin/state` and Prometheus."""
+
+    node_id: str
+    engine: str
+    metrics_url: str
+    scrapes_total: int = 0
+    failures_total: int = 0
+    consecutive_failures: int = 0
+    last_latency_s: float | None = None
+    last_attempt_at: float | None = None
+    last_success_at: float | None = None
+    last_error: str | None = None
+    last_sample: NodeSample | None = None
+    up: bool | None = None  # None: not scraped yet
+    latency_sum_s: float = 0.0  # over every scrape, for a Prometheus summary/counter pair
+    _latency_observations: deque[float] = field(
+        default_factory=lambda: deque(maxlen=4096), repr=False
+    )
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        sample = self.last_sample
+        return {
+            "node_id": self.node_id,
+            "engine": self.engine,
+            "metrics_url": self.metrics_url,
+            "up": self.up,
+            "scrapes_total": self.scrapes_total,
+            "failures_total": self.failures_total,
+            "consecutive_failures": self.consecutive_failures,
+            "last_latency_s": self.last_latency_s,
+            "last_error": self.last_error,
+            "last_success_age_s": (
+                None if self.last_success_at is None else max(0.0, now - self.last_success_at)
+            ),
+            "last_sample": None if sample is None else sample_as_dict(sample),
+        }
+
+    def drain_latencies(self) -> list[float]:
+        """Scrape latencies observed since the last call (the newest 4096 at most), to feed
+        a Prometheus histogram at collection time."""
+        out = list(self._latency_observations)
+        self._latency_observations.clear()
+        return out
+
+    def _observe_latency(self, latency: float) -> None:
+        self.last_latency_s = latency
+        self.latency_sum_s += latency
+        self._latency_observations.append(latency)
+
+
+def sample_as_dict(sample: NodeSample) -> dict[str, Any]:
+    return {
+        "kv_usage": sample.kv_usage,
+        "kv_capacity_tokens": sample.kv_capacity_tokens,
+        "running": sample.running,
+        "waiting": sample.waiting,
+        "iteration_latency_s": sample.iteration_latency_s,
+        "preemptions_total": sample.preemptions_total,
+        "sampled_at": sample.sampled_at,
+    }
+
+
+class Scraper:
+    """Polls each backend's metrics every `settings.interval_s` and feeds `policy`.
+
+    `session` is shared and owned by the caller (create it with a connector whose limit
+    covers the backends, and close it after the scraper has stopped). `clock` stamps the
+    samples on the core's time base.
+    """
+
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        settings: ScrapeSettings,
+        policy: SignalSink,
+        session: aiohttp.ClientSession,
+        clock: Clock,
+    ) -> None:
+        ids = [b.node_id for b in backends]
+        if len(set(ids)) != len(ids):
+            raise ValueError("backend node ids must be unique")
+        self._backends = list(backends)
+        self._interval = settings.interval_s
+        timeout = settings.timeout_s or settings.interval_s * _TIMEOUT_SHARE
+        self._timeout = min(timeout, settings.interval_s * 0.95)
+        self._policy = policy
+        self._session = session
+        self._clock = clock
+        self._stats = {
+            b.node_id: NodeStats(b.node_id, b.engine, b.metrics_url) for b in self._backends
+        }
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- reading ---------------------------------------------------------------------
+
+    @property
+    def interval_s(self) -> float:
+        return self._interval
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout
+
+    @property
+    def backends(self) -> Sequence[Backend]:
+        return tuple(self._backends)
+
+    def stats(self) -> Mapping[str, NodeStats]:
+        """Live per-node stats (do not mutate): latency, failures, last error, last sample."""
+        return self._stats
+
+    def last_sample(self, node_id: str) -> NodeSample | None:
+        return self._stats[node_id].last_sample
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able state for `/admin/state`."""
+        now = self._clock.now()
+        return {
+            "interval_s": self._interval,
+            "timeout_s": self._timeout,
+            "nodes": {nid: s.as_dict(now) for nid, s in self._stats.items()},
+        }
+
+    # ---- running ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Scrape until cancelled. Start times are spread over one period so that many
+        nodes do not all fire in the same millisecond."""
+        n = len(self._backends)
+        async with asyncio.TaskGroup() as group:
+            for i, backend in enumerate(self._backends):
+                offset = self._interval * i / n
+                group.create_task(self._watch(backend, offset), name=f"scrape {backend.node_id}")
+
+    async def __aenter__(self) -> Scraper:
+        if self._task is not None:
+            raise RuntimeError("scraper already started")
+        self._task = asyncio.create_task(self.run(), name="kvgate scraper")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Cancel `run()` started by `async with` and wait until every poll has ended."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _watch(self, backend: Backend, offset: float) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + offset
+        while True:
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await self.scrape_once(backend)
+            next_at += self._interval
+            # A poll that overran its slot (timeout plus connection teardown, or a busy
+            # loop) is followed at once and the schedule re-anchored: the node is polled
+            # at 1 / max(interval, poll time), never in a burst of missed ticks.
+            next_at = max(next_at, loop.time())
+
+    async def scrape_once(self, backend: Backend) -> NodeSample | None:
+        """One poll of one backend: fetch, parse, tell the policy, update stats."""
+        stats = self._stats[backend.node_id]
+        started = time.perf_counter()
+        stats.last_attempt_at = self._clock.now()
+        stats.scrapes_total += 1
+        try:
+            page = await self._fetch(backend)
+            sample = backend.adapter.parse(page, self._clock.now())
+        except asyncio.CancelledError:
+            raise
+        except (ScrapeError, MetricsParseError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self._record_failure(backend, stats, exc, time.perf_counter() - started)
+            return None
+        except Exception as exc:  # a bug in an adapter must not stop the other nodes
+            log.exception("scraper: unexpected error on %s", backend.node_id)
+            self._record_failure(backend, stats, exc, time.perf_counter() - started)
+            return None
+        self._record_success(backend, stats, sample, time.perf_counter() - started)
+        return sample
+
+    async def _fetch(self, backend: Backend) -> bytes:
+        async with asyncio.timeout(self._timeout):
+            async with self._session.get(
+                backend.metrics_url, headers=backend.auth_headers(), allow_redirects=False
+            ) as resp:
+                if resp.status != 200:
+                    raise ScrapeError(f"HTTP {resp.status}")
+                if (resp.content_length or 0) > MAX_PAGE_BYTES:
+                    raise ScrapeError(f"page of {resp.content_length} bytes is too large")
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in resp.content.iter_chunked(256 * 1024):
+                    size += len(chunk)
+                    if size > MAX_PAGE_BYTES:
+                        raise ScrapeError(f"page larger than {MAX_PAGE_BYTES} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+
+    # ---- bookkeeping -------------------------------------------------------------------
+
+    def _record_success(
+        self, backend: Backend, stats: NodeStats, sample: NodeSample, latency: float
+    ) -> None:
+        stats._observe_latency(latency)
+        stats.last_success_at = sample.sampled_at
+        stats.last_sample = sample
+        if stats.up is False:
+            log.info(
+                "node %s recovered after %d failed scrapes",
+                backend.node_id,
+                stats.consecutive_failures,
+            )
+        stats.up = True
+        stats.consecutive_failures = 0
+        stats.last_error = None
+        self._tell(backend.node_id, sample)
+
+    def _record_failure(
+        self, backend: Backend, stats: NodeStats, exc: BaseException, latency: float
+    ) -> None:
+        reason = describe(exc, self._timeout)
+        stats._observe_latency(latency)
+        stats.failures_total += 1
+        stats.consecutive_failures += 1
+        stats.last_error = reason
+        if stats.up is not False:
+            log.warning(
+                "node %s: metrics scrape failed (%s); it gets no samples until it recovers",
+                backend.node_id,
+                reason,
+            )
+        stats.up = False
+        self._tell(backend.node_id, None)
+
+    def _tell(self, node_id: str, sample: NodeSample | None) -> None:
+        try:
+            if sample is None:
+                self._policy.observe_failure(node_id)
+            else:
+                self._policy.observe(node_id, sample)
+        except Exception:  # the policy is pure code: a bug there must not kill scraping
+            log.exception(
+                "scraper: policy rejected a %s for %s",
+                "failure" if sample is None else "sample",
+                node_id,
+            )
+
+
+def describe(exc: BaseException, timeout: float) -> str:
+    """A short, secret-free description of why a scrape failed."""
+    if isinstance(exc, TimeoutError):
+        return f"timeout after {timeout * 1000:.0f} ms"
+    if isinstance(exc, ScrapeError | MetricsParseError):
+        return str(exc)[:200]
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"connection failed: {exc.os_error.strerror or exc.os_error!r}"[:200]
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:200]

@@ -1,0 +1,275 @@
+"""The scraper against real HTTP servers on 127.0.0.1 that serve a real vLLM page and can be
+switched to garbage, a hang, an HTTP error or silence; the real admission policy listens."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from kvgate.adapters.backend import Backend
+from kvgate.adapters.settings import BackendSettings, ScrapeSettings
+from kvgate.core.clock import MonotonicClock
+from kvgate.core.policies import build_policy
+from kvgate.core.policies.base import BasePolicy
+from kvgate.core.settings import AdmissionSettings
+from kvgate.core.signals import NodeSample
+from kvgate.gateway.scraper import Scraper
+
+from .pages import page, replace_line
+
+INTERVAL = 0.04
+REAL_PAGE = page("vllm")
+
+
+class Engine:
+    """A fake engine's /metrics, served over real HTTP, whose behaviour tests switch."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.hits = 0
+        self.itl_count = 1000
+        self.auth: list[str | None] = []
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        self.auth.append(request.headers.get("Authorization"))
+        if self.mode == "hang":
+            await asyncio.sleep(30)
+        if self.mode == "500":
+            return web.Response(status=500, text="boom")
+        if self.mode == "garbage":
+            return web.Response(body=b"<html>upstream connect error</html>")
+        if self.mode == "nan":
+            return web.Response(
+                body=replace_line(
+                    REAL_PAGE, b"vllm:kv_cache_usage_perc{", b"vllm:kv_cache_usage_perc NaN"
+                )
+            )
+        # "ok": a real page whose inter-token histogram advances 10 tokens of 20 ms per scrape
+        self.itl_count += 10
+        body = replace_line(
+            REAL_PAGE,
+            b"vllm:inter_token_latency_seconds_count{",
+            f'vllm:inter_token_latency_seconds_count{{engine="0"}} {self.itl_count}'.encode(),
+        )
+        body = replace_line(
+            body,
+            b"vllm:inter_token_latency_seconds_sum{",
+            f'vllm:inter_token_latency_seconds_sum{{engine="0"}} {self.itl_count * 0.02}'.encode(),
+        )
+        return web.Response(body=body, content_type="text/plain")
+
+
+async def _serve(engine: Engine) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_get("/metrics", engine.metrics)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+class Recorder:
+    """Forwards to the real policy and remembers what it was told."""
+
+    def __init__(self, policy: BasePolicy) -> None:
+        self.policy = policy
+        self.samples: list[tuple[str, NodeSample]] = []
+        self.failures: list[str] = []
+
+    def observe(self, node_id: str, sample: NodeSample) -> None:
+        self.samples.append((node_id, sample))
+        self.policy.observe(node_id, sample)
+
+    def observe_failure(self, node_id: str) -> None:
+        self.failures.append(node_id)
+        self.policy.observe_failure(node_id)
+
+    def fresh(self, node_id: str) -> bool:
+        node = self.policy.nodes.get(node_id)
+        return node is not None and node.is_fresh(self.policy.clock.now(), self.policy.settings)
+
+
+class Rig:
+    def __init__(self, engines: list[Engine], urls: list[str], scraper: Scraper, rec: Recorder):
+        self.engines, self.urls, self.scraper, self.rec = engines, urls, scraper, rec
+        self.ids = [b.node_id for b in scraper.backends]
+
+
+@pytest.fixture
+async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    n = getattr(request, "param", 1)
+    engines = [Engine() for _ in range(n)]
+    served = [await _serve(e) for e in engines]
+    clock = MonotonicClock()
+    policy = build_policy(
+        AdmissionSettings(policy="none", stale_after_s=0.2, failures_to_stale=3), clock
+    )
+    assert isinstance(policy, BasePolicy)
+    rec = Recorder(policy)
+    backends = [
+        Backend.from_settings(BackendSettings(url=url, api_key="k" if i == 0 else None))
+        for i, (_, url) in enumerate(served)
+    ]
+    async with aiohttp.ClientSession() as session:
+        scraper = Scraper(backends, ScrapeSettings(interval_s=INTERVAL), rec, session, clock)
+        try:
+            yield Rig(engines, [u for _, u in served], scraper, rec)
+        finally:
+            await scraper.stop()
+            for runner, _ in served:
+                await runner.cleanup()
+
+
+async def _until(predicate: Any, within: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+async def test_healthy_node_is_fresh_with_real_samples(rig: Rig) -> None:
+    node = rig.ids[0]
+    async with rig.scraper:
+        await _until(lambda: len(rig.rec.samples) >= 4)
+        assert rig.rec.fresh(node)
+    stats = rig.scraper.stats()[node]
+    assert stats.up is True and stats.failures_total == 0 and stats.last_error is None
+    assert stats.last_latency_s is not None and 0 < stats.last_latency_s < INTERVAL
+    sample = rig.scraper.last_sample(node)
+    assert sample is not None and sample.kv_capacity_tokens == 4096
+    assert sample.iteration_latency_s == pytest.approx(0.02)  # from the histogram deltas
+    assert rig.engines[0].auth[0] == "Bearer k"  # the backend's key goes to its own engine
+    snap = orjson.loads(orjson.dumps(rig.scraper.snapshot()))
+    assert snap["nodes"][node]["last_sample"]["kv_capacity_tokens"] == 4096
+
+
+async def test_polls_at_the_configured_period(rig: Rig) -> None:
+    async with rig.scraper:
+        await asyncio.sleep(0.5)
+    # 0.5 s / 40 ms = 12.5 polls; allow slack for a loaded 2-core machine
+    assert 8 <= rig.engines[0].hits <= 14
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("garbage", "required metric missing"),
+        ("500", "HTTP 500"),
+        ("nan", "not finite"),
+        ("hang", "timeout"),
+    ],
+)
+async def test_bad_answers_make_the_node_stale_and_are_logged_once(
+    rig: Rig, mode: str, error: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    node = rig.ids[0]
+    caplog.set_level(logging.INFO, logger="kvgate.gateway.scraper")
+    async with rig.scraper:
+        await _until(lambda: rig.rec.fresh(node))
+        rig.engines[0].mode = mode
+        caplog.clear()  # a blip before the switch (busy machine) would be logged too: skip it
+        await _until(lambda: rig.scraper.stats()[node].consecutive_failures >= 5)
+        assert not rig.rec.fresh(node)
+        stats = rig.scraper.stats()[node]
+        assert stats.up is False and error in (stats.last_error or "")
+        if mode == "hang":  # cut by the timeout (80% of the period), not after the 30 s hang
+            assert stats.last_latency_s is not None and stats.last_latency_s < 2 * INTERVAL
+        rig.engines[0].mode = "ok"
+        await _until(lambda: rig.rec.fresh(node))
+    assert rig.scraper.stats()[node].consecutive_failures == 0
+    down = [r for r in caplog.records if "scrape failed" in r.getMessage()]
+    back = [r for r in caplog.records if "recovered" in r.getMessage()]
+    assert len(down) == 1 and down[0].levelno == logging.WARNING
+    assert len(back) == 1
+    assert "k" not in down[0].getMessage().split()  # no secrets in logs
+
+
+@pytest.mark.parametrize("rig", [2], indirect=True)
+async def test_a_hanging_node_does_not_slow_the_others(rig: Rig) -> None:
+    rig.engines[1].mode = "hang"
+    async with rig.scraper:
+        await asyncio.sleep(0.4)
+        assert rig.rec.fresh(rig.ids[0]) and not rig.rec.fresh(rig.ids[1])
+    assert rig.engines[0].hits >= 7  # ~10 at 40 ms
+    assert rig.scraper.stats()[rig.ids[1]].failures_total >= 7
+
+
+async def test_a_node_nobody_listens_on() -> None:
+    clock = MonotonicClock()
+    policy = build_policy(AdmissionSettings(policy="none"), clock)
+    assert isinstance(policy, BasePolicy)
+    rec = Recorder(policy)
+    backend = Backend.from_settings(BackendSettings(url="http://127.0.0.1:9"))
+    async with aiohttp.ClientSession() as session:
+        scraper = Scraper([backend], ScrapeSettings(interval_s=INTERVAL), rec, session, clock)
+        async with scraper:
+            await _until(lambda: len(rec.failures) >= 3)
+    assert rec.samples == []
+    assert not rec.fresh(backend.node_id)  # never heard from: never fresh
+    assert "connect" in (scraper.stats()[backend.node_id].last_error or "").lower()
+
+
+async def test_stopping_leaves_no_task_behind(rig: Rig) -> None:
+    before = asyncio.all_tasks()
+    task = asyncio.create_task(rig.scraper.run())
+    await _until(lambda: len(rig.rec.samples) >= 2)
+    rig.engines[0].mode = "hang"  # cancel while a poll is in flight
+    await asyncio.sleep(INTERVAL * 2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)
+    left = [t for t in asyncio.all_tasks() - before if "scraper" in _where(t)]
+    assert left == []
+    assert rig.engines[0].hits >= 3  # it was polling when it was cancelled
+
+
+def _where(task: asyncio.Task[Any]) -> str:
+    coro = task.get_coro()
+    code = getattr(coro, "cr_code", None)
+    return f"{task.get_name()} {code.co_filename if code else ''}"
+
+
+async def test_a_policy_bug_does_not_stop_scraping(rig: Rig) -> None:
+    calls = []
+
+    def broken(node_id: str, sample: NodeSample) -> None:
+        calls.append(node_id)
+        raise RuntimeError("bug")
+
+    rig.rec.observe = broken  # type: ignore[method-assign]
+    async with rig.scraper:
+        await _until(lambda: len(calls) >= 3)
+    assert rig.scraper.stats()[rig.ids[0]].up is True
+
+
+async def test_timeout_defaults_below_the_period() -> None:
+    async with aiohttp.ClientSession() as session:
+        s = Scraper(
+            [],
+            ScrapeSettings(interval_s=0.05),
+            Recorder.__new__(Recorder),
+            session,
+            MonotonicClock(),
+        )
+        assert s.timeout_s == pytest.approx(0.04)
+        s2 = Scraper(
+            [],
+            ScrapeSettings(interval_s=0.05, timeout_s=1.0),
+            Recorder.__new__(Recorder),
+            session,
+            MonotonicClock(),
+        )
+        assert s2.timeout_s < 0.05
+        await s.run()  # nothing to watch: returns at once
