@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import importlib
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -23,11 +22,11 @@ from kvgate.adapters.backend import Backend, backends_from_settings
 from kvgate.config import KvgateConfig
 from kvgate.core.admission import AdmissionPolicy
 from kvgate.core.clock import Clock, MonotonicClock
+from kvgate.core.cost import CostEstimator
 from kvgate.core.policies import build_policy
-from kvgate.core.request import RequestCost
-from kvgate.core.settings import AdmissionSettings
 from kvgate.gateway.errors import GatewayError, send_error, send_json
-from kvgate.gateway.proxy import CostEstimator, Relay
+from kvgate.gateway.proxy import CostEstimator as Estimator
+from kvgate.gateway.proxy import Relay
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.upstream import ModelCatalog, UpstreamPool
 
@@ -51,7 +50,7 @@ class Gateway:
         *,
         policy: AdmissionPolicy | None = None,
         clock: Clock | None = None,
-        estimator: CostEstimator | None = None,
+        estimator: Estimator | None = None,
         backends: list[Backend] | None = None,
     ) -> None:
         self.config = config
@@ -71,7 +70,7 @@ class Gateway:
             pool=self.pool,
             catalog=self.catalog,
             policy=self.policy,
-            estimator=estimator or _default_estimator(config),
+            estimator=estimator or CostEstimator(config.admission),
             metrics=self.metrics,
             upstream=config.upstream,
             limits=config.limits,
@@ -122,7 +121,12 @@ class Gateway:
             async with self.running():
                 started = True
                 await send({"type": "lifespan.startup.complete"})
-                await receive()  # lifespan.shutdown
+                try:
+                    await receive()  # lifespan.shutdown
+                except asyncio.CancelledError:
+                    # A forced exit cancels this task instead of sending shutdown; the
+                    # `running()` exit above still closes everything, quietly.
+                    return
         except Exception as exc:
             log.exception("gateway lifespan failed")
             if not started:
@@ -304,53 +308,3 @@ async def _read_small_body(receive: Receive, limit: int) -> bytes:
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
-
-
-def _default_estimator(config: KvgateConfig) -> CostEstimator:
-    try:
-        cost = importlib.import_module("kvgate.core.cost")
-    except ImportError:  # until the admission core ships its estimator
-        return CharRatioEstimator(config.admission)
-    return cost.build_estimator(config.admission)  # type: ignore[no-any-return]
-
-
-class CharRatioEstimator:
-    """Prompt characters / chars-per-token, plus `max_tokens` (or the configured default)."""
-
-    def __init__(self, settings: AdmissionSettings) -> None:
-        self._ratio = settings.chars_per_token
-        self._factor = settings.prompt_safety_factor
-        self._default_max = settings.default_max_tokens
-
-    def estimate(self, model: str, body: dict[str, Any], max_tokens: int | None) -> RequestCost:
-        chars = _prompt_chars(body)
-        prompt = math.ceil(chars / self._ratio * self._factor)
-        output = self._default_max if max_tokens is None else max_tokens
-        return RequestCost(prompt_tokens=prompt, max_output_tokens=output)
-
-    def learn(self, model: str, body: dict[str, Any], prompt_tokens: int) -> None:
-        return None
-
-
-def _prompt_chars(body: dict[str, Any]) -> int:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(len(p) if isinstance(p, str) else 4 * _len(p) for p in prompt)
-    total = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                total += len(content)
-            elif isinstance(content, list):
-                total += sum(
-                    len(part.get("text", "")) for part in content if isinstance(part, dict)
-                )
-    return total
-
-
-def _len(value: Any) -> int:
-    return len(value) if isinstance(value, list) else 1

@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -159,19 +158,23 @@ class SimulatorProcess:
     def start(
         cls, nodes: int, preset: str, timeout_s: float = SIM_START_TIMEOUT_S
     ) -> SimulatorProcess:
-        port = free_port_block(nodes)
+        # Port 0: every engine binds a free port and prints its URL once it accepts.
         command = [
             sys.executable, "-m", "kvgate", "sim",
-            "--port", str(port), "--nodes", str(nodes), "--preset", preset,
+            "--host", "127.0.0.1", "--port", "0", "--nodes", str(nodes), "--preset", preset,
         ]  # fmt: skip
+        # Its own session: Ctrl-C reaches only the gateway, which drains and then stops
+        # the simulator; on Linux the child also dies with the gateway if that is killed.
         process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=None,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
-        sim = cls(process, [f"http://127.0.0.1:{port + i}" for i in range(nodes)])
+        sim = cls(process, [])
         try:
             sim._wait_ready(nodes, timeout_s)
         except BaseException:
@@ -181,8 +184,6 @@ class SimulatorProcess:
 
     def _wait_ready(self, nodes: int, timeout_s: float) -> None:
         """One stdout line per ready engine; then each must answer `GET /health`."""
-        assert self.process.stdout is not None
-        announced: list[str] = []
         lines: list[str] = []
 
         def read() -> None:
@@ -201,13 +202,9 @@ class SimulatorProcess:
                     f"the simulator exited with code {self.process.returncode}"
                     " (is `kvgate sim` available?)"
                 )
-            for line in lines[len(announced) :]:
-                match = _URL_RE.search(line)
-                announced.append(match.group(0).rstrip("/") if match else "")
-            urls = [u for u in announced if u]
-            if len(urls) >= nodes:
+            urls = [m.group(0).rstrip("/") for m in map(_URL_RE.search, list(lines)) if m]
+            if len(urls) >= nodes and all(_healthy(u) for u in urls[:nodes]):
                 self.urls = urls[:nodes]
-            if len(lines) >= nodes and all(_healthy(u) for u in self.urls):
                 return
             time.sleep(0.1)
         raise SimulatorError(f"the simulator was not ready within {timeout_s:.0f} s")
@@ -223,33 +220,18 @@ class SimulatorProcess:
             self.process.wait()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM it when the gateway dies."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=1.0) as response:
             return bool(response.status == 200)
     except OSError:
         return False
-
-
-def free_port_block(count: int, attempts: int = 50) -> int:
-    """A port P such that P..P+count-1 are all free on 127.0.0.1 right now."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count > 65535:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                with contextlib.suppress(OSError):
-                    sock.close()
-    raise SimulatorError("no block of free ports found")

@@ -69,11 +69,15 @@ _PROMPT_TOKENS = b'"prompt_tokens"'
 
 
 class CostEstimator(Protocol):
-    """Turns a parsed request into its KV cost, and learns from the usage engines report."""
+    """Turns a parsed request into its KV cost, and learns from the usage engines report.
 
-    def estimate(self, model: str, body: dict[str, Any], max_tokens: int | None) -> RequestCost: ...
+    `kvgate.core.cost.CostEstimator` is the implementation; `estimate` raises a ValueError
+    carrying an optional `param` for a body it cannot cost (answered as a 400).
+    """
 
-    def learn(self, model: str, body: dict[str, Any], prompt_tokens: int) -> None: ...
+    def estimate(self, model: str, body: dict[str, Any]) -> RequestCost: ...
+
+    def learn(self, model: str, estimated_prompt: int, actual_prompt_tokens: int) -> None: ...
 
 
 class ClientGone(Exception):
@@ -102,7 +106,7 @@ class Exchange:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     retried: bool = False
-    rejected_reason: str | None = None
+    estimated_prompt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +237,12 @@ class Relay:
     ) -> tuple[RequestCost, tuple[str, ...], ParsedRequest]:
         parsed = parse_completion(body, self.limits.max_tokens_limit)
         ex.model = parsed.model
+        try:
+            cost = self.estimator.estimate(parsed.model, parsed.data)
+        except ValueError as exc:
+            raise _bad(f"{exc}.", getattr(exc, "param", None)) from None
+        ex.estimated_prompt = cost.prompt_tokens
         nodes = await self._nodes_for(parsed.model)
-        cost = self.estimator.estimate(parsed.model, parsed.data, parsed.max_tokens)
         return cost, nodes, parsed
 
     async def _passthrough_plan(
@@ -538,9 +546,9 @@ class Relay:
         completion = usage.get("completion_tokens")
         if isinstance(prompt, int) and not isinstance(prompt, bool):
             ex.prompt_tokens = prompt
-            if parsed is not None and prompt > 0:
+            if parsed is not None and prompt > 0 and ex.estimated_prompt > 0:
                 try:
-                    self.estimator.learn(parsed.model, parsed.data, prompt)
+                    self.estimator.learn(parsed.model, ex.estimated_prompt, prompt)
                 except Exception:
                     log.debug("cost estimator could not learn", exc_info=True)
         if isinstance(completion, int) and not isinstance(completion, bool):

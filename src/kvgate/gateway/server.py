@@ -8,7 +8,8 @@ maps an `RST_STREAM` to `http.disconnect` of that one stream.
 Graceful shutdown is the same for both: the first SIGTERM/SIGINT closes the listening
 socket, new requests on kept-alive connections get 503, in-flight requests may finish for
 `drain_timeout_s`, then whatever is left is cancelled (upstream too) and the lifespan
-stops the scraper and closes the upstream pool. A second SIGINT exits at once.
+stops the scraper and closes the upstream pool. A second SIGINT (not SIGTERM: supervisors
+repeat those) exits at once.
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ class GatewayServer:
     def tls(self) -> bool:
         return bool(self.settings.certfile and self.settings.keyfile)
 
-    def stop(self) -> None:
-        """Begin the graceful shutdown (idempotent; a second call forces it)."""
+    def stop(self, *, force_if_repeated: bool = False) -> None:
+        """Begin the graceful shutdown; a repeated call forces it if `force_if_repeated`."""
         if self._stop.is_set():
+            if not force_if_repeated:
+                return
+            log.warning("second interrupt: exiting now")
             if self._uvicorn is not None:
                 self._uvicorn.force_exit = True
             self.gateway.relay.cancel_all("shutdown")
@@ -137,9 +141,13 @@ class GatewayServer:
             return
         loop = asyncio.get_running_loop()
         installed: list[int] = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        handlers = {
+            signal.SIGTERM: self.stop,
+            signal.SIGINT: lambda: self.stop(force_if_repeated=True),  # Ctrl-C twice: now
+        }
+        for sig, handler in handlers.items():
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, handler)
                 installed.append(sig)
         try:
             yield

@@ -1,0 +1,138 @@
+"""The shell's side of admission: rejections, tickets released exactly once, priorities."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+
+import httpx
+from conftest import FakeEngine
+
+from gateway.helpers import RawClient, openai_error
+from kvgate.core.admission import Outcome, Reject, Ticket
+from kvgate.core.clock import MonotonicClock
+from kvgate.core.policies import NonePolicy
+from kvgate.core.request import Priority, RequestCost
+from kvgate.core.settings import AdmissionSettings
+
+
+class RecordingPolicy(NonePolicy):
+    """The real `none` policy, recording every call the gateway makes."""
+
+    def __init__(self, shed: set[Priority] | None = None) -> None:
+        super().__init__(AdmissionSettings(policy="none"), MonotonicClock(), rng_seed=1)
+        self.shed = shed or set()
+        self.admitted: list[tuple[str, RequestCost, Priority]] = []
+        self.releases: Counter[int] = Counter()
+        self.outcomes: dict[str, Outcome] = {}
+        self.first_tokens: set[str] = set()
+        self.tokens: dict[str, int] = {}
+
+    def _decide(
+        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+    ) -> str | Reject:
+        if priority in self.shed:
+            return Reject(429, "test_shed", 2.4, "Shed by the test policy.")
+        return super()._decide(now, cost, priority, candidates)
+
+    def admit(self, request_id, cost, priority, candidates):  # type: ignore[no-untyped-def]
+        decision = super().admit(request_id, cost, priority, candidates)
+        if not isinstance(decision, Reject):
+            self.admitted.append((request_id, cost, priority))
+        return decision
+
+    def on_first_token(self, ticket: Ticket) -> None:
+        self.first_tokens.add(ticket.request_id)
+        super().on_first_token(ticket)
+
+    def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
+        self.tokens[ticket.request_id] = output_tokens
+        super().on_tokens(ticket, output_tokens)
+
+    def release(self, ticket: Ticket, outcome: Outcome) -> None:
+        self.releases[id(ticket)] += 1
+        self.outcomes[ticket.request_id] = outcome
+        super().release(ticket, outcome)
+
+
+async def test_rejection_is_a_429_with_retry_after(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    policy = RecordingPolicy(shed={Priority.SHEDDABLE})
+    gw = await gateway_factory([fake_engine.url], policy=policy)
+    body = {"model": "fake-model", "prompt": "p"}
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        shed = await client.post(
+            "/v1/completions", json=body, headers={"X-Kvgate-Priority": "sheddable"}
+        )
+        kept = await client.post(
+            "/v1/completions", json=body, headers={"X-Kvgate-Priority": "critical"}
+        )
+    assert shed.status_code == 429
+    error = openai_error(shed.content)
+    assert error["code"] == "cluster_saturated" and error["type"] == "rate_limit_error"
+    assert shed.headers["retry-after"] == "3"  # whole seconds, rounded up
+    assert shed.headers["retry-after-ms"] == "2400"
+    assert shed.headers["x-kvgate-reason"] == "test_shed"
+    assert kept.status_code == 200
+    assert [p for _, _, p in policy.admitted] == [Priority.CRITICAL]
+    assert not fake_engine.completions()[:-1]  # the shed request never reached the engine
+    counts = gw.gateway.metrics.admissions
+    assert counts["rejected", "sheddable", "test_shed"] == 1
+    assert counts["admitted", "critical", "admitted"] == 1
+
+
+async def test_cost_uses_max_tokens_and_tokens_are_reported(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    policy = RecordingPolicy()
+    gw = await gateway_factory([fake_engine.url], policy=policy)
+    body = {"model": "fake-model", "prompt": "x" * 400, "max_tokens": 77, "stream": True,
+            "fake": {"chunks": 6}}  # fmt: skip
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        async with client.stream(
+            "POST", "/v1/completions", json=body, headers={"x-request-id": "cost-1"}
+        ) as response:
+            await response.aread()
+    ((rid, cost, priority),) = policy.admitted
+    assert rid == "cost-1" and priority == Priority.STANDARD
+    assert cost.max_output_tokens == 77 and cost.prompt_tokens > 0
+    assert "cost-1" in policy.first_tokens
+    assert policy.tokens["cost-1"] >= 6  # SSE data events, counted without decoding them
+    assert policy.outcomes["cost-1"] is Outcome.DONE
+
+
+async def test_every_ticket_is_released_exactly_once_on_every_path(
+    engine_factory, gateway_factory
+) -> None:
+    engine = await engine_factory()
+    policy = RecordingPolicy()
+    gw = await gateway_factory([engine.url], policy=policy)
+    base = {"model": "fake-model", "prompt": "p"}
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        await client.post("/v1/completions", json={**base, "fake": {"chunks": 2}},
+                          headers={"x-request-id": "done"})  # fmt: skip
+        async with client.stream(
+            "POST", "/v1/completions", headers={"x-request-id": "crash"},
+            json={**base, "stream": True, "fake": {"chunks": 5, "crash_after": 2}},
+        ) as response:  # fmt: skip
+            await response.aread()
+    raw = await RawClient.post(
+        gw.url, "/v1/completions", {**base, "stream": True, "fake": {"interval": 5}},
+        {"x-request-id": "cancel"},
+    )  # fmt: skip
+    await raw.read_until(b"\r\n\r\n")
+    raw.drop()
+    await engine.wait_closed("cancel")
+    for _ in range(100):
+        if "cancel" in policy.outcomes:
+            break
+        await asyncio.sleep(0.01)
+    assert set(policy.releases.values()) == {1}
+    assert len(policy.releases) == 3
+    assert policy.outcomes == {
+        "done": Outcome.DONE,
+        "crash": Outcome.UPSTREAM_ERROR,
+        "cancel": Outcome.CLIENT_CANCEL,
+    }

@@ -1,0 +1,101 @@
+"""A client that goes away stops the engine: at every stage, fast, and nothing leaks.
+
+Timings are printed (run with `-s`) and asserted with a generous bound, because the
+machine is shared; `benchmarks/proxy_overhead/` measures the real figures. The design
+target is the engine seeing the close within 50 ms of the client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import FakeEngine
+
+from gateway.helpers import RawClient
+
+GENEROUS_S = 0.5  # an order of magnitude above the 50 ms target, against CI noise
+
+
+async def _propagation(engine: FakeEngine, client: RawClient, rid: str) -> float:
+    seen = await engine.wait_closed(rid, within=3.0)
+    assert client.closed_at is not None and seen.closed_by_client_at is not None
+    return seen.closed_by_client_at - client.closed_at
+
+
+@pytest.mark.parametrize(
+    ("stage", "body"),
+    [
+        # the engine delays its response headers: the gateway waits in `open()`
+        ("before_headers", {"stream": True, "fake": {"delay": 5, "chunks": 3}}),
+        # headers sent, the first token takes long
+        ("before_first_token", {"stream": True, "fake": {"interval": 5, "chunks": 3}}),
+        # the gateway waits for a non-streaming answer
+        ("non_streaming_wait", {"stream": False, "fake": {"interval": 1, "chunks": 50}}),
+    ],
+)
+async def test_disconnect_while_waiting_reaches_the_engine(
+    fake_engine: FakeEngine, gateway_factory, stage: str, body: dict
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    rid = f"cancel-{stage}"
+    client = await RawClient.post(
+        gw.url, "/v1/completions", {"model": "fake-model", "prompt": "p", **body},
+        {"x-request-id": rid},
+    )  # fmt: skip
+    if stage == "before_first_token":
+        await client.read_until(b"\r\n\r\n")
+    else:
+        await asyncio.sleep(0.15)  # the request is upstream, the engine is busy with it
+    assert fake_engine.by_id(rid).closed_by_client_at is None
+    client.drop()
+    took = await _propagation(fake_engine, client, rid)
+    print(f"\n{stage}: engine saw the close {took * 1000:.2f} ms after the client")
+    assert took < GENEROUS_S
+    assert fake_engine.by_id(rid).chunks_sent == 0
+    assert sum(gw.gateway.metrics.cancellations.values()) == 1
+
+
+async def test_disconnect_mid_stream_stops_the_tokens(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    rid = "cancel-mid-stream"
+    client = await RawClient.post(
+        gw.url,
+        "/v1/completions",
+        {"model": "fake-model", "prompt": "p", "stream": True,
+         "fake": {"interval": 0.02, "chunks": 500}},
+        {"x-request-id": rid},
+    )  # fmt: skip
+    await client.read_until(b"data: ", count=5)
+    client.drop()
+    took = await _propagation(fake_engine, client, rid)
+    sent_at_close = fake_engine.by_id(rid).chunks_sent
+    await asyncio.sleep(0.1)
+    print(f"\nmid_stream: engine saw the close {took * 1000:.2f} ms after the client")
+    assert took < GENEROUS_S
+    assert fake_engine.by_id(rid).chunks_sent == sent_at_close < 500  # no further tokens
+    assert gw.gateway.metrics.cancellations == {"streaming": 1}
+    assert b"kvgate_cancel_propagation_seconds_count 1.0" in gw.gateway.metrics.render()
+
+
+async def test_many_concurrent_disconnects_leave_nothing_behind(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    clients = []
+    for i in range(20):
+        stream = i % 2 == 0
+        body = {"model": "fake-model", "prompt": "p", "stream": stream,
+                "fake": {"interval": 0.05, "chunks": 200}}  # fmt: skip
+        clients.append(
+            await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": f"many-{i}"})
+        )
+    await asyncio.sleep(0.2)
+    assert gw.in_flight == 20
+    for client in clients:
+        client.drop()
+    for i in range(20):
+        await fake_engine.wait_closed(f"many-{i}", within=3.0)
+    # the gateway fixture asserts in-flight 0 and no unreleased ticket afterwards

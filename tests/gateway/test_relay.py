@@ -1,0 +1,149 @@
+"""The relay itself: bytes, headers, request ids, models, pass-through, access log."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import orjson
+import pytest
+from conftest import FakeEngine
+
+
+async def _raw_stream(url: str, path: str, body: dict, headers: dict | None = None) -> bytes:
+    async with httpx.AsyncClient(base_url=url) as client:
+        async with client.stream("POST", path, json=body, headers=headers) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            return b"".join([chunk async for chunk in response.aiter_raw()])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_stream_is_relayed_byte_for_byte(
+    fake_engine: FakeEngine, gateway_factory, path: str
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    body = {"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"chunks": 20}}
+    direct = await _raw_stream(fake_engine.url, path, body)
+    relayed = await _raw_stream(gw.url, path, body)
+    assert relayed == direct
+    assert relayed.count(b"data: ") == 22  # 20 tokens, the usage event, [DONE]
+
+
+async def test_non_streaming_body_and_status_are_relayed(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    body = {"model": "fake-model", "prompt": "hi", "max_tokens": 3, "fake": {"chunks": 3}}
+    async with httpx.AsyncClient() as client:
+        direct = await client.post(fake_engine.url + "/v1/completions", json=body)
+        relayed = await client.post(gw.url + "/v1/completions", json=body)
+        failing = await client.post(
+            gw.url + "/v1/completions", json={**body, "fake": {"status": 500}}
+        )
+    assert relayed.status_code == 200
+    assert relayed.content == direct.content
+    assert failing.status_code == 500  # the engine's own error, relayed as it was
+    assert failing.json()["error"]["message"] == "fake failure"
+
+
+async def test_request_id_is_kept_or_made_and_sent_both_ways(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    body = {"model": "fake-model", "prompt": "hi"}
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        mine = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc-1"})
+        made = await client.post("/v1/completions", json=body)
+    assert mine.headers["x-request-id"] == "abc-1"
+    assert fake_engine.by_id("abc-1").headers["x-request-id"] == "abc-1"
+    new_id = made.headers["x-request-id"]
+    assert len(new_id) >= 16 and new_id != "abc-1"
+    assert fake_engine.by_id(new_id).path == "/v1/completions"
+
+
+async def test_hop_by_hop_and_kvgate_headers_stay_here(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    headers = {
+        "X-Request-Id": "hop-1",
+        "Keep-Alive": "timeout=5",
+        "Proxy-Authorization": "Basic eA==",
+        "TE": "trailers",
+        "X-Kvgate-Priority": "critical",
+        "X-Custom": "kept",
+        "Authorization": "Bearer client-key",
+    }
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        response = await client.post(
+            "/v1/completions", json={"model": "fake-model", "prompt": "x"}, headers=headers
+        )
+    assert response.status_code == 200
+    seen = fake_engine.by_id("hop-1").headers
+    for name in ("keep-alive", "proxy-authorization", "te", "x-kvgate-priority"):
+        assert name not in seen, name
+    assert seen["x-custom"] == "kept"
+    assert seen["authorization"] == "Bearer client-key"  # no engine key configured: relayed
+    assert (
+        "transfer-encoding" not in response.headers
+        or response.headers["transfer-encoding"] != "chunked, chunked"
+    )
+
+
+async def test_models_are_the_union_and_requests_go_where_the_model_is(
+    engine_factory, gateway_factory
+) -> None:
+    a = await engine_factory(model="alpha")
+    b = await engine_factory(model="beta", models=["shared"])
+    gw = await gateway_factory([a.url, b.url])
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        models = await client.get("/v1/models")
+        for i in range(4):
+            r = await client.post(
+                "/v1/completions",
+                json={"model": "beta", "prompt": "p"},
+                headers={"X-Request-Id": f"beta-{i}"},
+            )
+            assert r.status_code == 200
+        unknown = await client.post("/v1/completions", json={"model": "gamma", "prompt": "p"})
+    assert models.status_code == 200
+    assert sorted(m["id"] for m in models.json()["data"]) == ["alpha", "beta", "shared"]
+    assert len([r for r in b.completions() if r.request_id.startswith("beta-")]) == 4
+    assert not [r for r in a.completions() if (r.request_id or "").startswith("beta-")]
+    assert unknown.status_code == 404
+    error = unknown.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+async def test_other_v1_paths_pass_through_unchanged(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    payload = {"model": "fake-model", "input": "héllo"}
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        response = await client.post("/v1/embeddings?x=1", content=orjson.dumps(payload))
+    assert response.status_code == 200
+    assert response.json() == {"path": "/v1/embeddings", "echo": orjson.dumps(payload).decode()}
+
+
+async def test_one_access_log_line_per_request_with_usage(
+    fake_engine: FakeEngine, gateway_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    caplog.set_level(logging.INFO, logger="kvgate.access")
+    body = {"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"chunks": 4}}
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        async with client.stream(
+            "POST", "/v1/completions", json=body, headers={"X-Request-Id": "log-1"}
+        ) as response:
+            await response.aread()
+        await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "kvgate.access"]
+    assert len(lines) == 2
+    line = lines[0]
+    assert line["id"] == "log-1" and line["status"] == 200 and line["streamed"] is True
+    assert line["backend"] == f"127.0.0.1:{fake_engine.port}"
+    assert line["prompt_tokens"] == 7 and line["completion_tokens"] == 4
+    assert line["ending"] == "done" and 0 < line["ttft_s"] <= line["total_s"]
+    assert lines[1]["status"] == 404 and lines[1]["ending"] == "bad_request"

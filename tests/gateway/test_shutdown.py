@@ -1,0 +1,130 @@
+"""Graceful shutdown: drain in-flight streams, then cancel the rest upstream too."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import orjson
+import pytest
+from conftest import FakeEngine, free_port
+
+from gateway.helpers import RawClient
+
+
+async def test_stop_lets_streams_finish_within_the_drain(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url], overrides={"server.drain_timeout_s": 5})
+    body = {"model": "fake-model", "prompt": "p", "stream": True,
+            "fake": {"chunks": 10, "interval": 0.03}}  # fmt: skip
+    client = await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": "drain-1"})
+    await client.read_until(b"data: ", count=2)
+    gw.server.stop()
+    raw = await client.read_all(within=5.0)
+    await asyncio.wait_for(gw.task, 5)
+    assert raw.count(b"data: ") == 12 and b"data: [DONE]" in raw
+    assert fake_engine.by_id("drain-1").closed_by_client_at is None
+
+
+async def test_drain_timeout_cancels_upstream_and_tells_the_client(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url], overrides={"server.drain_timeout_s": 0.3})
+    body = {"model": "fake-model", "prompt": "p", "stream": True,
+            "fake": {"chunks": 1000, "interval": 0.02}}  # fmt: skip
+    client = await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": "drain-2"})
+    await client.read_until(b"data: ", count=2)
+    stopped = time.monotonic()
+    gw.server.stop()
+    raw = await client.read_all(within=5.0)
+    seen = await fake_engine.wait_closed("drain-2", within=3.0)
+    await asyncio.wait_for(gw.task, 5)
+    assert 0.25 < seen.closed_by_client_at - stopped < 2.0
+    # the error event is the last thing sent, then the chunked body ends cleanly
+    _, error = raw.split(b"event: error\ndata: ", 1)
+    assert b'"code":"shutting_down"' in error and b"cmpl-1" not in error
+    assert raw.endswith(b"\r\n0\r\n\r\n")
+
+
+@pytest.mark.timeout(60)
+async def test_kvgate_serve_relays_and_exits_cleanly_on_sigterm(fake_engine: FakeEngine) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvgate", "serve", "--backend", fake_engine.url,
+        "--port", str(port), "--policy", "none",
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url) as client:
+            for _ in range(300):
+                try:
+                    if (await client.get("/readyz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.05)
+            response = await client.post(
+                "/v1/completions", json={"model": "fake-model", "prompt": "p"},
+                headers={"x-request-id": "cli-1"},
+            )  # fmt: skip
+        assert response.status_code == 200
+        process.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(process.communicate(), 15)
+        code = process.returncode
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert code == 0, stderr.decode()
+    access = [orjson.loads(line) for line in stderr.splitlines() if line.startswith(b'{"id"')]
+    assert [line["id"] for line in access] == ["cli-1"]
+    assert b"Traceback" not in stderr
+
+
+@pytest.mark.timeout(90)
+async def test_kvgate_serve_without_backend_runs_the_simulator(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The README quick start: `kvgate serve` alone fronts two simulated engines."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvgate", "serve", "--port", str(port),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            ready = False
+            for _ in range(600):
+                try:
+                    ready = (await client.get("/readyz")).status_code == 200
+                except httpx.TransportError:
+                    pass
+                if ready:
+                    break
+                await asyncio.sleep(0.05)
+            assert ready, "kvgate serve with the simulator never became ready"
+            models = (await client.get("/v1/models")).json()["data"]
+            response = await client.post(
+                "/v1/completions", json={"model": models[0]["id"], "prompt": "hi", "max_tokens": 4}
+            )
+            state = (await client.get("/admin/state")).json()
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 4
+        assert len(state["gateway"]["backends"]) == 2
+        process.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(process.communicate(), 20)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, stderr.decode()
+    assert b"started the built-in simulator" in stderr
+    assert b"Traceback" not in stderr
