@@ -290,3 +290,23 @@ def test_watermark_crossing_does_not_flap() -> None:
     halves = [p >= 0.5 for p in probabilities]
     crossings = sum(1 for x, y in itertools.pairwise(halves) if x != y)
     assert crossings <= 4  # up once, down once, a little dither allowed
+
+
+def test_tokens_generated_after_the_sample_are_not_assumed_reflected() -> None:
+    """A page rendered before the latest tokens must not be credited with them."""
+    policy, clock = make(reservation_overhead_tokens=0)
+    policy.observe("a", sample(clock, usage=0.0, capacity=10_000))
+    decision = admit(policy, "r", cost(1000, 1000))
+    assert isinstance(decision, Admit)
+    ticket = decision.ticket
+    policy.on_first_token(ticket)
+    clock.advance(0.2)
+    policy.on_tokens(ticket, 100)
+    sent_at = clock.now()  # the scrape leaves now; the gauge lags: it shows 1000 tokens
+    clock.advance(0.01)
+    policy.on_tokens(ticket, 150)
+    clock.advance(0.01)
+    policy.on_tokens(ticket, 200)
+    policy.observe("a", sample(clock, usage=0.1, capacity=10_000, at=sent_at))
+    predicted = policy.snapshot()["nodes"]["a"]["predicted_usage"] * 10_000
+    assert predicted >= 1000 + 1000 - 1e-6  # the request's peak is never under-counted
