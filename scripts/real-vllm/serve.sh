@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Start the real vLLM (CPU build) OpenAI-compatible server on 127.0.0.1 with a deliberately
+# small KV cache, serving the tiny random-weight model installed by
+# scripts/install-real-vllm.sh. Runs in the foreground; stop it with SIGTERM (2-4 s).
+# (A copy of ../shared/real-vllm/serve.sh that also honours KVGATE_VLLM_ROOT, so CI needs
+# nothing outside the repository but the package registries.)
+#
+# Usage: serve.sh [PORT]          (default 8000)
+# Env knobs (defaults in brackets):
+#   KVGATE_VLLM_ROOT [${XDG_CACHE_HOME:-~/.cache}/kvgate-vllm]
+#   VENV [ROOT/venv]  MODEL [ROOT/tiny-llama]
+#   KV_BYTES [8388608 = 8 MiB = 4096 tokens for this model at 2 KiB/token]
+#   BLOCK_SIZE [32]  MAX_NUM_SEQS [32]  MAX_MODEL_LEN [2048]
+#   EXTRA ["--enforce-eager"; set EXTRA="" to let vLLM torch.compile the model]
+set -euo pipefail
+PORT="${1:-8000}"
+ROOT="${KVGATE_VLLM_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/kvgate-vllm}"
+VENV="${VENV:-$ROOT/venv}"
+MODEL="${MODEL:-$ROOT/tiny-llama}"
+EXTRA="${EXTRA---enforce-eager}"
+
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export VLLM_HOST_IP=127.0.0.1  # keep vLLM's internal sockets on loopback
+export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-auto}"
+unset VLLM_CPU_KVCACHE_SPACE  # legacy GiB knob; it would override --kv-cache-memory-bytes
+
+# `vllm serve` dies at start in vllm-cpu 0.32.0 (its CLI asks importlib.metadata for a
+# distribution named "vllm", but this one is named "vllm-cpu"), so run the same server
+# through its module entry point, which takes the same flags.
+# shellcheck disable=SC2086
+exec "$VENV/bin/python" -m vllm.entrypoints.launchers.api_server.entry --model "$MODEL" \
+  --host 127.0.0.1 --port "$PORT" \
+  --load-format dummy \
+  --served-model-name tiny-llama \
+  --dtype bfloat16 \
+  --max-model-len "${MAX_MODEL_LEN:-2048}" \
+  --kv-cache-memory-bytes "${KV_BYTES:-8388608}" \
+  --block-size "${BLOCK_SIZE:-32}" \
+  --max-num-seqs "${MAX_NUM_SEQS:-32}" \
+  --no-enable-prefix-caching \
+  $EXTRA

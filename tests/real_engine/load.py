@@ -1,0 +1,232 @@
+"""Traffic for the real-engine tests: the overload burst and the three disconnect paths.
+
+The same functions drive the engine directly and through kvgate, so the two runs differ
+only in the URL they are given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from real_engine.engine import (
+    MODEL_NAME,
+    EngineMetrics,
+    MetricsRecorder,
+    poll_until,
+    read_metrics,
+)
+
+# ---------------------------------------------------------------------------------------
+# Overload burst
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int
+    latency_s: float
+    retry_after: str | None
+    completion_tokens: int | None
+
+
+@dataclass
+class BurstResult:
+    outcomes: list[Outcome]
+    samples: list[EngineMetrics]
+    preemptions: float  # growth of vllm:num_preemptions_total over the burst
+    wall_s: float
+    label: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def admitted(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == 200]
+
+    @property
+    def shed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == 429]
+
+    def median_admitted_latency(self) -> float:
+        return statistics.median(o.latency_s for o in self.admitted)
+
+    def summary(self) -> str:
+        statuses: dict[int, int] = {}
+        for outcome in self.outcomes:
+            statuses[outcome.status] = statuses.get(outcome.status, 0) + 1
+        text = f"statuses {dict(sorted(statuses.items()))}, preemptions +{self.preemptions:g}"
+        if self.admitted:
+            text += f", median latency of admitted {self.median_admitted_latency():.2f} s"
+        if self.samples:
+            text += (
+                f", peak KV {max(s.kv_usage for s in self.samples):.2f}"
+                f", peak running {max(s.running for s in self.samples):g}"
+                f", peak waiting {max(s.waiting for s in self.samples):g}"
+            )
+        return text + f", wall {self.wall_s:.1f} s"
+
+
+async def _one_completion(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> Outcome:
+    started = time.monotonic()
+    response = await client.post(url + "/v1/completions", json=body)
+    latency = time.monotonic() - started
+    tokens = None
+    if response.status_code == 200:
+        tokens = int(response.json()["usage"]["completion_tokens"])
+    return Outcome(response.status_code, latency, response.headers.get("retry-after"), tokens)
+
+
+async def burst(
+    target_url: str,
+    engine_url: str,
+    prompt: str,
+    n: int,
+    max_tokens: int,
+    timeout_s: float = 110.0,
+) -> BurstResult:
+    """Send `n` identical long requests at once; watch the engine's metrics meanwhile."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        before = await read_metrics(client, engine_url)
+        started = time.monotonic()
+        async with MetricsRecorder(engine_url) as recorder:
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(*(_one_completion(client, target_url, body) for _ in range(n))),
+                timeout_s,
+            )
+        wall = time.monotonic() - started
+        after = await read_metrics(client, engine_url)
+    return BurstResult(
+        list(outcomes), recorder.samples, after.preemptions_total - before.preemptions_total, wall
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Disconnects
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Disconnect:
+    """How long after the client hung up the engine's metrics showed the request gone."""
+
+    gone_after_s: float
+    polls: int
+    chunks_before: int  # SSE data lines the client had received before it hung up
+    last: EngineMetrics
+
+
+GoneCondition = Callable[[EngineMetrics], bool]
+
+
+async def measure_disconnect(
+    target_url: str,
+    engine_url: str,
+    body: dict[str, object],
+    *,
+    path: str = "/v1/completions",
+    ready: GoneCondition,
+    gone: GoneCondition,
+    chunks_first: int = 0,
+    ready_timeout_s: float = 30.0,
+    gone_timeout_s: float = 5.0,
+) -> Disconnect:
+    """Send one request, hang up once the engine shows `ready`, then time until `gone`.
+
+    The client is a task reading the response; cancelling it closes its connection (an
+    httpx connection cancelled mid-request is closed, never pooled). The clock starts
+    before the cancel, and each poll is timed at the moment its page arrived, so the
+    figure is an upper bound. `chunks_first` waits for that many SSE lines first
+    (mid-stream); 0 hangs up without waiting for any (queued, or non-streaming).
+    """
+    first_chunks = asyncio.Event()
+    chunks = 0
+
+    async def client_side() -> None:
+        nonlocal chunks
+        async with (
+            httpx.AsyncClient(timeout=120.0) as client,
+            client.stream("POST", target_url + path, json=body) as response,
+        ):
+            assert response.status_code == 200, (response.status_code, await response.aread())
+            async for line in response.aiter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    chunks += 1
+                    if chunks >= chunks_first:
+                        first_chunks.set()
+        raise AssertionError("the response ended before the client hung up")
+
+    async with httpx.AsyncClient(timeout=10.0) as poller:
+        task = asyncio.create_task(client_side())
+        try:
+            if chunks_first:
+                await _first_of(task, first_chunks.wait(), ready_timeout_s)
+            await _first_of(
+                task, poll_until(poller, engine_url, ready, ready_timeout_s), ready_timeout_s
+            )
+            sent_chunks = chunks
+            hung_up_at = time.monotonic()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            polls = 0
+
+            def counted(m: EngineMetrics) -> bool:
+                nonlocal polls
+                polls += 1
+                return gone(m)
+
+            last = await poll_until(poller, engine_url, counted, gone_timeout_s)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    return Disconnect(last.at - hung_up_at, polls, sent_chunks, last)
+
+
+async def _first_of(task: asyncio.Task[None], waiter: object, timeout_s: float) -> None:
+    """Await `waiter`, but surface the client task's failure (e.g. a 429) at once."""
+    wait_task = asyncio.ensure_future(waiter)  # type: ignore[arg-type]
+    done, _ = await asyncio.wait(
+        {task, wait_task}, timeout=timeout_s, return_when="FIRST_COMPLETED"
+    )
+    if task in done:
+        wait_task.cancel()
+        task.result()  # raises the client's error
+        raise AssertionError("the client finished before the engine reached the wanted state")
+    if wait_task not in done:
+        wait_task.cancel()
+        raise TimeoutError(f"engine not in the wanted state after {timeout_s} s")
+    wait_task.result()
+
+
+GONE_BOUND_S = 0.1  # issue 5: the engine must show a disconnected request gone within 100 ms
+
+
+async def disconnect_attempts(
+    measure: Callable[[], Awaitable[Disconnect]], attempts: int = 3
+) -> list[Disconnect]:
+    """Measure up to `attempts` times, stopping at the first within GONE_BOUND_S.
+
+    On 2 shared cores a concurrent build can stall the engine's event loop for a few
+    hundred ms; a retry tells that noise apart from a request that really lingers, which
+    fails every attempt. Every attempt is kept for the figures.
+    """
+    results: list[Disconnect] = []
+    for _ in range(attempts):
+        results.append(await measure())
+        if results[-1].gone_after_s < GONE_BOUND_S:
+            break
+    return results
+
+
+def describe(results: list[Disconnect]) -> str:
+    """'23 ms (4 polls)', or every attempt when there were several."""
+    return ", ".join(f"{r.gone_after_s * 1000:.0f} ms ({r.polls} polls)" for r in results)

@@ -1,0 +1,78 @@
+"""Baselines straight against the real vLLM engine, without kvgate.
+
+They pin down the engine facts that kvgate relies on (metric names, capacity, abort on
+disconnect, preemption under overload), so that a failure in the kvgate tests can be told
+apart from a change in the engine.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from real_engine.engine import (
+    MODEL_NAME,
+    ServerProcess,
+    read_metrics,
+    record_figure,
+    thrashing_seen,
+)
+from real_engine.load import (
+    GONE_BOUND_S,
+    BurstResult,
+    describe,
+    disconnect_attempts,
+    measure_disconnect,
+)
+
+pytestmark = pytest.mark.real_engine
+
+
+async def test_metrics_page_has_what_kvgate_reads(
+    idle_engine: ServerProcess, engine_client: httpx.AsyncClient
+) -> None:
+    metrics = await read_metrics(engine_client, idle_engine.url)
+    # serve.sh: 8 MiB of KV = 128 blocks of 32 tokens; cache_config_info carries both.
+    assert metrics.capacity_tokens == 4096
+    assert (metrics.running, metrics.waiting) == (0, 0)
+    assert 0.0 <= metrics.kv_usage <= 1.0
+
+
+async def test_engine_aborts_a_stream_when_its_client_disconnects(
+    idle_engine: ServerProcess,
+) -> None:
+    """Reference figure for the kvgate cancellation tests: the engine's own reaction."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "def main():",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    results = await disconnect_attempts(
+        lambda: measure_disconnect(
+            idle_engine.url,
+            idle_engine.url,
+            body,
+            chunks_first=5,
+            ready=lambda m: m.running == 1,
+            gone=lambda m: m.running == 0 and m.waiting == 0,
+        )
+    )
+    record_figure("direct to vLLM, mid-stream disconnect -> gone", describe(results))
+    assert results[-1].chunks_before >= 5
+    assert results[-1].gone_after_s < GONE_BOUND_S, describe(results)
+
+
+def test_overload_burst_straight_to_vllm_preempts(direct_burst: BurstResult) -> None:
+    """16 x 500 prompt tokens with ignore_eos on a 4,096-token KV cache thrash the engine."""
+    assert [o.status for o in direct_burst.outcomes] == [200] * len(direct_burst.outcomes)
+    assert all(
+        o.completion_tokens == direct_burst.extra["max_tokens"] for o in direct_burst.admitted
+    )
+    assert max(s.kv_usage for s in direct_burst.samples) > 0.95
+    # The counter lags (a preemption is counted when its victim runs again), but every
+    # request has finished by now, so every preemption has been counted.
+    assert direct_burst.preemptions > 0
+    # The live sign: running falls while waiting rises at a nearly full KV cache.
+    assert thrashing_seen(direct_burst.samples), direct_burst.summary()
