@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the capacity search and use this scale of the profile's mix as 1x",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="report directory")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="parallel processes for virtual runs (default 1)"
+    )
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
 
 

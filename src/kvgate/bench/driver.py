@@ -61,6 +61,7 @@ class BenchOptions:
     capacity_scale: float | None
     out: Path
     quick: bool
+    jobs: int = 1
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, command: str) -> BenchOptions:
@@ -94,6 +95,7 @@ class BenchOptions:
             capacity_scale=a.capacity_scale,
             out=out,
             quick=quick,
+            jobs=max(1, int(getattr(a, "jobs", 1) or 1)),
         )
 
 
@@ -203,7 +205,7 @@ def main_virtual(opts: BenchOptions) -> Path:
     scale, cap_run, base, how = _capacity(opts, prof, opts.nodes, cap_duration)
     cap = describe_capacity(scale, base, cap_run, how)
     specs = _specs(opts, prof, scale, cap_run)
-    runs = run_grid(specs, run_virtual, f"virtual {opts.preset} x{opts.nodes}")
+    runs = run_grid(specs, run_virtual, f"virtual {opts.preset} x{opts.nodes}", opts.jobs)
     # Capacity goodput: `direct` at 1x in the grid itself (same duration) when it ran.
     cap["goodput_tok_s"] = _direct_1x_goodput(runs, cap.get("goodput_tok_s", 0.0))
     meta = ReportMeta(

@@ -201,7 +201,8 @@ def windowed(run: RunResult, step_s: float = 1.0) -> dict[str, np.ndarray]:
 
     A completion is put in the window it finished in; an attempt in the window it started.
     """
-    bins = max(1, math.ceil(run.duration_s / step_s))
+    end = max([run.duration_s, *run.series.get("t", [])])
+    bins = max(1, math.ceil(end / step_s))
     t = np.arange(bins) * step_s
     good = np.zeros(bins)
     done = np.zeros(bins)

@@ -256,7 +256,14 @@ def write_report(runs: Sequence[RunResult], meta: ReportMeta, out_dir: Path) -> 
     lines += [f"Seeds: {', '.join(map(str, meta.seeds))} (table: mean over seeds).", ""]
     lines += ["## Scenario", "", *_kv_lines(meta.scenario), ""]
     lines += ["## SLO", "", *_kv_lines(meta.slo), ""]
-    lines += ["## Sustainable capacity", "", *_kv_lines(meta.capacity), ""]
+    lines += ["## Sustainable capacity", "", *_kv_lines(meta.capacity)]
+    if rows:
+        top = max(rows, key=lambda r: r["goodput_tok_s"])
+        lines.append(
+            f"- for scale: the highest goodput any policy reached was "
+            f"{top['goodput_tok_s']:,.0f} tok/s (`{top['policy']}` at {top['load']:g}x)"
+        )
+    lines.append("")
     if meta.focus_load in loads:
         lines += [f"## The bar, at {meta.focus_load:g}x", "", *check_bar(rows, meta.focus_load), ""]
     lines += ["## Summary", "", summary_table(rows), ""]

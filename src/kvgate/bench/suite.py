@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -101,9 +102,15 @@ def tuned_overrides(label: str, shape: Shape, nodes: int, capacity_run: RunResul
     return {}
 
 
-def run_grid(specs: Sequence[RunSpec], runner: Runner, title: str = "benchmark") -> list[RunResult]:
-    """Run every spec in order, showing a progress bar; returns the results in order."""
-    results: list[RunResult] = []
+def run_grid(
+    specs: Sequence[RunSpec], runner: Runner, title: str = "benchmark", jobs: int = 1
+) -> list[RunResult]:
+    """Run every spec (in `jobs` processes when > 1) with a progress bar; results in order.
+
+    Runs are independent and deterministic for their spec, so running them in parallel
+    changes nothing but the wall time (virtual time only: a live run must run alone).
+    """
+    results: list[RunResult | None] = [None] * len(specs)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -113,17 +120,27 @@ def run_grid(specs: Sequence[RunSpec], runner: Runner, title: str = "benchmark")
     )
     with Progress(*columns, transient=False) as progress:
         task = progress.add_task(title, total=len(specs), last="")
-        for spec in specs:
-            progress.update(task, last=f"{spec.label} @ {spec.load:g}x seed {spec.seed}")
-            run = runner(spec)
-            results.append(run)
+
+        def done(i: int, run: RunResult) -> None:
+            results[i] = run
             s = summarize(run)
             progress.update(
                 task,
                 advance=1,
-                last=f"{spec.label} @ {spec.load:g}x: {s['goodput_tok_s']:,.0f} tok/s",
+                last=f"{run.policy} @ {run.load:g}x seed {run.seed}: "
+                f"{s['goodput_tok_s']:,.0f} tok/s",
             )
-    return results
+
+        if jobs <= 1:
+            for i, spec in enumerate(specs):
+                progress.update(task, last=f"{spec.label} @ {spec.load:g}x seed {spec.seed}...")
+                done(i, runner(spec))
+        else:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                futures = {pool.submit(runner, spec): i for i, spec in enumerate(specs)}
+                for fut in as_completed(futures):
+                    done(futures[fut], fut.result())
+    return [r for r in results if r is not None]
 
 
 def describe_capacity(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from kvgate.bench.metrics import (
     UserRequest,
 )
 from kvgate.bench.suite import RunSpec
-from kvgate.bench.workload import burst_times, generate
+from kvgate.bench.workload import Arrival, burst_times, generate
 from kvgate.core.admission import Admit, Outcome, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.policies import build_policy
@@ -69,8 +70,10 @@ class VirtualCluster:
         scrape_lag_s: float = 0.01,
         series_step_s: float = 0.5,
         token_update_s: float = 0.25,
+        arrivals: Sequence[Arrival] | None = None,
     ) -> None:
         self.spec = spec
+        self.arrivals = arrivals
         self.clock = ManualClock()
         cfg = dataclasses.replace(get_preset(spec.preset), abort_on_disconnect=spec.cancel)
         self.engines = [Engine(cfg, seed=spec.seed * 1000 + i) for i in range(spec.nodes)]
@@ -120,7 +123,9 @@ class VirtualCluster:
 
     def run(self) -> RunResult:
         spec = self.spec
-        arrivals = generate(spec.shape, spec.nodes, spec.duration_s, spec.load, spec.seed)
+        arrivals = self.arrivals
+        if arrivals is None:
+            arrivals = generate(spec.shape, spec.nodes, spec.duration_s, spec.load, spec.seed)
         for a in arrivals:
             user = UserRequest(
                 a.id, a.kind, a.t, a.prompt_tokens, a.max_tokens, spec.client.timeout_s
@@ -342,6 +347,6 @@ def _shed_probability(snapshot: dict[str, Any]) -> float:
     return 0.0
 
 
-def run_virtual(spec: RunSpec, **kw: float) -> RunResult:
-    """Run one spec in virtual time and return its records."""
-    return VirtualCluster(spec, **kw).run()
+def run_virtual(spec: RunSpec, arrivals: Sequence[Arrival] | None = None) -> RunResult:
+    """Run one spec in virtual time (its seeded workload, or `arrivals`); return the records."""
+    return VirtualCluster(spec, arrivals=arrivals).run()
