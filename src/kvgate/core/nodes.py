@@ -43,6 +43,12 @@ class NodeState:
     thrashing: bool = False
     level: str = LEVEL_OK
     latency_baseline: Ewma | None = None
+    # Cached at each accepted sample (hot path): capacity in tokens (None: unknown) and
+    # the reported used tokens (0 without a KV gauge).
+    cap: int | None = None
+    used: float = 0.0
+    # Ceiling for non-critical work set by the node's controller (adaptive policy).
+    dynamic_ceiling: float = 1.0
 
     def age(self, now: float) -> float | None:
         if self.sample is None:
@@ -69,6 +75,9 @@ class NodeState:
             return False
         self.previous, self.sample = self.sample, sample
         self.consecutive_failures = 0
+        self.cap = self.capacity(settings)
+        usage = sample.kv_usage
+        self.used = usage * self.cap if usage is not None and self.cap is not None else 0.0
         self._update_thrashing(now, settings)
         return True
 

@@ -49,6 +49,42 @@ from kvgate.core.settings import AdmissionSettings
 
 # Headroom score of a queue-gated node (no capacity known): behind any measurable headroom.
 _UNKNOWN_HEADROOM = -1.0
+# Candidate lists whose last scan is remembered (one per model and priority in practice).
+_SCAN_CACHE_SIZE = 256
+
+
+class _Scan:
+    """A full pass over one candidate list; reused for refusals until anything changes.
+
+    Valid while the policy's generation is unchanged (no sample, ticket or node-set change)
+    and no fresh node has gone stale (`valid_until`); a node going stale can only remove
+    room, but it can change the reason (no fresh node at all), hence the expiry.
+    """
+
+    __slots__ = (
+        "at_panic",
+        "best",
+        "fresh",
+        "generation",
+        "max_capacity",
+        "max_room",
+        "min_panic_room",
+        "unknown_capacity",
+        "usable",
+        "valid_until",
+    )
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.best: NodeState | None = None
+        self.fresh = 0
+        self.usable = 0
+        self.unknown_capacity = 0
+        self.max_capacity = 0
+        self.max_room = float("-inf")
+        self.min_panic_room = float("inf")
+        self.at_panic = False
+        self.valid_until = float("inf")
 
 
 class AdaptivePolicy(BasePolicy):
@@ -66,6 +102,7 @@ class AdaptivePolicy(BasePolicy):
         super().__init__(settings, clock, rng_seed=rng_seed, store=store)
         self._new_limit = limit_factory or self._pid
         self.limits: dict[str, TokenLimit] = {}
+        self._scans: dict[tuple[Priority, tuple[str, ...]], _Scan] = {}
         self._ceilings = {
             Priority.SHEDDABLE: settings.high_watermark,
             Priority.STANDARD: settings.standard_ceiling_value,
@@ -88,33 +125,150 @@ class AdaptivePolicy(BasePolicy):
     def _decide(
         self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
     ) -> str | Reject:
-        fresh = self._fresh(now, candidates)
-        if not fresh:
-            return self._no_fresh(now, candidates)
-        usable = [node for node in fresh if not node.is_thrashing(now)]
         need = self.reservation_for(cost)
-        if not usable:
+        if len(candidates) >= self.settings.p2c_min_nodes:
+            node = self._two_choices(now, candidates, need, priority)
+            if node is not None:
+                return self._admit_or_shed(now, node, priority, need)
+        key = (priority, tuple(candidates))
+        scan = self._scans.get(key)
+        if (
+            scan is not None
+            and scan.generation == self.generation
+            and now < scan.valid_until
+            and need > scan.max_room
+        ):
+            return self._refuse(now, candidates, scan, need, priority)  # nothing changed
+        scan = self._scan(now, candidates, need, priority)
+        if len(self._scans) >= _SCAN_CACHE_SIZE:
+            self._scans.clear()
+        self._scans[key] = scan
+        if scan.best is not None:
+            return self._admit_or_shed(now, scan.best, priority, need)
+        return self._refuse(now, candidates, scan, need, priority)
+
+    def _room(self, node: NodeState, now: float, priority: Priority) -> float | None:
+        """Tokens `node` can still take under the priority's ceiling; None when unusable.
+
+        Unusable: stale, never heard from, thrashing, or in the panic state. A node with no
+        known capacity has unbounded room while nothing waits on it, and none otherwise.
+        """
+        sample = node.sample
+        settings = self.settings
+        if (
+            sample is None
+            or node.thrashing
+            or node.level == LEVEL_PANIC
+            or now - sample.sampled_at > settings.stale_after_s
+            or node.consecutive_failures >= settings.failures_to_stale
+        ):
+            return None
+        cap = node.cap
+        if cap is None:
+            return float("inf") if sample.waiting == 0 else None
+        ceiling = self._ceilings[priority]
+        if priority is not Priority.CRITICAL and node.dynamic_ceiling < ceiling:
+            ceiling = node.dynamic_ceiling
+        return ceiling * cap - node.used - self.store.reserved(node.node_id)
+
+    def _score(self, node: NodeState, room: float, need: int) -> float:
+        """Headroom fraction left after `need`; queue-gated nodes rank behind measured ones."""
+        cap = node.cap
+        return _UNKNOWN_HEADROOM if cap is None else (room - need) / cap
+
+    def _two_choices(
+        self, now: float, candidates: Sequence[str], need: int, priority: Priority
+    ) -> NodeState | None:
+        n = len(candidates)
+        i = self.rng.randrange(n)
+        j = self.rng.randrange(n - 1)
+        best: NodeState | None = None
+        best_score = float("-inf")
+        for node_id in (candidates[i], candidates[j + (j >= i)]):
+            node = self.nodes.get(node_id)
+            if node is None:
+                continue
+            room = self._room(node, now, priority)
+            if room is None or room < need:
+                continue
+            score = self._score(node, room, need)
+            if score > best_score:
+                best, best_score = node, score
+        return best
+
+    def _scan(self, now: float, candidates: Sequence[str], need: int, priority: Priority) -> _Scan:
+        """One pass over the candidates: the best node for `need` and why others refuse."""
+        scan = _Scan(self.generation)
+        panic = self.settings.panic_watermark
+        stale_after = self.settings.stale_after_s
+        best_score = float("-inf")
+        for node_id in candidates:
+            node = self.nodes.get(node_id)
+            if node is None or not node.is_fresh(now, self.settings):
+                continue
+            assert node.sample is not None
+            scan.fresh += 1
+            scan.valid_until = min(scan.valid_until, node.sample.sampled_at + stale_after)
+            if node.thrashing:
+                continue
+            scan.usable += 1
+            cap = node.cap
+            if cap is None:
+                scan.unknown_capacity += 1
+            else:
+                scan.max_capacity = max(scan.max_capacity, cap)
+                predicted = node.used + self.store.reserved(node_id)
+                scan.min_panic_room = min(scan.min_panic_room, panic * cap - predicted)
+                scan.at_panic = scan.at_panic or node.level == LEVEL_PANIC
+            room = self._room(node, now, priority)
+            if room is None:
+                continue
+            scan.max_room = max(scan.max_room, room)
+            if room >= need:
+                score = self._score(node, room, need)
+                if score > best_score:
+                    scan.best, best_score = node, score
+        return scan
+
+    def _admit_or_shed(
+        self, now: float, node: NodeState, priority: Priority, need: int
+    ) -> str | Reject:
+        shed = self._shed_by_controller(now, node, priority, need)
+        return shed if shed is not None else node.node_id
+
+    def _refuse(
+        self, now: float, candidates: Sequence[str], scan: _Scan, need: int, priority: Priority
+    ) -> str | Reject:
+        if scan.fresh == 0:
+            return self._no_fresh(now, candidates)
+        if scan.usable == 0:
             return self.reject_shed(
                 "thrashing",
                 "Every backend for this model is thrashing (preempting); retry later.",
                 now,
                 need,
             )
-        node = self._route(usable, need, priority)
-        if node is None:
-            return self._no_fit(now, usable, need, priority)
-        shed = self._shed_by_controller(now, node, priority, need)
-        return shed if shed is not None else node.node_id
-
-    def _fresh(self, now: float, candidates: Sequence[str]) -> list[NodeState]:
-        nodes = self.nodes
-        settings = self.settings
-        fresh = []
-        for node_id in candidates:
-            node = nodes.get(node_id)
-            if node is not None and node.is_fresh(now, settings):
-                fresh.append(node)
-        return fresh
+        panic = self.settings.panic_watermark
+        if scan.unknown_capacity == 0 and need > panic * scan.max_capacity:
+            return self._reject_unavailable(
+                "no_capacity",
+                f"This request may hold {need} KV tokens, more than any backend can hold;"
+                " lower max_tokens or shorten the prompt.",
+                now,
+                retry_s=self.settings.retry_after_max_s,
+            )
+        excess = need - scan.max_room if scan.max_room > float("-inf") else float(need)
+        if priority is Priority.CRITICAL or scan.at_panic or need > scan.min_panic_room:
+            reason, what = "kv_panic", "at its panic watermark"
+        else:
+            reason, what = "kv_high_watermark", "above its high watermark"
+        return self.reject_shed(
+            reason,
+            f"The KV cache of every backend for this model is {what}"
+            f" for {priority.name.lower()} requests; retry later.",
+            now,
+            max(excess, 0.0),
+        )
 
     def _no_fresh(self, now: float, candidates: Sequence[str]) -> str | Reject:
         if self.settings.fail_mode == "open":
@@ -139,10 +293,9 @@ class AdaptivePolicy(BasePolicy):
         if probability > 0 and self.rng.random() < probability:
             limit = self.limits[node.node_id]
             excess = need
-            capacity = node.capacity(self.settings)
             predicted = self.predicted_tokens(node)
-            if capacity is not None and predicted is not None:
-                excess += max(0.0, predicted - limit.setpoint * capacity)
+            if node.cap is not None and predicted is not None:
+                excess += max(0.0, predicted - limit.setpoint * node.cap)
             return self.reject_shed(
                 "kv_high_watermark",
                 f"The KV cache is above its target; {priority.name.lower()}"
@@ -164,76 +317,6 @@ class AdaptivePolicy(BasePolicy):
             return max(0.0, 2.0 * pressure - 1.0)
         return 0.0
 
-    def _ceiling(self, node_id: str, priority: Priority) -> float:
-        static = self._ceilings[priority]
-        if priority is Priority.CRITICAL:
-            return static
-        limit = self.limits.get(node_id)
-        return static if limit is None else min(static, limit.ceiling)
-
-    def _headroom(self, node: NodeState, need: int, priority: Priority) -> float | None:
-        """Fraction of capacity left under the ceiling after `need`; None when it won't fit."""
-        if node.level == LEVEL_PANIC:
-            return None
-        capacity = node.capacity(self.settings)
-        predicted = self.predicted_tokens(node)
-        if capacity is None or predicted is None:
-            sample = node.sample
-            return _UNKNOWN_HEADROOM if sample is not None and sample.waiting == 0 else None
-        left = self._ceiling(node.node_id, priority) * capacity - predicted - need
-        return left / capacity if left >= 0 else None
-
-    def _route(self, nodes: list[NodeState], need: int, priority: Priority) -> NodeState | None:
-        if len(nodes) >= self.settings.p2c_min_nodes:
-            a, b = self.rng.sample(nodes, 2)
-            ha, hb = self._headroom(a, need, priority), self._headroom(b, need, priority)
-            if ha is not None or hb is not None:
-                if hb is None or (ha is not None and ha >= hb):
-                    return a
-                return b
-        best: NodeState | None = None
-        best_headroom = float("-inf")
-        for node in nodes:
-            headroom = self._headroom(node, need, priority)
-            if headroom is not None and headroom > best_headroom:
-                best, best_headroom = node, headroom
-        return best
-
-    def _no_fit(self, now: float, nodes: list[NodeState], need: int, priority: Priority) -> Reject:
-        panic = self.settings.panic_watermark
-        capacities = [c for node in nodes if (c := node.capacity(self.settings)) is not None]
-        if capacities and len(capacities) == len(nodes) and need > panic * max(capacities):
-            return self._reject_unavailable(
-                "no_capacity",
-                f"This request may hold {need} KV tokens, more than any backend can hold;"
-                " lower max_tokens or shorten the prompt.",
-                now,
-                retry_s=self.settings.retry_after_max_s,
-            )
-        excess = float("inf")
-        at_panic = False
-        for node in nodes:
-            capacity = node.capacity(self.settings)
-            predicted = self.predicted_tokens(node)
-            if capacity is None or predicted is None:
-                continue
-            ceiling = self._ceiling(node.node_id, priority)
-            excess = min(excess, predicted + need - ceiling * capacity)
-            at_panic = at_panic or node.level == LEVEL_PANIC or predicted + need > panic * capacity
-        if excess == float("inf"):
-            excess = float(need)
-        if priority is Priority.CRITICAL or at_panic:
-            reason, what = "kv_panic", "at its panic watermark"
-        else:
-            reason, what = "kv_high_watermark", "above its high watermark"
-        return self.reject_shed(
-            reason,
-            f"The KV cache of every backend for this model is {what}"
-            f" for {priority.name.lower()} requests; retry later.",
-            now,
-            max(excess, 0.0),
-        )
-
     # --- control loop -------------------------------------------------------------------------
 
     def _on_observe(self, now: float, node: NodeState) -> None:
@@ -254,6 +337,7 @@ class AdaptivePolicy(BasePolicy):
                 in_flight_tokens=own,
             )
         )
+        node.dynamic_ceiling = limit.ceiling
 
     def remove_node(self, node_id: str) -> None:
         super().remove_node(node_id)

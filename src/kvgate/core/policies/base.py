@@ -126,6 +126,9 @@ class BasePolicy:
         self._full_by_node: dict[str, int] = {}
         self._freed = DecayingRate(settings.release_rate_halflife_s)
         self._rr = 0
+        # Bumped whenever anything a decision depends on changes (sample, ticket, node set),
+        # so a policy may cache a "nothing fits" scan until the next change.
+        self.generation = 0
 
     # --- the AdmissionPolicy contract ------------------------------------------------------
 
@@ -175,6 +178,7 @@ class BasePolicy:
             if not on_node:
                 del self._by_node[hold.node_id]
         self._in_flight_tokens -= hold.full
+        self.generation += 1
         left = self._full_by_node.get(hold.node_id, 0) - hold.full
         if left:
             self._full_by_node[hold.node_id] = left
@@ -192,6 +196,7 @@ class BasePolicy:
             node = self.nodes[node_id] = NodeState(node_id)
         if not node.accept(sample, now, self.settings):
             return
+        self.generation += 1
         self._reflect(node_id, sample)
         self._refresh_level(node_id)
         self._on_observe(now, node)
@@ -201,14 +206,17 @@ class BasePolicy:
         if node is None:
             node = self.nodes[node_id] = NodeState(node_id)
         node.fail()
+        self.generation += 1
 
     def add_node(self, node_id: str) -> None:
         if node_id not in self.nodes:
             self.nodes[node_id] = NodeState(node_id)
+            self.generation += 1
 
     def remove_node(self, node_id: str) -> None:
         """Forget the node's state; its live tickets stay held until the shell releases them."""
         self.nodes.pop(node_id, None)
+        self.generation += 1
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock.now()
@@ -268,14 +276,9 @@ class BasePolicy:
 
     def predicted_tokens(self, node: NodeState) -> float | None:
         """Reported used tokens plus what the sample cannot reflect yet; None if unknowable."""
-        capacity = node.capacity(self.settings)
-        if capacity is None:
+        if node.cap is None:
             return None
-        sample = node.sample
-        used = 0.0
-        if sample is not None and sample.kv_usage is not None:
-            used = sample.kv_usage * capacity
-        return used + self.store.reserved(node.node_id)
+        return node.used + self.store.reserved(node.node_id)
 
     def predicted_usage(self, node: NodeState) -> float | None:
         capacity = node.capacity(self.settings)
@@ -285,8 +288,16 @@ class BasePolicy:
         return tokens / capacity
 
     def least_loaded(self, candidates: Sequence[str]) -> str:
-        """Fewest live tickets; ties broken round-robin so equal nodes share the load."""
+        """Fewest live tickets; ties broken round-robin so equal nodes share the load.
+
+        From `p2c_min_nodes` candidates on: the less loaded of two random ones (O(1)).
+        """
         n = len(candidates)
+        if n >= self.settings.p2c_min_nodes:
+            i = self.rng.randrange(n)
+            j = self.rng.randrange(n - 1)
+            a, b = candidates[i], candidates[j + (j >= i)]
+            return a if self.in_flight_on(a) <= self.in_flight_on(b) else b
         self._rr = (self._rr + 1) % n
         best = candidates[self._rr]
         best_load = self.in_flight_on(best)
@@ -331,6 +342,7 @@ class BasePolicy:
         self._holds[key] = hold
         self._by_node.setdefault(node_id, {})[key] = hold
         self._in_flight_tokens += full
+        self.generation += 1
         self._full_by_node[node_id] = self._full_by_node.get(node_id, 0) + full
         self._refresh_level(node_id)
         return ticket
