@@ -488,6 +488,13 @@ class Engine:
             return 0
         return seq.gbase + self._g if seq.state == _DECODE else seq.generated
 
+    def last_token_at(self, request_id: str) -> float | None:
+        """When a live request last produced a token (None: unknown or none yet)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.first_token_at is None:
+            return None
+        return self._last_step_end if seq.state == _DECODE else seq.last_token_at
+
     def blocks_held(self) -> dict[str, int]:
         """Blocks per running request, recomputed from scratch (for tests and audits)."""
         return {rid: self._blocks_of(seq) for rid, seq in self._running.items()}

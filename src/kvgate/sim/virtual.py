@@ -1,0 +1,501 @@
+"""Virtual-time mode: a cluster of engine models behind kvgate admission, no HTTP, no sleep.
+
+A discrete-event loop (one heap, ties broken by insertion order, so a run is a pure
+function of its `VirtualConfig`) advances a `ManualClock` from event to event:
+
+- **Engines** step back to back while they have work: at each step boundary the previous
+  step is finished (tokens, finishes, frees) and the next one begins.
+- **Gateway replicas** each hold their own `AdmissionPolicy` (`build_policy`), so each
+  knows only its own reservations, like real replicas. Each scrapes every engine every
+  `scrape_interval_s` (replicas spread over the interval); the page is taken at the send
+  time and reaches the policy `scrape_lag_s` later, stamped with the send time as
+  `policies.base` asks. Streaming requests report their output count to their replica
+  every `token_update_interval_s` (what a live gateway learns from the stream; coarser
+  than per token to keep the cost O(streams) per update, never under-counting).
+- **Clients** arrive from a `WorkloadSpec`. An admitted request goes to the node the policy
+  chose. A client times out when a non-streaming answer or the next streamed token takes
+  longer than `timeout_s`; it then disconnects (the engine aborts at its next step, or
+  runs a zombie with `abort_on_disconnect=False`) and retries after an immediate or
+  exponential backoff, up to `max_retries`. A 429 is retried after its Retry-After, up to
+  `max_429_tries` 429s; a 503 counts as a 5xx.
+
+Results are plain dataclasses: one `RequestOutcome` per client request and one
+`SeriesPoint` per `series_interval_s`, for the benchmark tooling to turn into reports.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
+from kvgate.core.clock import ManualClock
+from kvgate.core.policies import build_policy
+from kvgate.core.request import RequestCost
+from kvgate.core.settings import AdmissionSettings
+from kvgate.core.signals import NodeSample
+from kvgate.sim.engine import Engine, EngineConfig, EngineError, StepResult
+from kvgate.sim.workload import RequestSpec, WorkloadSpec, generate
+
+_STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES = range(7)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientModel:
+    """How clients wait, give up and retry."""
+
+    timeout_s: float = 60.0
+    max_retries: int = 2
+    backoff: Literal["immediate", "exponential"] = "exponential"
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 30.0
+    max_429_tries: int = 5
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualConfig:
+    engine: EngineConfig
+    workload: WorkloadSpec
+    duration_s: float
+    nodes: int = 16
+    gateways: int = 1
+    admission: AdmissionSettings = field(default_factory=lambda: AdmissionSettings(policy="none"))
+    scrape_interval_s: float = 0.05
+    scrape_lag_s: float = 0.01
+    client: ClientModel = field(default_factory=ClientModel)
+    series_interval_s: float = 1.0
+    token_update_interval_s: float = 0.5
+    drain_s: float = 0.0
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """One client request across all its attempts. Times are virtual seconds."""
+
+    index: int
+    arrival: float
+    prompt_tokens: int
+    max_tokens: int
+    priority: str
+    stream: bool
+    status: str = "pending"  # ok | gave_up_429 | gave_up_timeout | gave_up_5xx | bad_request
+    attempts: int = 0  # sent to an engine
+    rejections_429: int = 0
+    rejections_5xx: int = 0
+    timeouts: int = 0
+    retries: int = 0
+    first_token_at: float | None = None
+    completed_at: float | None = None
+    output_tokens: int = 0
+    zombie_tokens: int = 0
+    preemptions: int = 0
+    node: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """From the client's first try to its first token (retries included)."""
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.completed_at is None or self.first_token_at is None or self.output_tokens < 2:
+            return None
+        return (self.completed_at - self.first_token_at) / (self.output_tokens - 1)
+
+
+@dataclass(slots=True)
+class SeriesPoint:
+    """Cluster state at `t` and event counts over the interval that ends at `t`."""
+
+    t: float
+    kv_usage_mean: float
+    kv_usage_max: float
+    node_kv_usage: list[float]
+    running: int
+    waiting: int
+    arrivals: int
+    admissions: int
+    rejections: int
+    timeouts: int
+    completions: int
+    preemptions: int
+    generated_tokens: int
+    zombie_tokens: int
+    shed_probability: dict[str, float]
+
+
+@dataclass(slots=True)
+class VirtualResult:
+    config: VirtualConfig
+    outcomes: list[RequestOutcome]
+    series: list[SeriesPoint]
+    wall_s: float
+    events: int
+    engine_totals: dict[str, int]
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers (counts, goodput, latency percentiles of successful requests)."""
+        by_status: dict[str, int] = {}
+        for o in self.outcomes:
+            by_status[o.status] = by_status.get(o.status, 0) + 1
+        ok = [o for o in self.outcomes if o.status == "ok"]
+        ttfts = sorted(o.ttft for o in ok if o.ttft is not None)
+        tpots = sorted(t for o in ok if (t := o.tpot) is not None)
+        horizon = self.config.duration_s + self.config.drain_s
+        return {
+            "requests": len(self.outcomes),
+            "by_status": by_status,
+            "goodput_tokens_per_s": sum(o.output_tokens for o in ok) / horizon,
+            "ttft_p50_s": _pct(ttfts, 0.5),
+            "ttft_p99_s": _pct(ttfts, 0.99),
+            "tpot_p50_s": _pct(tpots, 0.5),
+            "tpot_p99_s": _pct(tpots, 0.99),
+            "rejections_429": sum(o.rejections_429 for o in self.outcomes),
+            "timeouts": sum(o.timeouts for o in self.outcomes),
+            **self.engine_totals,
+            "wall_s": self.wall_s,
+            "events": self.events,
+        }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+class _Attempt:
+    __slots__ = ("active", "first_token_at", "gateway", "node", "outcome", "rid", "spec",
+                 "started", "ticket")  # fmt: skip
+
+    def __init__(
+        self,
+        outcome: RequestOutcome,
+        spec: RequestSpec,
+        rid: str,
+        node: int,
+        gateway: int,
+        ticket: Ticket,
+        now: float,
+    ) -> None:
+        self.outcome = outcome
+        self.spec = spec
+        self.rid = rid
+        self.node = node
+        self.gateway = gateway
+        self.ticket = ticket
+        self.started = now
+        self.active = True
+        self.first_token_at: float | None = None
+
+
+class VirtualCluster:
+    """Build with a config, call `run()` once."""
+
+    def __init__(self, config: VirtualConfig) -> None:
+        if config.nodes < 1 or config.gateways < 1:
+            raise ValueError("need at least one node and one gateway")
+        self.config = config
+        self.clock = ManualClock()
+        self.node_ids = [f"node-{i}" for i in range(config.nodes)]
+        self._node_index = {nid: i for i, nid in enumerate(self.node_ids)}
+        self.engines = [Engine(config.engine, seed=config.seed * 1009 + i)
+                        for i in range(config.nodes)]  # fmt: skip
+        self.policies: list[AdmissionPolicy] = [
+            build_policy(config.admission, self.clock, rng_seed=config.seed * 7919 + g)
+            for g in range(config.gateways)
+        ]
+        for policy in self.policies:
+            for nid in self.node_ids:
+                policy.add_node(nid)
+        self._rng = random.Random(config.seed * 31 + 1)
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._idle = [True] * config.nodes
+        self._attempts: dict[str, _Attempt] = {}
+        # Streaming attempts with a first token, per (gateway, node): their counts are
+        # reported to the replica before each sample it receives.
+        self._streaming: list[list[dict[str, _Attempt]]] = [
+            [{} for _ in range(config.nodes)] for _ in range(config.gateways)
+        ]
+        self._itl_seen = [[(0.0, 0)] * config.nodes for _ in range(config.gateways)]
+        self._next_gateway = 0
+        self._next_token_update = [0.0] * config.gateways
+        self.outcomes: list[RequestOutcome] = []
+        self.series: list[SeriesPoint] = []
+        self._counts = dict.fromkeys(
+            ("arrivals", "admissions", "rejections", "timeouts", "completions"), 0
+        )
+        self._last_totals = (0, 0, 0)
+        self._workload: Iterator[RequestSpec] = iter(())
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> VirtualResult:
+        cfg = self.config
+        wall = time.perf_counter()
+        self._workload = generate(cfg.workload, cfg.duration_s, cfg.seed, cfg.engine.max_model_len)
+        self._push_next_arrival()
+        for g in range(cfg.gateways):
+            self._push(g * cfg.scrape_interval_s / cfg.gateways, _SCRAPE, g)
+        self._push(cfg.series_interval_s, _SERIES, None)
+        end = cfg.duration_s + cfg.drain_s
+        heap, pop, events = self._heap, heapq.heappop, 0
+        handlers = (self._on_step, self._on_arrival, self._on_attempt, self._on_scrape,
+                    self._on_deliver, self._on_timeout, self._on_series)  # fmt: skip
+        while heap and heap[0][0] <= end:
+            now, _, kind, payload = pop(heap)
+            self.clock.set(now)
+            handlers[kind](now, payload)
+            events += 1
+        for outcome in self.outcomes:
+            if outcome.status == "pending":
+                outcome.status = "unfinished"
+        return VirtualResult(
+            config=cfg,
+            outcomes=self.outcomes,
+            series=self.series,
+            wall_s=time.perf_counter() - wall,
+            events=events,
+            engine_totals=self._engine_totals(),
+        )
+
+    def _push(self, when: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._heap, (when, next(self._seq), kind, payload))
+
+    def _engine_totals(self) -> dict[str, int]:
+        totals = {"preemptions": 0, "recomputed_tokens": 0, "zombie_tokens": 0,
+                  "generated_tokens": 0, "engine_steps": 0}  # fmt: skip
+        for e in self.engines:
+            totals["preemptions"] += e.preemptions_evicted
+            totals["recomputed_tokens"] += e.recomputed_tokens_total
+            totals["zombie_tokens"] += e.zombie_tokens_total
+            totals["generated_tokens"] += e.generation_tokens_total
+            totals["engine_steps"] += e.steps_total
+        return totals
+
+    # ------------------------------------------------------------------ clients
+    def _push_next_arrival(self) -> None:
+        spec = next(self._workload, None)
+        if spec is not None:
+            self._push(spec.arrival, _ARRIVAL, spec)
+
+    def _on_arrival(self, now: float, spec: RequestSpec) -> None:
+        outcome = RequestOutcome(
+            index=spec.index,
+            arrival=spec.arrival,
+            prompt_tokens=spec.prompt_tokens,
+            max_tokens=spec.max_tokens,
+            priority=spec.priority.name.lower(),
+            stream=spec.stream,
+        )
+        self.outcomes.append(outcome)
+        self._counts["arrivals"] += 1
+        self._on_attempt(now, (outcome, spec))
+        self._push_next_arrival()
+
+    def _on_attempt(self, now: float, payload: tuple[RequestOutcome, RequestSpec]) -> None:
+        outcome, spec = payload
+        g = self._next_gateway
+        self._next_gateway = (g + 1) % self.config.gateways
+        policy = self.policies[g]
+        rid = f"r{spec.index}.{outcome.attempts + outcome.rejections_429 + outcome.rejections_5xx}"
+        cost = RequestCost(spec.prompt_tokens, spec.max_tokens)
+        decision = policy.admit(rid, cost, spec.priority, self.node_ids)
+        if isinstance(decision, Reject):
+            self._counts["rejections"] += 1
+            if decision.status == 429:
+                outcome.rejections_429 += 1
+                if outcome.rejections_429 >= self.config.client.max_429_tries:
+                    outcome.status = "gave_up_429"
+                else:
+                    self._push(now + decision.retry_after_s, _ATTEMPT, payload)
+            else:
+                outcome.rejections_5xx += 1
+                self._retry(now, outcome, spec, "5xx")
+            return
+        ticket = decision.ticket
+        node = self._node_index[ticket.node_id]
+        engine = self.engines[node]
+        try:
+            engine.add_request(rid, spec.prompt_tokens, spec.max_tokens, now,
+                               ignore_eos=spec.ignore_eos, priority=int(spec.priority))  # fmt: skip
+        except EngineError:
+            policy.release(ticket, Outcome.UPSTREAM_ERROR)
+            outcome.status = "bad_request"
+            return
+        self._counts["admissions"] += 1
+        outcome.attempts += 1
+        outcome.node = ticket.node_id
+        attempt = _Attempt(outcome, spec, rid, node, g, ticket, now)
+        self._attempts[rid] = attempt
+        self._push(now + self.config.client.timeout_s, _TIMEOUT, attempt)
+        self._wake(node, now)
+
+    def _retry(self, now: float, outcome: RequestOutcome, spec: RequestSpec, kind: str) -> None:
+        client = self.config.client
+        if outcome.retries >= client.max_retries:
+            outcome.status = f"gave_up_{kind}"
+            return
+        outcome.retries += 1
+        delay = 0.0
+        if client.backoff == "exponential":
+            delay = min(client.backoff_max_s, client.backoff_base_s * 2 ** (outcome.retries - 1))
+            delay *= 0.5 + 0.5 * self._rng.random()
+        self._push(now + delay, _ATTEMPT, (outcome, spec))
+
+    def _on_timeout(self, now: float, attempt: _Attempt) -> None:
+        if not attempt.active:
+            return
+        timeout = self.config.client.timeout_s
+        engine = self.engines[attempt.node]
+        if attempt.outcome.stream:
+            last = engine.last_token_at(attempt.rid)
+            last = attempt.started if last is None else max(last, attempt.started)
+            if now - last < timeout * (1 - 1e-9):
+                self._push(last + timeout, _TIMEOUT, attempt)
+                return
+        self._deactivate(attempt, Outcome.CLIENT_CANCEL)
+        engine.disconnect(attempt.rid)
+        self._wake(attempt.node, now)
+        attempt.outcome.timeouts += 1
+        self._counts["timeouts"] += 1
+        self._retry(now, attempt.outcome, attempt.spec, "timeout")
+
+    def _deactivate(self, attempt: _Attempt, how: Outcome) -> None:
+        attempt.active = False
+        self._streaming[attempt.gateway][attempt.node].pop(attempt.rid, None)
+        self.policies[attempt.gateway].release(attempt.ticket, how)
+
+    # ------------------------------------------------------------------ engines
+    def _wake(self, node: int, now: float) -> None:
+        if self._idle[node] and self.engines[node].has_work:
+            self._idle[node] = False
+            self._push(now, _STEP, node)
+
+    def _on_step(self, now: float, node: int) -> None:
+        engine = self.engines[node]
+        if engine.in_flight:
+            self._apply(now, engine.finish_step())
+        duration = engine.begin_step(now)
+        if duration is None:
+            self._idle[node] = True
+        else:
+            self._push(now + duration, _STEP, node)
+
+    def _apply(self, now: float, result: StepResult) -> None:
+        attempts = self._attempts
+        for rid in result.first_tokens:
+            attempt = attempts.get(rid)
+            if attempt is not None and attempt.active:
+                attempt.first_token_at = now
+                self.policies[attempt.gateway].on_first_token(attempt.ticket)
+                if attempt.outcome.stream:
+                    self._streaming[attempt.gateway][attempt.node][rid] = attempt
+        for done in result.finished:
+            attempt = attempts.pop(done.request_id, None)
+            if attempt is None:
+                continue
+            outcome = attempt.outcome
+            outcome.preemptions += done.preemptions
+            if not attempt.active:
+                outcome.zombie_tokens += done.zombie_tokens
+                continue
+            self._deactivate(attempt, Outcome.DONE)
+            outcome.status = "ok"
+            outcome.first_token_at = attempt.first_token_at
+            outcome.completed_at = now
+            outcome.output_tokens = done.output_tokens
+            self._counts["completions"] += 1
+        for rid in result.aborted:
+            attempts.pop(rid, None)
+
+    # ------------------------------------------------------------------ gateways
+    def _on_scrape(self, now: float, g: int) -> None:
+        samples = []
+        seen = self._itl_seen[g]
+        for i, engine in enumerate(self.engines):
+            itl = engine.itl
+            prev_sum, prev_count = seen[i]
+            latency = None
+            if itl.count > prev_count:
+                latency = (itl.sum - prev_sum) / (itl.count - prev_count)
+            seen[i] = (itl.sum, itl.count)
+            samples.append(
+                NodeSample(
+                    kv_usage=engine.kv_usage,
+                    kv_capacity_tokens=engine.config.kv_capacity_tokens,
+                    running=engine.num_running,
+                    waiting=engine.num_waiting,
+                    iteration_latency_s=latency,
+                    sampled_at=now,
+                    preemptions_total=float(engine.preemptions_total),
+                )
+            )
+        self._push(now + self.config.scrape_lag_s, _DELIVER, (g, samples))
+        self._push(now + self.config.scrape_interval_s, _SCRAPE, g)
+
+    def _on_deliver(self, now: float, payload: tuple[int, list[NodeSample]]) -> None:
+        g, samples = payload
+        policy = self.policies[g]
+        if now >= self._next_token_update[g]:
+            # What the replica has learned from its streams since the last update. Done
+            # every `token_update_interval_s`, not per token: O(streams) per update.
+            self._next_token_update[g] = now + self.config.token_update_interval_s
+            for i, live in enumerate(self._streaming[g]):
+                engine = self.engines[i]
+                for rid, attempt in live.items():
+                    policy.on_tokens(attempt.ticket, engine.output_tokens(rid))
+        for i, sample in enumerate(samples):
+            policy.observe(self.node_ids[i], sample)
+
+    # ------------------------------------------------------------------ time series
+    def _on_series(self, now: float, _: None) -> None:
+        kv = [e.kv_usage for e in self.engines]
+        preempted = sum(e.preemptions_evicted for e in self.engines)
+        generated = sum(e.generation_tokens_total for e in self.engines)
+        zombies = sum(e.zombie_tokens_total for e in self.engines)
+        last_p, last_g, last_z = self._last_totals
+        self._last_totals = (preempted, generated, zombies)
+        counts = self._counts
+        self.series.append(
+            SeriesPoint(
+                t=now,
+                kv_usage_mean=sum(kv) / len(kv),
+                kv_usage_max=max(kv),
+                node_kv_usage=kv,
+                running=sum(e.num_running for e in self.engines),
+                waiting=sum(e.num_waiting for e in self.engines),
+                arrivals=counts["arrivals"],
+                admissions=counts["admissions"],
+                rejections=counts["rejections"],
+                timeouts=counts["timeouts"],
+                completions=counts["completions"],
+                preemptions=preempted - last_p,
+                generated_tokens=generated - last_g,
+                zombie_tokens=zombies - last_z,
+                shed_probability=self._shed_probability(),
+            )
+        )
+        for key in counts:
+            counts[key] = 0
+        self._push(now + self.config.series_interval_s, _SERIES, None)
+
+    def _shed_probability(self) -> dict[str, float]:
+        """Mean over replicas of each one's reported shed probability per priority."""
+        total: dict[str, float] = {}
+        for policy in self.policies:
+            controller = policy.snapshot().get("controller") or {}
+            for name, p in (controller.get("shed_probability") or {}).items():
+                total[name] = total.get(name, 0.0) + float(p) / len(self.policies)
+        return total
+
+
+def run_virtual(config: VirtualConfig) -> VirtualResult:
+    """Run one virtual-time experiment."""
+    return VirtualCluster(config).run()
