@@ -310,3 +310,58 @@ def test_tokens_generated_after_the_sample_are_not_assumed_reflected() -> None:
     policy.observe("a", sample(clock, usage=0.1, capacity=10_000, at=sent_at))
     predicted = policy.snapshot()["nodes"]["a"]["predicted_usage"] * 10_000
     assert predicted >= 1000 + 1000 - 1e-6  # the request's peak is never under-counted
+
+
+def test_cached_refusal_is_dropped_when_room_appears_or_nodes_go_stale() -> None:
+    policy, clock = make(reservation_overhead_tokens=0)
+    policy.observe("a", sample(clock, usage=0.0, capacity=1000))
+    first = admit(policy, "r1", cost(400, 400), Priority.CRITICAL)
+    assert isinstance(first, Admit)
+    for i in range(3):  # refused, the second and third time from the cached scan
+        refused = admit(policy, f"x{i}", cost(400, 400), Priority.CRITICAL)
+        assert isinstance(refused, Reject) and refused.reason == "kv_panic"
+    small = admit(policy, "small", cost(50, 50), Priority.CRITICAL)
+    assert isinstance(small, Admit)  # a smaller request still fits: the cache must not refuse
+    policy.release(first.ticket, Outcome.DONE)
+    again = admit(policy, "r2", cost(400, 400), Priority.CRITICAL)
+    assert isinstance(again, Admit)
+    refused = admit(policy, "r3", cost(400, 400), Priority.CRITICAL)
+    assert isinstance(refused, Reject) and refused.status == 429
+    clock.advance(1.01)  # no new sample: the node is stale now, a different answer
+    stale = admit(policy, "r4", cost(400, 400), Priority.CRITICAL)
+    assert isinstance(stale, Reject) and stale.status == 503 and stale.reason == "no_fresh_node"
+
+
+def test_request_larger_than_any_node_is_a_503_no_capacity() -> None:
+    policy, clock = make()
+    policy.observe("a", sample(clock, usage=0.0, capacity=4096))
+    decision = admit(policy, "big", cost(2000, 4000), Priority.CRITICAL)
+    assert isinstance(decision, Reject)
+    assert (decision.status, decision.reason) == (503, "no_capacity")
+
+
+def test_engine_without_kv_gauge_is_gated_by_its_queue() -> None:
+    """llama.cpp: no KV gauge, no capacity: admit while nothing waits."""
+    policy, clock = make()
+    policy.observe("llama", sample(clock, usage=None, capacity=None, waiting=0))
+    for i in range(5):
+        assert isinstance(admit(policy, f"r{i}", cost(), candidates=("llama",)), Admit)
+    policy.observe("llama", sample(clock, usage=None, capacity=None, running=4, waiting=2))
+    refused = admit(policy, "q", cost(), candidates=("llama",))
+    assert isinstance(refused, Reject) and refused.status == 429
+    assert policy.snapshot()["nodes"]["llama"]["predicted_usage"] is None
+
+
+def test_engine_without_kv_gauge_uses_configured_capacity_and_reservations() -> None:
+    policy, clock = make(default_capacity_tokens=10_000, reservation_overhead_tokens=0)
+    policy.observe("llama", sample(clock, usage=None, capacity=None))
+    admitted = 0
+    for i in range(50):
+        decision = admit(policy, f"r{i}", cost(500, 500), Priority.CRITICAL, ("llama",))
+        if isinstance(decision, Admit):
+            admitted += 1
+            decision.ticket.first_token_at = clock.now()  # nothing is ever "reflected"
+    clock.advance(0.2)
+    policy.observe("llama", sample(clock, usage=None, capacity=None))
+    assert admitted == 9  # 9 x 1000 <= 0.92 x 10000
+    assert policy.snapshot()["nodes"]["llama"]["predicted_usage"] == 0.9
