@@ -152,3 +152,62 @@ class PidLimit:
             self._pressure = 0.0
             self._integral = 0.0
         self._budget = max(0.0, m.capacity_tokens * self.ceiling - m.other_tokens)
+
+
+class GradientLimit:
+    """Netflix Gradient2, transposed from latency to KV usage (kept for comparison).
+
+    Each update: `gradient = clamp(setpoint / usage, 0.5, 1)`; the new budget is
+    `budget * gradient + growth` (growth: `growth_fraction` of capacity, only while the
+    gateway actually uses at least half its budget: Netflix's app-limited guard against
+    windup), smoothed by `smoothing`, clamped to [0, room to panic]. Pressure and ceiling
+    are derived from the budget so the policy can treat both limits alike.
+    """
+
+    name = "gradient"
+
+    def __init__(
+        self,
+        setpoint: float,
+        panic: float,
+        *,
+        smoothing: float = 0.2,
+        growth_fraction: float = 0.02,
+    ) -> None:
+        if not 0 < setpoint < panic:
+            raise ValueError("the setpoint must be positive and below the panic watermark")
+        self._setpoint = setpoint
+        self._panic = panic
+        self._span = panic - setpoint
+        self._smoothing = smoothing
+        self._growth = growth_fraction
+        self._budget: float | None = None
+        self._ceiling = panic
+
+    @property
+    def pressure(self) -> float:
+        return (self._panic - self._ceiling) / self._span
+
+    @property
+    def budget_tokens(self) -> float | None:
+        return self._budget
+
+    @property
+    def setpoint(self) -> float:
+        return self._setpoint
+
+    @property
+    def ceiling(self) -> float:
+        return self._ceiling
+
+    def update(self, m: LimitMeasurement) -> None:
+        capacity = m.capacity_tokens
+        room = max(0.0, self._panic * capacity - m.other_tokens)
+        budget = room if self._budget is None else self._budget
+        gradient = 1.0 if m.usage <= 0 else min(1.0, max(0.5, self._setpoint / m.usage))
+        growth = self._growth * capacity if m.in_flight_tokens >= budget / 2 else 0.0
+        target = budget * gradient + growth
+        budget = budget + self._smoothing * (target - budget)
+        self._budget = min(room, max(0.0, budget))
+        ceiling = (self._budget + m.other_tokens) / capacity if capacity > 0 else self._panic
+        self._ceiling = min(self._panic, max(self._setpoint, ceiling))

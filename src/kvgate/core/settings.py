@@ -95,6 +95,13 @@ class AdmissionSettings(BaseModel):
         lt=0.5,
         description="A node leaves the high/panic state only this far below the watermark.",
     )
+    controller: Literal["pid", "gradient"] = Field(
+        "pid",
+        description=(
+            "Limit algorithm of `adaptive` between the watermarks: `pid` (default) or"
+            " `gradient` (Netflix Gradient2 on KV usage, for comparison)."
+        ),
+    )
     controller_kp: float = Field(
         0.25, ge=0, description="PID proportional gain (shed pressure per unit of error)."
     )

@@ -40,7 +40,7 @@ from typing import Any
 
 from kvgate.core.admission import Reject
 from kvgate.core.clock import Clock
-from kvgate.core.limits import LimitMeasurement, PidLimit, TokenLimit
+from kvgate.core.limits import GradientLimit, LimitMeasurement, PidLimit, TokenLimit
 from kvgate.core.nodes import LEVEL_PANIC, NodeState
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import Priority, RequestCost
@@ -100,7 +100,7 @@ class AdaptivePolicy(BasePolicy):
         limit_factory: Callable[[], TokenLimit] | None = None,
     ) -> None:
         super().__init__(settings, clock, rng_seed=rng_seed, store=store)
-        self._new_limit = limit_factory or self._pid
+        self._new_limit = limit_factory or self._default_limit
         self.limits: dict[str, TokenLimit] = {}
         self._scans: dict[tuple[Priority, tuple[str, ...]], _Scan] = {}
         self._ceilings = {
@@ -109,8 +109,10 @@ class AdaptivePolicy(BasePolicy):
             Priority.CRITICAL: settings.panic_watermark,
         }
 
-    def _pid(self) -> TokenLimit:
+    def _default_limit(self) -> TokenLimit:
         s = self.settings
+        if s.controller == "gradient":
+            return GradientLimit(s.high_watermark, s.panic_watermark)
         return PidLimit(
             s.high_watermark,
             s.panic_watermark,
@@ -365,7 +367,7 @@ class AdaptivePolicy(BasePolicy):
             "in_flight_tokens": self.in_flight_tokens,
             "setpoint": self.settings.high_watermark,
             "shed_probability": probabilities,
-            "limit": "pid",
+            "limit": self.settings.controller,
         }
 
     def _node_snapshot(self, now: float, node: NodeState) -> dict[str, Any]:
