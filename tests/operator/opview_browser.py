@@ -47,7 +47,10 @@ def page(width: int = 1600, height: int = 1300) -> Iterator[Any]:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
         try:
-            context = browser.new_context(viewport={"width": width, "height": height})
+            # The page's CSP forbids eval; Playwright's wait_for_function needs it.
+            context = browser.new_context(
+                viewport={"width": width, "height": height}, bypass_csp=True
+            )
             yield context.new_page()
         finally:
             browser.close()

@@ -137,13 +137,16 @@ class SyntheticCluster:
 
 
 def router(
-    state_provider: Callable[[], dict[str, Any]], admin_token: str | None = None
+    state_provider: Callable[[], dict[str, Any]],
+    admin_token: str | None = None,
+    max_stream_s: float = dashboard.MAX_STREAM_S,
 ) -> Callable[..., Any]:
     """The dashboard's routes plus `/admin/state`, as the gateway would merge them.
 
     With `admin_token`, `/admin/state` wants `Authorization: Bearer <token>`.
     """
-    table = dashboard.routes(state_provider)
+    closing = threading.Event()
+    table = dashboard.routes(state_provider, closing=closing.is_set, max_stream_s=max_stream_s)
     expected = f"Bearer {admin_token}".encode() if admin_token else None
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -168,6 +171,7 @@ def router(
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
+    app.closing = closing  # type: ignore[attr-defined]  # set by serve() before stopping
     return app
 
 
@@ -187,6 +191,9 @@ def serve(app: Callable[..., Any]) -> Iterator[str]:
             time.sleep(0.02)
         yield f"http://127.0.0.1:{port}"
     finally:
+        closing = getattr(app, "closing", None)
+        if closing is not None:
+            closing.set()
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()

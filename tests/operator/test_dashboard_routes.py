@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -100,6 +101,42 @@ def test_events_stop_promptly_when_the_client_disconnects() -> None:
         after_close = calls["n"]
         time.sleep(0.6)  # six periods at 100 ms: a loop still running would call 6 more times
         assert calls["n"] == after_close
+
+
+def _stream_length(app: Any, during: Callable[[], None] | None = None) -> float:
+    """Seconds until the server itself ends an event stream (bounded by the client timeout)."""
+    with (
+        serve(app) as url,
+        httpx.Client(base_url=url, timeout=10) as client,
+        client.stream("GET", "/admin/events?interval_ms=100") as response,
+    ):
+        started = time.monotonic()
+        chunks = response.iter_bytes()
+        next(chunks)
+        if during is not None:
+            during()
+        for _ in chunks:
+            if time.monotonic() - started > 8:
+                break
+        return time.monotonic() - started
+
+
+def test_streams_end_when_the_gateway_is_closing() -> None:
+    """An open dashboard must not hold up a gateway's graceful shutdown."""
+    app = router(SyntheticCluster(1).state)
+    elapsed = _stream_length(app, during=app.closing.set)
+    assert elapsed < 2.0
+
+
+def test_streams_are_bounded_in_time_and_say_how_soon_to_reconnect() -> None:
+    app = router(SyntheticCluster(1).state, max_stream_s=0.6)
+    elapsed = _stream_length(app)
+    assert 0.5 < elapsed < 3.0
+    app = router(SyntheticCluster(1).state, max_stream_s=0.6)  # the last one was closed
+    with serve(app) as url, httpx.Client(base_url=url, timeout=5) as client:
+        body = client.get("/admin/events").text  # ends by itself after 0.6 s
+    assert body.startswith(f"retry: {dashboard.RECONNECT_MS}\n\n")
+    assert body.count("data: ") >= 2
 
 
 def test_a_failing_state_provider_yields_error_events_not_a_dead_stream() -> None:

@@ -37,6 +37,10 @@ EVENTS_PATH = "/admin/events"
 DEFAULT_INTERVAL_S = 0.2  # 5 updates per second: smooth enough, cheap with 64 nodes
 MIN_INTERVAL_S = 0.1
 MAX_INTERVAL_S = 5.0
+# Below the gateway's default drain (30 s): even a gateway that cannot tell us it is
+# stopping is not kept waiting by a dashboard tab for longer than its drain.
+MAX_STREAM_S = 25.0
+RECONNECT_MS = 250
 
 _CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -54,12 +58,21 @@ _CSP = (
 )
 
 
-def routes(state_provider: StateProvider) -> dict[tuple[str, str], ASGIApp]:
-    """Every route the dashboard needs, keyed by (method, exact path), for the gateway."""
+def routes(
+    state_provider: StateProvider,
+    closing: Callable[[], bool] | None = None,
+    max_stream_s: float = MAX_STREAM_S,
+) -> dict[tuple[str, str], ASGIApp]:
+    """Every route the dashboard needs, keyed by (method, exact path), for the gateway.
+
+    `closing()` turning true (the gateway is draining) ends every event stream within one
+    period, so an open dashboard tab never holds up a shutdown. Without it, `max_stream_s`
+    bounds how long one stream lives (the browser reconnects on its own in a blink).
+    """
     table: dict[tuple[str, str], ASGIApp] = {
         ("GET", "/dashboard"): _static_app("dashboard.html", cache_s=0),
         ("GET", "/dashboard/"): _static_app("dashboard.html", cache_s=0),
-        ("GET", EVENTS_PATH): events_app(state_provider),
+        ("GET", EVENTS_PATH): events_app(state_provider, closing, max_stream_s),
     }
     for name in static_files():
         if name == "dashboard.html":
@@ -138,12 +151,19 @@ def _snapshot_frame(state_provider: StateProvider) -> bytes:
         return b"event: error\ndata: " + message + b"\n\n"
 
 
-def events_app(state_provider: StateProvider) -> ASGIApp:
+def events_app(
+    state_provider: StateProvider,
+    closing: Callable[[], bool] | None = None,
+    max_stream_s: float = MAX_STREAM_S,
+) -> ASGIApp:
     """`GET /admin/events`: push `state_provider()` as SSE until the client goes away.
 
     A background task waits on `receive()` for `http.disconnect`, so a closed tab stops the
-    loop within one period instead of at the next failed write.
+    loop within one period instead of at the next failed write. The stream also ends when
+    `closing()` says the server is stopping, or after `max_stream_s`; EventSource then
+    reconnects by itself after `retry` milliseconds.
     """
+    stop = _Stop(closing, max_stream_s)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         interval = parse_interval(scope.get("query_string", b""))
@@ -161,11 +181,9 @@ def events_app(state_provider: StateProvider) -> ASGIApp:
                     ],
                 }
             )
-            # Tell EventSource to reconnect after 1 s if the gateway restarts.
-            await send(
-                {"type": "http.response.body", "body": b"retry: 1000\n\n", "more_body": True}
-            )
-            await _push_loop(state_provider, send, gone, interval)
+            retry = f"retry: {RECONNECT_MS}\n\n".encode()
+            await send({"type": "http.response.body", "body": retry, "more_body": True})
+            await _push_loop(state_provider, send, gone, interval, stop)
         except OSError:
             pass  # the client vanished mid-write; nothing to tell anyone
         finally:
@@ -179,10 +197,30 @@ def events_app(state_provider: StateProvider) -> ASGIApp:
     return app
 
 
+class _Stop:
+    """When a stream should end on the server's initiative."""
+
+    def __init__(self, closing: Callable[[], bool] | None, max_stream_s: float) -> None:
+        self.closing = closing
+        self.max_stream_s = max_stream_s
+
+    def now(self, started: float) -> bool:
+        if asyncio.get_running_loop().time() - started >= self.max_stream_s:
+            return True
+        if self.closing is None:
+            return False
+        try:
+            return bool(self.closing())
+        except Exception:  # a broken hook must not kill the stream loop with an error
+            log.exception("dashboard closing() hook failed")
+            return False
+
+
 async def _push_loop(
-    state_provider: StateProvider, send: Send, gone: asyncio.Event, interval: float
+    state_provider: StateProvider, send: Send, gone: asyncio.Event, interval: float, stop: _Stop
 ) -> None:
-    while not gone.is_set():
+    started = asyncio.get_running_loop().time()
+    while not gone.is_set() and not stop.now(started):
         frame = _snapshot_frame(state_provider)
         await send({"type": "http.response.body", "body": frame, "more_body": True})
         with contextlib.suppress(TimeoutError):
@@ -196,5 +234,6 @@ async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
             message = await receive()
             if message.get("type") == "http.disconnect":
                 break
-    finally:
-        gone.set()
+    except Exception:  # a server that cannot receive any more has lost the client too
+        log.debug("receive() failed under /admin/events", exc_info=True)
+    gone.set()  # not on cancellation: then the stream ends on our side and is closed cleanly

@@ -1,0 +1,23 @@
+"""Fixtures for the operator-view tests: a headless system Chromium page."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from opview_browser import missing_reason, page
+
+
+@pytest.fixture
+def browser_page() -> Iterator[Any]:
+    """A Playwright page in Debian's Chromium; skips (saying why) when it is not installed."""
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(f"browser test skipped: {reason}")
+    with page() as p:
+        errors: list[str] = []
+        p.on("pageerror", lambda exc: errors.append(str(exc)))
+        p.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        p.kvgate_errors = errors  # type: ignore[attr-defined]
+        yield p
