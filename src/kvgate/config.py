@@ -21,6 +21,7 @@ from pydantic_settings import (
 
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
 from kvgate.core.settings import AdmissionSettings
+from kvgate.gateway.auth_settings import AuthSettings
 from kvgate.gateway.settings import LimitSettings, ServerSettings, UpstreamSettings
 
 
@@ -37,6 +38,7 @@ class KvgateConfig(BaseSettings):
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
 
     @field_validator("backends", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ from kvgate.core.admission import AdmissionPolicy
 from kvgate.core.clock import Clock, MonotonicClock
 from kvgate.core.cost import CostEstimator
 from kvgate.core.policies import build_policy
+from kvgate.gateway.auth import Security, TenantCollector
 from kvgate.gateway.errors import GatewayError, send_error, send_json
 from kvgate.gateway.proxy import CostEstimator as Estimator
 from kvgate.gateway.proxy import Relay
@@ -58,11 +59,18 @@ class Gateway:
         self.backends = (
             backends if backends is not None else backends_from_settings(config.backends)
         )
-        self.policy = policy or build_policy(config.admission, self.clock)
+        # Without API keys `security` is inert; with them it authenticates every request
+        # and charges tenants through a wrapper around the policy (kvgate.gateway.auth).
+        self.security = Security.from_config(config.auth, config.server.admin_token)
+        self.policy = self.security.wrap_policy(
+            policy or build_policy(config.admission, self.clock)
+        )
         for backend in self.backends:
             self.policy.add_node(backend.node_id)
         self.metrics = GatewayMetrics()
         self.metrics.policy_snapshot = self.policy.snapshot
+        if self.security.ledger is not None:
+            self.metrics.registry.register(TenantCollector(self.security.ledger))
         self.pool = UpstreamPool(self.backends, config.upstream)
         self.catalog = ModelCatalog(self.pool, config.server.models_cache_s)
         self.catalog.bind(self.spawn)
@@ -95,6 +103,12 @@ class Gateway:
     # ---- ASGI ---------------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.security.front.enabled:
+            await self.security.front(scope, receive, send, self._dispatch)
+        else:
+            await self._dispatch(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
             handler = self.routes.get((scope["method"], scope["path"]))

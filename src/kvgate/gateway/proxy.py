@@ -724,6 +724,8 @@ def _rejection(decision: Reject, *, after_failure: bool) -> GatewayError:
     ]
     status = 503 if after_failure else decision.status
     code = "cluster_saturated" if status == 429 else "service_unavailable"
+    if status == 429 and decision.reason == "tenant_limit":  # kvgate.gateway.auth.TenantGate
+        code = "tenant_limit_exceeded"
     return GatewayError(status, decision.message, code, headers=headers)
 
 

@@ -1,0 +1,410 @@
+"""Client authentication, tenant limits and the admin token: kvgate's front door.
+
+`FrontDoor` runs before routing, only when keys are configured (without keys it is not on
+the request path at all):
+
+- `/v1/...` needs a client key (`Authorization: Bearer <key>`, as the OpenAI SDKs send it,
+  or `x-api-key`). The key names a tenant and a priority range: a request without
+  `X-Kvgate-Priority` gets the key's default, one asking for more than the key allows is
+  lowered to the key's maximum (never refused: clients that always ask for `critical` keep
+  working, they just are not believed). The client's key is removed from the headers, so
+  it never reaches an engine; engines get their own `backends[].api_key`, if any.
+- `/admin/...` and `/dashboard...` need `server.admin_token`, as a bearer token or as the
+  password of HTTP Basic auth (what a browser prompts for, so the dashboard and its event
+  stream work without any page changes). With keys but no admin token they are closed.
+- `/healthz`, `/readyz` and `/metrics` stay open, for probes and Prometheus.
+
+Keys are compared in constant time: the presented key is hashed (SHA-256) and the digest
+compared with `hmac.compare_digest` against every configured digest, without an early
+exit, so neither timing nor the number of keys tells an attacker how close a guess was.
+Digests, not keys, are kept in memory, and nothing here logs a key or a token.
+
+Tenant limits are enforced by `TenantGate`, a wrapper around the admission policy: the
+tenant's lease is taken before the cluster admission and kept on the ticket, and both are
+given back by the one `release()` the relay already calls exactly once per ticket.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextvars
+import hashlib
+import hmac
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvgate.core.admission import AdmissionPolicy, Admit, Decision, Outcome, Reject, Ticket
+from kvgate.core.request import Priority, RequestCost
+from kvgate.core.signals import NodeSample
+from kvgate.core.tenants import Lease, TenantLedger, TenantLimits, TenantRefusal
+from kvgate.gateway.auth_settings import ApiKeySettings, AuthSettings, TenantSettings
+from kvgate.gateway.errors import GatewayError, send_error
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: The tenant of the request being served, read by `TenantGate.admit` (same task).
+current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kvgate_tenant", default=None
+)
+
+_CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
+_PRIORITY_HEADER = b"x-kvgate-priority"
+_ADMIN_PREFIXES = ("/admin/", "/dashboard")
+_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+_TENANT_RETRY_AFTER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """What a valid key grants. Holds the key's digest, never the key."""
+
+    digest: bytes
+    tenant: str
+    default_priority: Priority
+    max_priority: Priority
+
+    def effective_priority(self, asked: Priority | None) -> Priority:
+        """The key's default when nothing is asked; never above the key's maximum."""
+        wanted = self.default_priority if asked is None else asked
+        return Priority(max(int(wanted), int(self.max_priority)))
+
+
+def digest(key: str | bytes) -> bytes:
+    raw = key.encode() if isinstance(key, str) else key
+    return hashlib.sha256(raw).digest()
+
+
+def load_keys(settings: AuthSettings) -> list[KeyEntry]:
+    """The configured keys plus those of `key_file`; a duplicate key is a config error."""
+    entries = list(settings.keys)
+    if settings.key_file:
+        entries.extend(_read_key_file(Path(settings.key_file)))
+    out: list[KeyEntry] = []
+    seen: set[bytes] = set()
+    for entry in entries:
+        if entry.key is not None:
+            d = digest(entry.key)
+        else:
+            d = bytes.fromhex(entry.key_sha256 or "")
+        if d in seen:
+            raise ValueError(f"a key of tenant {entry.tenant!r} is configured twice")
+        seen.add(d)
+        out.append(
+            KeyEntry(
+                digest=d,
+                tenant=entry.tenant,
+                default_priority=Priority.parse(entry.default_priority),
+                max_priority=Priority.parse(entry.max_priority),
+            )
+        )
+    return out
+
+
+def _read_key_file(path: Path) -> list[ApiKeySettings]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or []
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"auth.key_file {path}: {exc}") from None
+    if isinstance(data, dict):
+        data = data.get("keys", [])
+    if not isinstance(data, list):
+        raise ValueError(f"auth.key_file {path}: expected a list of keys or {{keys: [...]}}")
+    return [ApiKeySettings.model_validate(item) for item in data]
+
+
+class KeyRing:
+    """Constant-time lookup of a presented key among the configured digests."""
+
+    def __init__(self, entries: Sequence[KeyEntry]) -> None:
+        self._entries = tuple(entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def find(self, presented: bytes) -> KeyEntry | None:
+        d = digest(presented)
+        found: KeyEntry | None = None
+        for entry in self._entries:  # no early exit: the time does not depend on the match
+            if hmac.compare_digest(entry.digest, d):
+                found = entry
+        return found
+
+
+def presented_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The client key from `Authorization: Bearer` or `x-api-key`, if any."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip()
+        elif name == b"x-api-key" and value.strip():
+            return value.strip()
+    return None
+
+
+def admin_credential(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The admin token from a bearer header or from HTTP Basic auth's password."""
+    for name, value in headers:
+        if name != b"authorization":
+            continue
+        scheme, _, token = value.partition(b" ")
+        scheme = scheme.lower()
+        if scheme == b"bearer":
+            return token.strip()
+        if scheme == b"basic":
+            try:
+                decoded = base64.b64decode(token.strip(), validate=True)
+            except (binascii.Error, ValueError):
+                return None
+            return decoded.partition(b":")[2]
+    return None
+
+
+def _unauthorized(message: str, code: str, *, basic: bool = False) -> GatewayError:
+    challenge = b'Basic realm="kvgate admin"' if basic else b'Bearer realm="kvgate"'
+    return GatewayError(401, message, code, headers=[(b"www-authenticate", challenge)])
+
+
+class FrontDoor:
+    """Authenticates a request, tags it with its tenant and priority, then calls the app."""
+
+    def __init__(self, keys: KeyRing, admin_token: str | None) -> None:
+        self.keys = keys
+        self._admin = digest(admin_token) if admin_token else None
+        self.refused = 0
+
+    @property
+    def enabled(self) -> bool:
+        return len(self.keys) > 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, app: ASGIApp) -> None:
+        path: str = scope["path"]
+        try:
+            tenant = self._check(scope, path)
+        except GatewayError as err:
+            self.refused += 1
+            await send_error(send, err)
+            return
+        if tenant is None:
+            await app(scope, receive, send)
+            return
+        token = current_tenant.set(tenant)
+        try:
+            await app(scope, receive, send)
+        finally:
+            current_tenant.reset(token)
+
+    def _check(self, scope: Scope, path: str) -> str | None:
+        """Raise for a refused request; return the tenant of an authenticated client."""
+        if path in _OPEN_PATHS:
+            return None
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if path.startswith(_ADMIN_PREFIXES):
+            self._check_admin(headers, basic=path.startswith("/dashboard"))
+            return None
+        key = presented_key(headers)
+        if key is None:
+            raise _unauthorized(
+                "An API key is required: send `Authorization: Bearer <key>`.", "missing_api_key"
+            )
+        entry = self.keys.find(key)
+        if entry is None:
+            raise _unauthorized("The API key is not valid.", "invalid_api_key")
+        scope["headers"] = _retag(headers, entry)
+        return entry.tenant
+
+    def _check_admin(self, headers: Sequence[tuple[bytes, bytes]], *, basic: bool) -> None:
+        if self._admin is None:
+            raise GatewayError(
+                403, "Admin routes are closed: set server.admin_token.", "admin_disabled"
+            )
+        sent = admin_credential(headers)
+        if sent is None or not hmac.compare_digest(digest(sent), self._admin):
+            raise _unauthorized(
+                "A valid admin token is required.", "invalid_admin_token", basic=basic
+            )
+
+
+def _retag(headers: Sequence[tuple[bytes, bytes]], entry: KeyEntry) -> list[tuple[bytes, bytes]]:
+    """Drop the client's key; set the priority the key allows (an unknown one is kept, so
+    the relay answers it with its usual 400)."""
+    out: list[tuple[bytes, bytes]] = []
+    asked: Priority | None = None
+    for name, value in headers:
+        if name in _CLIENT_KEY_HEADERS:
+            continue
+        if name == _PRIORITY_HEADER:
+            try:
+                asked = Priority.parse(value.decode("latin-1"))
+            except ValueError:
+                return [h for h in headers if h[0] not in _CLIENT_KEY_HEADERS]
+            continue
+        out.append((name, value))
+    out.append((_PRIORITY_HEADER, entry.effective_priority(asked).name.lower().encode()))
+    return out
+
+
+# ---- tenant limits around the admission policy ---------------------------------------------
+
+
+class TenantGate:
+    """An `AdmissionPolicy` that charges the current tenant before asking the real policy."""
+
+    def __init__(self, inner: AdmissionPolicy, ledger: TenantLedger) -> None:
+        self.inner = inner
+        self.ledger = ledger
+        self.name = inner.name
+
+    def __getattr__(self, item: str) -> Any:  # settings, counters of the wrapped policy
+        return getattr(self.inner, item)
+
+    def admit(
+        self, request_id: str, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+    ) -> Decision:
+        tenant = current_tenant.get()
+        if tenant is None:
+            return self.inner.admit(request_id, cost, priority, candidates)
+        held = self.ledger.acquire(tenant, cost.total)
+        if isinstance(held, TenantRefusal):
+            return Reject(429, "tenant_limit", _TENANT_RETRY_AFTER_S, held.message)
+        try:
+            decision = self.inner.admit(request_id, cost, priority, candidates)
+        except BaseException:
+            self.ledger.release(held)
+            raise
+        if isinstance(decision, Admit):
+            decision.ticket.extra["tenant_lease"] = held
+        else:
+            self.ledger.release(held)
+        return decision
+
+    def release(self, ticket: Ticket, outcome: Outcome) -> None:
+        try:
+            self.inner.release(ticket, outcome)
+        finally:
+            lease = ticket.extra.get("tenant_lease")
+            if isinstance(lease, Lease):
+                self.ledger.release(lease)
+
+    def on_first_token(self, ticket: Ticket) -> None:
+        self.inner.on_first_token(ticket)
+
+    def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
+        self.inner.on_tokens(ticket, output_tokens)
+
+    def observe(self, node_id: str, sample: NodeSample) -> None:
+        self.inner.observe(node_id, sample)
+
+    def observe_failure(self, node_id: str) -> None:
+        self.inner.observe_failure(node_id)
+
+    def add_node(self, node_id: str) -> None:
+        self.inner.add_node(node_id)
+
+    def remove_node(self, node_id: str) -> None:
+        self.inner.remove_node(node_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = dict(self.inner.snapshot())
+        snap["tenants"] = self.ledger.snapshot()
+        return snap
+
+
+class TenantCollector(Collector):
+    """`kvgate_tenant_*` metrics, read from the ledger when `/metrics` is scraped."""
+
+    def __init__(self, ledger: TenantLedger) -> None:
+        self._ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._ledger.snapshot()
+        tokens = GaugeMetricFamily(
+            "kvgate_tenant_in_flight_tokens", "KV tokens held by the tenant now.", labels=["tenant"]
+        )
+        requests = GaugeMetricFamily(
+            "kvgate_tenant_in_flight_requests",
+            "Requests the tenant has in flight.",
+            labels=["tenant"],
+        )
+        refused = CounterMetricFamily(
+            "kvgate_tenant_refused", "Requests refused by the tenant's limits.", labels=["tenant"]
+        )
+        for tenant, usage in snap.items():
+            tokens.add_metric([tenant], usage["in_flight_tokens"])
+            requests.add_metric([tenant], usage["in_flight_requests"])
+            refused.add_metric([tenant], usage["refused_total"])
+        yield tokens
+        yield requests
+        yield refused
+
+
+def _limits(settings: TenantSettings) -> TenantLimits:
+    return TenantLimits(settings.max_in_flight_tokens, settings.max_in_flight_requests)
+
+
+@dataclass
+class Security:
+    """What the gateway needs from this module: the front door and the tenant ledger."""
+
+    front: FrontDoor
+    ledger: TenantLedger | None
+
+    @classmethod
+    def from_config(cls, auth: AuthSettings, admin_token: str | None) -> Security:
+        keys = KeyRing(load_keys(auth))
+        ledger = None
+        if len(keys):
+            ledger = TenantLedger(
+                limits={name: _limits(t) for name, t in auth.tenants.items()},
+                default_limits=_limits(auth.default_tenant_limits),
+            )
+        return cls(FrontDoor(keys, admin_token), ledger)
+
+    def wrap_policy(self, policy: AdmissionPolicy) -> AdmissionPolicy:
+        """The policy itself without keys; with keys, the tenant-charging wrapper."""
+        if self.ledger is None:
+            return policy
+        return TenantGate(policy, self.ledger)  # type: ignore[return-value]
+
+
+def exposure_message(host: str, port: int, keys: int, admin: bool) -> tuple[int, str]:
+    """The start-up log line that says who can reach this gateway (level, text)."""
+    where = f"{host}:{port}"
+    if keys:
+        admin_text = "admin routes need server.admin_token" if admin else "admin routes closed"
+        return logging.INFO, f"auth: {keys} API key(s) configured on {where}; {admin_text}"
+    if _is_loopback(host):
+        return (
+            logging.INFO,
+            f"auth: no API keys configured, so kvgate listens on loopback only ({where}); "
+            "configure auth.keys before binding a public address",
+        )
+    return (
+        logging.WARNING,
+        f"auth: NO API KEYS configured and kvgate listens on {where}: anyone who can reach it "
+        "can send requests and read /admin/state; configure auth.keys",
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,93 @@
+"""Settings of client authentication and tenants (the `auth:` section of the config).
+
+Keys are optional. With none configured kvgate serves anyone who can reach it, which is
+why its default listening address is 127.0.0.1. With keys, every `/v1/...` request needs
+one (`Authorization: Bearer <key>` as the OpenAI SDKs send it, or `x-api-key`), and the
+admin routes need `server.admin_token`.
+
+A key can be written in clear (`key`) or as the hex SHA-256 of the key (`key_sha256`), so
+that a config file that leaks does not leak usable keys. Keys may also live in a separate
+file (`auth.key_file`, YAML or JSON: a list of the same entries, or `{"keys": [...]}`), so
+that the main config can be shared and the secrets kept with tighter permissions.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvgate.core.request import Priority
+
+_PRIORITY_NAMES = ("critical", "standard", "sheddable")
+
+
+def _priority(name: str) -> Priority:
+    return Priority.parse(name)
+
+
+class ApiKeySettings(BaseModel):
+    """One client key: who it belongs to and how important its requests may be."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str | None = Field(
+        None, min_length=16, repr=False, description="The key in clear (at least 16 characters)."
+    )
+    key_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-fA-F]{64}$",
+        repr=False,
+        description="Hex SHA-256 of the key, instead of `key`.",
+    )
+    tenant: str = Field(
+        min_length=1, max_length=128, description="Tenant the key belongs to (limits, logs)."
+    )
+    default_priority: str = Field(
+        "standard", description="Priority of requests that send no `X-Kvgate-Priority`."
+    )
+    max_priority: str = Field(
+        "standard",
+        description="Most important priority this key may ask for; higher asks are lowered to it.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ApiKeySettings:
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ValueError("give exactly one of `key` and `key_sha256`")
+        for field in ("default_priority", "max_priority"):
+            value = getattr(self, field)
+            if value.strip().lower() not in _PRIORITY_NAMES:
+                raise ValueError(f"{field} must be one of {', '.join(_PRIORITY_NAMES)}")
+        if _priority(self.default_priority) < _priority(self.max_priority):
+            raise ValueError("default_priority must not be above max_priority")
+        return self
+
+
+class TenantSettings(BaseModel):
+    """Limits of one tenant, over all its keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_in_flight_tokens: int | None = Field(
+        None, gt=0, description="KV tokens (prompt + max_tokens) the tenant may hold at once."
+    )
+    max_in_flight_requests: int | None = Field(
+        None, gt=0, description="Requests the tenant may have in flight at once."
+    )
+
+
+class AuthSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[ApiKeySettings] = Field(
+        default_factory=list, description="Client API keys (none: no authentication)."
+    )
+    key_file: str | None = Field(
+        None, description="YAML/JSON file with more keys (same fields), read at start."
+    )
+    tenants: dict[str, TenantSettings] = Field(
+        default_factory=dict, description="Per-tenant limits, by tenant name."
+    )
+    default_tenant_limits: TenantSettings = Field(
+        default_factory=TenantSettings,
+        description="Limits of tenants not listed in `tenants` (default: none).",
+    )
