@@ -192,6 +192,10 @@ class FrontDoor:
     def enabled(self) -> bool:
         return len(self.keys) > 0
 
+    @property
+    def has_admin_token(self) -> bool:
+        return self._admin is not None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send, app: ASGIApp) -> None:
         path: str = scope["path"]
         try:

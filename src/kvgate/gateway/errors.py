@@ -24,7 +24,9 @@ _TYPES: dict[int, str] = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     502: "upstream_error",
@@ -51,6 +53,18 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.headers = list(headers)
+
+
+class UpstreamError(Exception):
+    """The upstream failed; `kind` labels the metric (connect, reset, timeout, status)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class UpstreamConnectError(UpstreamError):
+    """Refused or reset before any response byte: safe to retry on another backend."""
 
 
 def error_body(status: int, message: str, code: str | None, param: str | None = None) -> bytes:

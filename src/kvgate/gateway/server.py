@@ -24,6 +24,8 @@ from collections.abc import Callable, Generator
 import uvicorn
 
 from kvgate.gateway.app import Gateway
+from kvgate.gateway.auth import exposure_message
+from kvgate.gateway.guard import GuardedHttpToolsProtocol, hypercorn_limits
 from kvgate.gateway.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class GatewayServer:
 
     async def serve(self, sock: socket.socket, *, handle_signals: bool = True) -> None:
         """Serve on `sock` until stopped; returns after the drain and the lifespan shutdown."""
+        self._log_exposure(sock)
         with self._signals(handle_signals):
             if self.settings.server == "hypercorn":
                 await self._serve_hypercorn(sock)
@@ -91,7 +94,8 @@ class GatewayServer:
         s = self.settings
         config = uvicorn.Config(
             self.gateway,
-            http="httptools",
+            # httptools plus header-size, slow-client and connection limits (guard.py)
+            http=GuardedHttpToolsProtocol.with_limits(self.gateway.config.limits),
             loop="none",
             lifespan="on",
             log_level=s.log_level.lower(),
@@ -126,6 +130,7 @@ class GatewayServer:
         config.keep_alive_timeout = 30
         config.h2_max_concurrent_streams = 1000
         config.include_server_header = False
+        hypercorn_limits(config, self.gateway.config.limits)
 
         async def shutdown_trigger() -> None:
             await self._stop.wait()
@@ -133,6 +138,13 @@ class GatewayServer:
             # requests; the drain runs alongside and cancels what is left in time.
 
         await serve(self.gateway, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+
+    def _log_exposure(self, sock: socket.socket) -> None:
+        """Say at start who can reach this gateway (a warning: public and no API keys)."""
+        host, port = sock.getsockname()[:2]
+        front = self.gateway.security.front
+        level, text = exposure_message(host, port, len(front.keys), front.has_admin_token)
+        log.log(level, "%s", text)
 
     @contextlib.contextmanager
     def _signals(self, enabled: bool) -> Generator[None, None, None]:

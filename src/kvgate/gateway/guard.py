@@ -1,0 +1,152 @@
+"""Input limits at the connection level: header size, slow clients, connection count.
+
+uvicorn with httptools (kvgate's fastest HTTP/1.1 stack) has none of these: llhttp accepts
+headers of any size, no timer runs while a request is being read (uvicorn's keep-alive
+timeout starts only after a response), and `limit_concurrency` answers in plain text.
+A client could therefore hold a connection forever by sending one header byte a minute,
+or make the server buffer megabytes of headers. `GuardedHttpToolsProtocol` closes those
+gaps with three checks that cost one timer per request and a length sum per header:
+
+- **Header size.** The request line and headers together may be at most
+  `limits.max_header_bytes`; beyond that the client gets 431 and the connection is closed.
+- **Read deadline.** From a connection's first byte (or its opening) until the whole
+  request, body included, has arrived: at most `limits.client_timeout_s`. A slower client
+  gets 408 and is disconnected (the relay sees `http.disconnect` and releases everything).
+  The deadline ends when the request is read, so long streamed answers are not affected.
+- **Connection count.** Beyond `limits.max_connections` open connections a new one gets
+  503 with `Retry-After: 1` and is closed at once, before it can cost anything else.
+
+Every answer is OpenAI-shaped JSON. The body size limit (413) and `max_tokens` (400) are
+checked by the relay, which knows the route. With hypercorn the header size maps to its
+`h11_max_incomplete_size` and `h2_max_header_list_size` (see `hypercorn_limits`); it has no
+read deadline that would not also cut long streams, so the slow-client guard is uvicorn's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kvgate.gateway.errors import error_body
+from kvgate.gateway.settings import LimitSettings
+
+log = logging.getLogger(__name__)
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Unavailable"}
+
+
+def raw_error(status: int, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 error response that closes the connection."""
+    body = error_body(status, message, code)
+    head = (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n" % (status, _REASONS.get(status, b"Error"), len(body))
+    )
+    if status == 503:
+        head += b"retry-after: 1\r\n"
+    return head + b"\r\n" + body
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol plus kvgate's connection-level input limits."""
+
+    limits: ClassVar[LimitSettings] = LimitSettings()
+    #: How many requests each guard refused, for tests and logs: {"431": n, ...}.
+    refused: ClassVar[dict[str, int]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0
+        self._head_too_large = False
+        self._deadline: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def with_limits(cls, limits: LimitSettings) -> type[GuardedHttpToolsProtocol]:
+        """A subclass bound to `limits` (uvicorn instantiates the class itself)."""
+        return type(cls.__name__, (cls,), {"limits": limits, "refused": {}})
+
+    # ---- connection --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, "Too many open connections; retry shortly.", "too_many_connections")
+            return
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    # ---- parser callbacks --------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        if self._deadline is None:
+            self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a parser error; ours when the error was our header limit."""
+        if self._head_too_large:
+            limit = self.limits.max_header_bytes
+            self._refuse(431, f"Request headers exceed {limit} bytes.", "headers_too_large")
+            return
+        self._refuse(400, "Invalid HTTP request.", "invalid_http")
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self.limits.max_header_bytes:
+            self._head_too_large = True
+            raise ValueError("request headers too large")  # httptools: a parser error
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.limits.client_timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _timed_out(self) -> None:
+        """The request was not fully read in time: 408 if nothing was answered yet."""
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
+            self.transport.close()
+            return
+        self._refuse(408, "The request was not received in time.", "request_timeout")
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        self._disarm()
+        key = str(status)
+        self.refused[key] = self.refused.get(key, 0) + 1
+        if not self.transport.is_closing():
+            self.transport.write(raw_error(status, message, code))
+            self.transport.close()
+
+
+def hypercorn_limits(config: Any, limits: LimitSettings) -> None:
+    """The parts of the limits hypercorn can enforce itself."""
+    config.h11_max_incomplete_size = limits.max_header_bytes
+    config.h2_max_header_list_size = limits.max_header_bytes
