@@ -78,28 +78,43 @@ def test_vllm_falls_back_to_the_old_usage_name() -> None:
 
 def test_vllm_data_parallel_engines_are_combined() -> None:
     """Engine 0: 128 blocks x 32 full; engine 1: 384 blocks x 32 at 0.25 usage.
-    Capacity-weighted: (4096 * 1.0 + 12288 * 0.25) / 16384 = 0.4375; counts add up."""
-    base = page("vllm")
-    info = next(line for line in base.split(b"\n") if line.startswith(b"vllm:cache_config_info{"))
-    extra = b"\n".join(
-        [
-            info.replace(b'engine="0"', b'engine="1"').replace(
-                b'num_gpu_blocks="128"', b'num_gpu_blocks="384"'
-            ),
-            b'vllm:kv_cache_usage_perc{engine="1",model_name="tiny-llama"} 0.25',
-            b'vllm:num_requests_running{engine="1",model_name="tiny-llama"} 3.0',
-            b'vllm:num_requests_waiting{engine="1",model_name="tiny-llama"} 1.0',
-            b'vllm:num_preemptions_total{engine="1",model_name="tiny-llama"} 8.0',
-        ]
+    Capacity-weighted: (4096 * 1.0 + 12288 * 0.25) / 16384 = 0.4375; counts add up.
+    As in a real DP page, each engine-1 line sits in its family's group, after engine 0's."""
+    base = replace_line(
+        page("vllm"), b"vllm:kv_cache_usage_perc{", b'vllm:kv_cache_usage_perc{engine="0"} 1.0'
     )
-    text = replace_line(
-        base, b"vllm:kv_cache_usage_perc{", b'vllm:kv_cache_usage_perc{engine="0"} 1.0'
-    )
-    sample = adapter_for("vllm").parse(text + b"\n" + extra + b"\n", 0.0)
+    engine1 = {
+        b"vllm:cache_config_info{": None,  # copy of engine 0's line with 384 blocks
+        b"vllm:kv_cache_usage_perc{": b'vllm:kv_cache_usage_perc{engine="1"} 0.25',
+        b"vllm:num_requests_running{": b'vllm:num_requests_running{engine="1"} 3.0',
+        b"vllm:num_requests_waiting{": b'vllm:num_requests_waiting{engine="1"} 1.0',
+        b"vllm:num_preemptions_total{": b'vllm:num_preemptions_total{engine="1"} 8.0',
+    }
+    lines = []
+    for line in base.split(b"\n"):
+        lines.append(line)
+        for prefix, extra in engine1.items():
+            if line.startswith(prefix):
+                if extra is None:
+                    extra = line.replace(b'engine="0"', b'engine="1"').replace(
+                        b'num_gpu_blocks="128"', b'num_gpu_blocks="384"'
+                    )
+                lines.append(extra)
+    sample = adapter_for("vllm").parse(b"\n".join(lines), 0.0)
     assert sample.kv_usage == pytest.approx(0.4375)
     assert sample.kv_capacity_tokens == 4096 + 12288
     assert (sample.running, sample.waiting) == (3, 1)
     assert sample.preemptions_total == 50.0
+
+
+def test_scanner_reads_a_metric_group_until_the_next_family() -> None:
+    """A metric's lines form one group (exposition format); the scan stops at the next
+    family's comment, and pages without comments are read to the end."""
+    scanner = MetricScanner(["m"])
+    grouped = b'# TYPE m gauge\nm{e="0"} 1\nm{e="1"} 2\n# TYPE n gauge\nn 5\n'
+    assert [s.value for s in scanner.scan(grouped)["m"]] == [1.0, 2.0]
+    bare = b'm{e="0"} 1\nn 5\nm{e="1"} 2\n'
+    assert [s.value for s in scanner.scan(bare)["m"]] == [1.0, 2.0]
 
 
 @pytest.mark.parametrize(
@@ -306,7 +321,7 @@ def test_unknown_kind_is_refused() -> None:
 def test_scanner_ignores_longer_names_comments_and_reads_timestamps() -> None:
     scanner = MetricScanner(["a:b"])
     found = scanner.scan(
-        b'a:b 1\n# HELP a:b x\na:b_total 5\na:bc{x="1"} 7\na:b{l="}"} 2 1700000000000\n'
+        b'# HELP a:b x\na:b 1\na:b_total 5\na:bc{x="1"} 7\na:b{l="}"} 2 1700000000000\n'
     )
     assert [s.value for s in found["a:b"]] == [1.0, 2.0]
     assert found["a:b"][1].labels() == {"l": "}"}
@@ -314,9 +329,9 @@ def test_scanner_ignores_longer_names_comments_and_reads_timestamps() -> None:
 
 def test_scanner_rejects_a_malformed_wanted_line() -> None:
     with pytest.raises(MetricsParseError, match="unterminated"):
-        MetricScanner(["m"]).scan(b'm{a="1" 3\n')
+        MetricScanner(["m"]).scan(b'm{a="1" 3\n')["m"]
     with pytest.raises(MetricsParseError, match="malformed"):
-        MetricScanner(["m"]).scan(b"m 1 2 3\n")
+        MetricScanner(["m"]).scan(b"m 1 2 3\n")["m"]
 
 
 def test_histogram_delta() -> None:

@@ -65,6 +65,8 @@ class VllmAdapter:
 
     def __init__(self) -> None:
         self._itl = HistogramDelta()
+        self._capacity_key: tuple[bytes, ...] | None = None
+        self._capacity_memo: dict[str, int | None] = {}
         #: False once the node answered 403/404 to an abort: it runs without
         #: `--enable-scale-out`, so the connection close is the only abort.
         self.abort_supported: bool = True
@@ -88,14 +90,20 @@ class VllmAdapter:
             preemptions_total=self._preemptions(found),
         )
 
-    @staticmethod
-    def _capacities(info: list[Series]) -> dict[str, int | None]:
-        """Per engine: num_gpu_blocks x block_size tokens, from the info gauge's labels."""
+    def _capacities(self, info: list[Series]) -> dict[str, int | None]:
+        """Per engine: num_gpu_blocks x block_size tokens, from the info gauge's labels.
+
+        The info line (~40 labels) is the same on every scrape: reuse the last result
+        while its bytes are unchanged."""
+        key = tuple(s.labels_raw for s in info)
+        if key == self._capacity_key:
+            return self._capacity_memo
         out: dict[str, int | None] = {}
         for s in info:
             blocks = positive_int_label(s, "num_gpu_blocks", CACHE_INFO)
             size = positive_int_label(s, "block_size", CACHE_INFO)
             out[s.label("engine") or ""] = blocks * size if blocks and size else None
+        self._capacity_key, self._capacity_memo = key, out
         return out
 
     def _latency(self, found: Mapping[str, list[Series]]) -> float | None:
