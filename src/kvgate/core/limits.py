@@ -23,8 +23,9 @@ The loop, in `PidLimit.update`:
   * error       e = (y - setpoint) / (panic - setpoint)       (y: node's predicted usage)
   * proportional P = kp * e
   * integral    I += ki * e * dt, clamped to [0, 1], and frozen while the output is
-                saturated in the direction the error pushes (conditional integration:
-                anti-windup, so that a long overload does not leave a huge debt to unwind)
+                saturated at 1 and the error still pushes up (conditional integration).
+                Both are anti-windup: a long overload leaves no debt to unwind, and
+                shedding stops within a few samples once usage is back under target
   * derivative  D = kd * d(y_f)/dt / (panic - setpoint), on the filtered *measurement*
                 rather than on the error, so a setpoint change does not kick the output
   * pressure    = clamp(P + I + D, 0, 1)
@@ -140,9 +141,10 @@ class PidLimit:
         if not self._engaged and y >= self._setpoint:
             self._engaged = True
         if self._engaged:
-            saturated_up = self._pressure >= 1.0 and error > 0
-            saturated_down = self._pressure <= 0.0 and error < 0
-            if not (saturated_up or saturated_down):
+            # Conditional integration: never push further into upper saturation. Downwards
+            # the integral keeps draining (clamped at 0), so it cannot linger, hidden
+            # under a negative P term, and jump back when the error turns.
+            if not (self._pressure >= 1.0 and error > 0):
                 self._integral = min(1.0, max(0.0, self._integral + self.ki * error * dt))
             raw = self.kp * error + self._integral + self.kd * slope / self._span
             self._pressure = min(1.0, max(0.0, raw))
@@ -158,10 +160,11 @@ class GradientLimit:
     """Netflix Gradient2, transposed from latency to KV usage (kept for comparison).
 
     Each update: `gradient = clamp(setpoint / usage, 0.5, 1)`; the new budget is
-    `budget * gradient + growth` (growth: `growth_fraction` of capacity, only while the
-    gateway actually uses at least half its budget: Netflix's app-limited guard against
-    windup), smoothed by `smoothing`, clamped to [0, room to panic]. Pressure and ceiling
-    are derived from the budget so the policy can treat both limits alike.
+    `budget * gradient + growth` (growth: `growth_fraction` of capacity while the gateway
+    uses at least half its budget, Netflix's app-limited guard, or while usage is under the
+    setpoint), smoothed by `smoothing`, clamped to [0, room to panic]. The ceiling is the
+    usage the budget allows and the pressure its distance below panic, so the policy
+    treats both limits alike.
     """
 
     name = "gradient"
@@ -205,7 +208,11 @@ class GradientLimit:
         room = max(0.0, self._panic * capacity - m.other_tokens)
         budget = room if self._budget is None else self._budget
         gradient = 1.0 if m.usage <= 0 else min(1.0, max(0.5, self._setpoint / m.usage))
-        growth = self._growth * capacity if m.in_flight_tokens >= budget / 2 else 0.0
+        # Netflix grows only while the limit is in use (app-limited guard). Here shedding
+        # follows the budget, so an unused budget must still grow back while usage is under
+        # the setpoint, or a shrunken budget would shed everything forever.
+        grow = m.in_flight_tokens >= budget / 2 or m.usage < self._setpoint
+        growth = self._growth * capacity if grow else 0.0
         target = budget * gradient + growth
         budget = budget + self._smoothing * (target - budget)
         self._budget = min(room, max(0.0, budget))
