@@ -60,6 +60,7 @@ class LiveTarget:
     engines: list[str]  # engine base URLs, for their metrics pages
     model: str
     zombie_from_counter: bool = True  # False: estimate zombies as generated - delivered
+    gateway: str | None = None  # polled at /admin/state for the shed probability
 
 
 @dataclass
@@ -218,7 +219,7 @@ async def _user(
 
 async def _poll_engines(
     session: aiohttp.ClientSession,
-    engines: Sequence[str],
+    target: LiveTarget,
     shared: _Shared,
     step_s: float,
     series: dict[str, list[float]],
@@ -228,7 +229,7 @@ async def _poll_engines(
     last_pre: float | None = None
     while not stop.is_set():
         tick = shared.now()
-        pages = await asyncio.gather(*(_scrape(session, e) for e in engines))
+        pages = await asyncio.gather(*(_scrape(session, e) for e in target.engines))
         kv = [p.get("vllm:kv_cache_usage_perc", math.nan) for p in pages]
         pre = sum(p.get("vllm:num_preemptions_total", 0.0) for p in pages)
         series["t"].append(tick)
@@ -237,9 +238,26 @@ async def _poll_engines(
         series["running"].append(sum(p.get("vllm:num_requests_running", 0.0) for p in pages))
         series["waiting"].append(sum(p.get("vllm:num_requests_waiting", 0.0) for p in pages))
         series["preemptions"].append(0.0 if last_pre is None else pre - last_pre)
+        series["shed_prob"].append(await _shed_prob(session, target.gateway))
         last_pre = pre
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), max(0.0, step_s - (shared.now() - tick)))
+
+
+async def _shed_prob(session: aiohttp.ClientSession, gateway: str | None) -> float:
+    """The gateway's shed probability for standard traffic (0 without a gateway)."""
+    if gateway is None:
+        return 0.0
+    try:
+        async with session.get(
+            gateway + "/admin/state", timeout=aiohttp.ClientTimeout(total=2.0)
+        ) as resp:
+            state = orjson.loads(await resp.read())
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return math.nan
+    ctrl = (state.get("policy") or {}).get("controller") or {}
+    prob = ctrl.get("shed_probability")
+    return float(prob.get("standard") or 0.0) if isinstance(prob, dict) else 0.0
 
 
 async def _scrape(session: aiohttp.ClientSession, engine: str) -> dict[str, float]:
@@ -270,6 +288,7 @@ async def run_live(
 ) -> RunResult:
     """Play `arrivals` against `target` in real time and record a `RunResult`."""
     drain = client.timeout_s if drain_s is None else drain_s
+    load_before = os.getloadavg()[0]
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=conn) as session:
         before = await asyncio.gather(*(_scrape(session, e) for e in target.engines))
@@ -279,10 +298,9 @@ async def run_live(
             k: [] for k in ("t", "kv_usage_max", "kv_usage_mean", "running", "waiting")
         }
         series["preemptions"] = []
+        series["shed_prob"] = []
         stop = asyncio.Event()
-        poller = asyncio.create_task(
-            _poll_engines(session, target.engines, shared, step_s, series, stop)
-        )
+        poller = asyncio.create_task(_poll_engines(session, target, shared, step_s, series, stop))
         users = [
             _user(
                 session,
@@ -315,7 +333,13 @@ async def run_live(
         totals=totals,
         series=series,
         bursts=list(bursts),
-        extra={"delivered_tokens": shared.delivered},
+        extra={
+            "delivered_tokens": shared.delivered,
+            "notes": [
+                f"{policy} @ {load:g}x: machine load average {load_before:.1f} before, "
+                f"{os.getloadavg()[0]:.1f} after (2 cores shared with other work)"
+            ],
+        },
     )
 
 

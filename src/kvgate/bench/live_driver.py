@@ -109,7 +109,7 @@ def _with_gateway(spec: RunSpec, engines: list[str], zombie_counter: bool) -> Ru
         url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_healthy(url + "/healthz", gw, 30.0))
         asyncio.run(asyncio.sleep(1.0))  # a few scrapes, so nodes are fresh
-        return _play(spec, LiveTarget([url], engines, model, zombie_counter))
+        return _play(spec, LiveTarget([url], engines, model, zombie_counter, gateway=url))
     finally:
         gw.stop()
 
@@ -161,11 +161,12 @@ def live_runner(opts: object) -> Iterator[Callable[[RunSpec], RunResult]]:
             asyncio.run(_wait_idle(engines))
             # No zombie counter on a real engine: zombies = generated - delivered.
             result = _with_gateway(replace(spec), engines, zombie_counter=False)
-            result.extra.setdefault("notes", []).append(
+            result.extra.setdefault("notes", []).insert(
+                0,
                 "real vLLM: zombie tokens are estimated as tokens the engine generated minus "
                 "tokens delivered to clients (it includes tokens made in the step during "
                 "which a disconnect was noticed); preemptions are vLLM's own counter, "
-                "which counts a preemption only when the request runs again"
+                "which counts a preemption only when the request runs again",
             )
             return result
 

@@ -208,6 +208,7 @@ def windowed(run: RunResult, step_s: float = 1.0) -> dict[str, np.ndarray]:
     done = np.zeros(bins)
     sent = np.zeros(bins)
     shed = np.zeros(bins)
+    admitted = np.zeros(bins)
     timeouts = np.zeros(bins)
     ttft_lists: list[list[float]] = [[] for _ in range(bins)]
 
@@ -223,6 +224,8 @@ def windowed(run: RunResult, step_s: float = 1.0) -> dict[str, np.ndarray]:
             sent[idx(a.start)] += 1
             if a.outcome == SHED:
                 shed[idx(a.start)] += 1
+            if a.admitted:
+                admitted[idx(a.start)] += 1
             elif a.outcome == TIMEOUT:
                 timeouts[idx(a.end)] += 1
             if a.admitted and a.ttft is not None:
@@ -235,6 +238,7 @@ def windowed(run: RunResult, step_s: float = 1.0) -> dict[str, np.ndarray]:
         "completed_req_s": done / step_s,
         "attempts_s": sent / step_s,
         "shed_s": shed / step_s,
+        "admitted_s": admitted / step_s,
         "timeouts_s": timeouts / step_s,
         "ttft_p50_s": p50,
         "ttft_p99_s": p99,

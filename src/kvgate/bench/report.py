@@ -202,6 +202,8 @@ def _series_for_plot(run: RunResult) -> dict[str, np.ndarray]:
     out["ttft_p99_s"], out["t_ttft_p99_s"] = w["ttft_p99_s"], w["t"]
     if "rejected_s" not in out:
         out["rejected_s"], out["t_rejected_s"] = w["shed_s"], w["t"]
+    if "admitted_s" not in out:
+        out["admitted_s"], out["t_admitted_s"] = w["admitted_s"], w["t"]
     return out
 
 
