@@ -365,3 +365,18 @@ def test_engine_without_kv_gauge_uses_configured_capacity_and_reservations() -> 
     policy.observe("llama", sample(clock, usage=None, capacity=None))
     assert admitted == 9  # 9 x 1000 <= 0.92 x 10000
     assert policy.snapshot()["nodes"]["llama"]["predicted_usage"] == 0.9
+
+
+def test_lowered_budget_is_reported_as_the_reason() -> None:
+    policy, clock = make(reservation_overhead_tokens=0)
+    for _ in range(60):  # sustained 0.83: the controller lowers the ceiling towards 0.80
+        policy.observe("a", sample(clock, usage=0.83, capacity=100_000))
+        clock.advance(0.05)
+    reasons = set()
+    for i in range(50):
+        decision = admit(policy, f"r{i}", cost(10, 10), Priority.STANDARD)
+        assert isinstance(decision, Reject)
+        reasons.add(decision.reason)
+    # Under the static standard ceiling (0.86) it would fit: the budget refused it,
+    # unless the shedding draw did first.
+    assert reasons <= {"budget", "kv_high_watermark"} and "budget" in reasons

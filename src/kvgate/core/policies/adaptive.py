@@ -68,6 +68,7 @@ class _Scan:
         "generation",
         "max_capacity",
         "max_room",
+        "max_static_room",
         "min_panic_room",
         "unknown_capacity",
         "usable",
@@ -82,6 +83,7 @@ class _Scan:
         self.unknown_capacity = 0
         self.max_capacity = 0
         self.max_room = float("-inf")
+        self.max_static_room = float("-inf")
         self.min_panic_room = float("inf")
         self.at_panic = False
         self.valid_until = float("inf")
@@ -221,6 +223,9 @@ class AdaptivePolicy(BasePolicy):
                 scan.max_capacity = max(scan.max_capacity, cap)
                 predicted = node.used + self.store.reserved(node_id)
                 scan.min_panic_room = min(scan.min_panic_room, panic * cap - predicted)
+                if node.level != LEVEL_PANIC:
+                    static_room = self._ceilings[priority] * cap - predicted
+                    scan.max_static_room = max(scan.max_static_room, static_room)
                 scan.at_panic = scan.at_panic or node.level == LEVEL_PANIC
             room = self._room(node, now, priority)
             if room is None:
@@ -262,6 +267,14 @@ class AdaptivePolicy(BasePolicy):
         excess = need - scan.max_room if scan.max_room > float("-inf") else float(need)
         if priority is Priority.CRITICAL or scan.at_panic or need > scan.min_panic_room:
             reason, what = "kv_panic", "at its panic watermark"
+        elif need <= scan.max_static_room:
+            return self.reject_shed(
+                "budget",
+                "The KV cache is above its target and the controller has lowered the token"
+                f" budget for {priority.name.lower()} requests; retry later.",
+                now,
+                max(excess, 0.0),
+            )
         else:
             reason, what = "kv_high_watermark", "above its high watermark"
         return self.reject_shed(
