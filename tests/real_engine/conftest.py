@@ -43,6 +43,18 @@ BURST_MAX_TOKENS = 120
 
 T = TypeVar("T")
 
+# The engine's 53 KB metrics page takes 5-18 ms on a quiet machine, but often more than the
+# scraper's default timeout (40 ms at a 50 ms period) while the 2 cores are busy (during
+# the burst, or beside other builds): after 3 failed scrapes in a row, or 1 s without a good
+# one, the node is stale and kvgate answers 503 (measured: 41% of scrapes timed out at a
+# load average of 14). Tests about relaying, cancelling and shedding keep the last good
+# sample usable for longer; the freshness test (test_scraper_reads_the_real_metrics_page)
+# uses the defaults.
+TOLERANT_OF_SLOW_SCRAPES = {
+    "admission__stale_after_s": "5",
+    "admission__failures_to_stale": "100",
+}
+
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in {"1", "true", "yes"}
@@ -129,20 +141,19 @@ def start_gateway(tmp_path: Path, idle_engine: eng.ServerProcess) -> Iterator[Ga
     started: list[eng.ServerProcess] = []
 
     def start(policy: str = "adaptive", **settings: str) -> eng.ServerProcess:
+        """`settings` are config keys with `__` for nesting: scrape__interval_s="0.1"."""
         pytest.importorskip("kvgate.gateway.cli", reason="kvgate serve is not built yet")
         port = eng.free_port()
-        env = {
-            "KVGATE_ADMISSION__POLICY": policy,
-            **{f"KVGATE_{key.upper()}": value for key, value in settings.items()},
-        }
+        env = {f"KVGATE_{key.upper()}": value for key, value in settings.items()}
         argv = [
-            sys.executable, "-m", "kvgate", "serve",
-            "--backend", idle_engine.url, "--port", str(port),
+            sys.executable, "-m", "kvgate", "serve", "--backend", idle_engine.url,
+            "--port", str(port), "--policy", policy, "--log-level", "warning",
         ]  # fmt: skip
         log_path = tmp_path / f"kvgate-{policy}-{len(started)}.log"
         server = eng.spawn("kvgate", argv, port, log_path, env)
         started.append(server)
-        eng.wait_ready(server, "/admin/state", timeout_s=30.0)
+        # /readyz answers 200 once the scraper has a fresh sample of the engine.
+        eng.wait_ready(server, "/readyz", timeout_s=30.0)
         return server
 
     try:

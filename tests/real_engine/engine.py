@@ -194,6 +194,7 @@ class EngineMetrics:
     prompt_tokens_total: float
     generation_tokens_total: float
     at: float = field(default=0.0, compare=False)  # time.monotonic() when the page arrived
+    took: float = field(default=0.0, compare=False)  # how long the GET took (resolution)
 
 
 _GAUGES = {
@@ -215,7 +216,7 @@ def _labels(line: str) -> dict[str, str]:
     return out
 
 
-def parse_metrics(text: str, at: float = 0.0) -> EngineMetrics:
+def parse_metrics(text: str, at: float = 0.0, took: float = 0.0) -> EngineMetrics:
     """Sum each wanted family over its label sets (one engine here); read KV capacity."""
     values = dict.fromkeys(_GAUGES.values(), 0.0)
     capacity: int | None = None
@@ -228,13 +229,15 @@ def parse_metrics(text: str, at: float = 0.0) -> EngineMetrics:
         elif name == "vllm:cache_config_info":
             labels = _labels(line)
             capacity = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-    return EngineMetrics(capacity_tokens=capacity, at=at, **values)
+    return EngineMetrics(capacity_tokens=capacity, at=at, took=took, **values)
 
 
 async def read_metrics(client: httpx.AsyncClient, engine_url: str) -> EngineMetrics:
+    sent = time.monotonic()
     response = await client.get(engine_url + "/metrics")
     response.raise_for_status()
-    return parse_metrics(response.text, time.monotonic())
+    arrived = time.monotonic()
+    return parse_metrics(response.text, arrived, arrived - sent)
 
 
 async def poll_until(
