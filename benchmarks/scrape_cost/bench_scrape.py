@@ -53,7 +53,9 @@ def _server_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run(n: int, port: int, seconds: float, server_pid: int) -> dict[str, float]:
+async def run(
+    n: int, port: int, seconds: float, server_pid: int, http: str
+) -> dict[str, float | str]:
     clock = MonotonicClock()
     policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
     backends = [
@@ -68,7 +70,9 @@ async def run(n: int, port: int, seconds: float, server_pid: int) -> dict[str, f
     ]
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector) as session:
-        scraper = Scraper(backends, ScrapeSettings(interval_s=INTERVAL), policy, session, clock)
+        transport = session if http == "aiohttp" else None
+        settings = ScrapeSettings(interval_s=INTERVAL)
+        scraper = Scraper(backends, settings, policy, transport, clock)
         async with scraper:
             await asyncio.sleep(1.0)  # warm-up: connections opened, caches filled
             before = {k: (s.scrapes_total, s.failures_total) for k, s in scraper.stats().items()}
@@ -84,6 +88,7 @@ async def run(n: int, port: int, seconds: float, server_pid: int) -> dict[str, f
     wall = wall1 - wall0
     target = n * wall / INTERVAL
     return {
+        "http": http,
         "nodes": n,
         "scrapes_per_s": scrapes / wall,
         "kept_schedule": scrapes / target,
@@ -100,14 +105,15 @@ async def run(n: int, port: int, seconds: float, server_pid: int) -> dict[str, f
     }
 
 
-async def sequential(port: int, count: int) -> tuple[float, float]:
+async def sequential(port: int, count: int, http: str) -> tuple[float, float]:
     """CPU per scrape with no concurrency: one node, `count` back-to-back polls through
     `Scraper.scrape_once` on one keep-alive connection. Best and median of 5 rounds."""
     clock = MonotonicClock()
     policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
     backend = Backend.from_settings(BackendSettings(url=f"http://127.0.0.1:{port}", name="seq"))
     async with aiohttp.ClientSession() as session:
-        scraper = Scraper([backend], ScrapeSettings(interval_s=1.0), policy, session, clock)
+        transport = session if http == "aiohttp" else None
+        scraper = Scraper([backend], ScrapeSettings(interval_s=1.0), policy, transport, clock)
         rounds = []
         for _ in range(6):
             start = time.process_time()
@@ -134,8 +140,12 @@ def main() -> None:
     logging.getLogger("kvgate.gateway.scraper").setLevel(logging.ERROR)  # 1 line per node
     proc, port = _start_server()
     try:
-        best, median = asyncio.run(sequential(port, 300))
-        rows = [asyncio.run(run(n, port, args.seconds, proc.pid)) for n in args.nodes]
+        seq = {http: asyncio.run(sequential(port, 300, http)) for http in ("lean", "aiohttp")}
+        rows = [
+            asyncio.run(run(n, port, args.seconds, proc.pid, http))
+            for http in ("lean", "aiohttp")
+            for n in args.nodes
+        ]
     finally:
         proc.terminate()
         proc.wait(timeout=5)
@@ -145,20 +155,21 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs"
     )
     print()
-    print(
-        f"Sequential (one node, back to back, whole path: GET + parse + policy.observe): "
-        f"{best:,.0f} µs CPU per scrape (median {median:,.0f} µs). At 50 ms per node that is "
-        f"{1e6 / (best * 20):,.0f} nodes per fully used core."
-    )
+    print("Sequential: one node polled back to back; whole path = GET + parse + policy.observe.")
+    print()
+    print("| HTTP client | CPU per scrape, best | median | nodes per core at 50 ms |")
+    print("| --- | ---: | ---: | ---: |")
+    for http, (best, median) in seq.items():
+        print(f"| {http} | {best:,.0f} µs | {median:,.0f} µs | {1e6 / (best * 20):,.0f} |")
     print()
     print(
-        "| nodes | scrapes/s | of schedule | failures | scraper CPU (cores) | CPU/scrape "
-        "| page server CPU (cores) | latency p50 | p99 |"
+        "| HTTP client | nodes | scrapes/s | of schedule | failures | scraper CPU (cores) "
+        "| CPU/scrape | page server CPU (cores) | latency p50 | p99 |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(
-            f"| {r['nodes']} | {r['scrapes_per_s']:,.0f} | {r['kept_schedule']:.0%} "
+            f"| {r['http']} | {r['nodes']} | {r['scrapes_per_s']:,.0f} | {r['kept_schedule']:.0%} "
             f"| {r['failures']:.0f} | {r['cpu_cores']:.2f} | {r['cpu_us_per_scrape']:,.0f} µs "
             f"| {r['server_cores']:.2f} | {r['latency_p50_ms']:.1f} ms "
             f"| {r['latency_p99_ms']:.1f} ms |"

@@ -107,7 +107,8 @@ class Rig:
 
 @pytest.fixture
 async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
-    n = getattr(request, "param", 1)
+    param = getattr(request, "param", {})
+    n, http = param.get("n", 1), param.get("http", "lean")
     engines = [Engine() for _ in range(n)]
     served = [await _serve(e) for e in engines]
     clock = MonotonicClock()
@@ -121,7 +122,13 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
         for i, (_, url) in enumerate(served)
     ]
     async with aiohttp.ClientSession() as session:
-        scraper = Scraper(backends, ScrapeSettings(interval_s=INTERVAL), rec, session, clock)
+        scraper = Scraper(
+            backends,
+            ScrapeSettings(interval_s=INTERVAL),
+            rec,
+            session if http == "aiohttp" else None,
+            clock,
+        )
         try:
             yield Rig(engines, [u for _, u in served], scraper, rec)
         finally:
@@ -161,6 +168,7 @@ async def test_polls_at_the_configured_period(rig: Rig) -> None:
     assert 8 <= rig.engines[0].hits <= 14
 
 
+@pytest.mark.parametrize("rig", [{"http": "lean"}, {"http": "aiohttp"}], indirect=True)
 @pytest.mark.parametrize(
     ("mode", "error"),
     [
@@ -195,7 +203,7 @@ async def test_bad_answers_make_the_node_stale_and_are_logged_once(
     assert "k" not in down[0].getMessage().split()  # no secrets in logs
 
 
-@pytest.mark.parametrize("rig", [2], indirect=True)
+@pytest.mark.parametrize("rig", [{"n": 2}, {"n": 2, "http": "aiohttp"}], indirect=True)
 async def test_a_hanging_node_does_not_slow_the_others(rig: Rig) -> None:
     rig.engines[1].mode = "hang"
     async with rig.scraper:
@@ -211,10 +219,9 @@ async def test_a_node_nobody_listens_on() -> None:
     assert isinstance(policy, BasePolicy)
     rec = Recorder(policy)
     backend = Backend.from_settings(BackendSettings(url="http://127.0.0.1:9"))
-    async with aiohttp.ClientSession() as session:
-        scraper = Scraper([backend], ScrapeSettings(interval_s=INTERVAL), rec, session, clock)
-        async with scraper:
-            await _until(lambda: len(rec.failures) >= 3)
+    scraper = Scraper([backend], ScrapeSettings(interval_s=INTERVAL), rec, None, clock)
+    async with scraper:
+        await _until(lambda: len(rec.failures) >= 3)
     assert rec.samples == []
     assert not rec.fresh(backend.node_id)  # never heard from: never fresh
     assert "connect" in (scraper.stats()[backend.node_id].last_error or "").lower()
@@ -255,21 +262,9 @@ async def test_a_policy_bug_does_not_stop_scraping(rig: Rig) -> None:
 
 
 async def test_timeout_defaults_below_the_period() -> None:
-    async with aiohttp.ClientSession() as session:
-        s = Scraper(
-            [],
-            ScrapeSettings(interval_s=0.05),
-            Recorder.__new__(Recorder),
-            session,
-            MonotonicClock(),
-        )
-        assert s.timeout_s == pytest.approx(0.04)
-        s2 = Scraper(
-            [],
-            ScrapeSettings(interval_s=0.05, timeout_s=1.0),
-            Recorder.__new__(Recorder),
-            session,
-            MonotonicClock(),
-        )
-        assert s2.timeout_s < 0.05
-        await s.run()  # nothing to watch: returns at once
+    sink = Recorder.__new__(Recorder)
+    s = Scraper([], ScrapeSettings(interval_s=0.05), sink, None, MonotonicClock())
+    assert s.timeout_s == pytest.approx(0.04)
+    s2 = Scraper([], ScrapeSettings(interval_s=0.05, timeout_s=1.0), sink, None, MonotonicClock())
+    assert s2.timeout_s < 0.05
+    await s.run()  # nothing to watch: returns at once

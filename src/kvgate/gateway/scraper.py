@@ -8,7 +8,7 @@ the node goes down and once when it comes back, never per scrape.
 
 Start/stop from an ASGI lifespan::
 
-    scraper = Scraper(backends, config.scrape, policy, session, clock)
+    scraper = Scraper(backends, config.scrape, policy, None, clock)
     async with scraper:          # starts run() in a task
         ...                      # serve
     # leaving the block cancels and awaits it
@@ -31,10 +31,16 @@ from typing import Any, Protocol
 import aiohttp
 
 from kvgate.adapters.backend import Backend
-from kvgate.adapters.base import MAX_PAGE_BYTES, MetricsParseError
+from kvgate.adapters.base import MetricsParseError
 from kvgate.adapters.settings import ScrapeSettings
 from kvgate.core.clock import Clock
 from kvgate.core.signals import NodeSample
+from kvgate.gateway.scrape_http import (
+    AiohttpFetcher,
+    LeanHttpFetcher,
+    MetricsFetcher,
+    ScrapeError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +53,6 @@ class SignalSink(Protocol):
     def observe(self, node_id: str, sample: NodeSample) -> None: ...
 
     def observe_failure(self, node_id: str) -> None: ...
-
-
-class ScrapeError(Exception):
-    """A scrape that produced no page: HTTP status, oversized body, connection trouble."""
 
 
 @dataclass(slots=True)
@@ -120,9 +122,11 @@ def sample_as_dict(sample: NodeSample) -> dict[str, Any]:
 class Scraper:
     """Polls each backend's metrics every `settings.interval_s` and feeds `policy`.
 
-    `session` is shared and owned by the caller (create it with a connector whose limit
-    covers the backends, and close it after the scraper has stopped). `clock` stamps the
-    samples on the core's time base.
+    `http` is how pages are fetched: None (recommended) for the scraper's own lean
+    keep-alive client (`LeanHttpFetcher`, ~4x cheaper per scrape than aiohttp, closed by
+    `stop()`/`run()`'s end); an `aiohttp.ClientSession` owned by the caller to go through
+    aiohttp instead (proxies, compressed pages); or any `MetricsFetcher`. `clock` stamps
+    the samples on the core's time base.
     """
 
     def __init__(
@@ -130,7 +134,7 @@ class Scraper:
         backends: Sequence[Backend],
         settings: ScrapeSettings,
         policy: SignalSink,
-        session: aiohttp.ClientSession,
+        http: aiohttp.ClientSession | MetricsFetcher | None,
         clock: Clock,
     ) -> None:
         ids = [b.node_id for b in backends]
@@ -141,7 +145,14 @@ class Scraper:
         timeout = settings.timeout_s or settings.interval_s * _TIMEOUT_SHARE
         self._timeout = min(timeout, settings.interval_s * 0.95)
         self._policy = policy
-        self._session = session
+        self._owns_fetcher = http is None
+        self._fetcher: MetricsFetcher
+        if http is None:
+            self._fetcher = LeanHttpFetcher()
+        elif isinstance(http, aiohttp.ClientSession):
+            self._fetcher = AiohttpFetcher(http)
+        else:
+            self._fetcher = http
         self._clock = clock
         self._stats = {
             b.node_id: NodeStats(b.node_id, b.engine, b.metrics_url) for b in self._backends
@@ -184,10 +195,16 @@ class Scraper:
         """Scrape until cancelled. Start times are spread over one period so that many
         nodes do not all fire in the same millisecond."""
         n = len(self._backends)
-        async with asyncio.TaskGroup() as group:
-            for i, backend in enumerate(self._backends):
-                offset = self._interval * i / n
-                group.create_task(self._watch(backend, offset), name=f"scrape {backend.node_id}")
+        try:
+            async with asyncio.TaskGroup() as group:
+                for i, backend in enumerate(self._backends):
+                    offset = self._interval * i / n
+                    group.create_task(
+                        self._watch(backend, offset), name=f"scrape {backend.node_id}"
+                    )
+        finally:
+            if self._owns_fetcher:
+                await self._fetcher.close()
 
     async def __aenter__(self) -> Scraper:
         if self._task is not None:
@@ -232,7 +249,15 @@ class Scraper:
             sample = backend.adapter.parse(page, self._clock.now())
         except asyncio.CancelledError:
             raise
-        except (ScrapeError, MetricsParseError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (
+            ScrapeError,
+            MetricsParseError,
+            aiohttp.ClientError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            TimeoutError,
+            OSError,
+        ) as exc:
             self._record_failure(backend, stats, exc, time.perf_counter() - started)
             return None
         except Exception as exc:  # a bug in an adapter must not stop the other nodes
@@ -244,21 +269,7 @@ class Scraper:
 
     async def _fetch(self, backend: Backend) -> bytes:
         async with asyncio.timeout(self._timeout):
-            async with self._session.get(
-                backend.metrics_url, headers=backend.auth_headers(), allow_redirects=False
-            ) as resp:
-                if resp.status != 200:
-                    raise ScrapeError(f"HTTP {resp.status}")
-                if (resp.content_length or 0) > MAX_PAGE_BYTES:
-                    raise ScrapeError(f"page of {resp.content_length} bytes is too large")
-                chunks: list[bytes] = []
-                size = 0
-                async for chunk in resp.content.iter_chunked(256 * 1024):
-                    size += len(chunk)
-                    if size > MAX_PAGE_BYTES:
-                        raise ScrapeError(f"page larger than {MAX_PAGE_BYTES} bytes")
-                    chunks.append(chunk)
-                return b"".join(chunks)
+            return await self._fetcher.get(backend.metrics_url, backend.auth_headers())
 
     # ---- bookkeeping -------------------------------------------------------------------
 

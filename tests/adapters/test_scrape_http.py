@@ -1,0 +1,191 @@
+"""The lean metrics client against raw HTTP servers on 127.0.0.1 that answer in every way a
+metrics endpoint might: Content-Length, chunked, Connection: close, idle-close, errors, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from kvgate.gateway.scrape_http import LeanHttpFetcher, ScrapeError
+
+from .pages import page
+
+PAGE = page("vllm")
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawServer:
+    """Answers each request on a connection with `self.reply(n)` bytes (n: request count)."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.reply: Callable[[int], bytes] = lambda n: ok(PAGE)
+        self.close_after_each = False
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.requests.append(head)
+                writer.write(self.reply(len(self.requests)))
+                await writer.drain()
+                if self.close_after_each:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+def chunked(body: bytes, size: int = 1000) -> bytes:
+    parts = [
+        b"%x\r\n%s\r\n" % (len(body[i : i + size]), body[i : i + size])
+        for i in range(0, len(body), size)
+    ]
+    return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(parts) + b"0\r\n\r\n"
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[tuple[RawServer, str]]:
+    server = RawServer()
+    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield server, f"http://127.0.0.1:{port}/metrics?x=1"
+    finally:
+        srv.close()
+
+
+async def test_keep_alive_and_request_shape(raw: tuple[RawServer, str]) -> None:
+    server, url = raw
+    fetcher = LeanHttpFetcher()
+    try:
+        for _ in range(5):
+            assert await fetcher.get(url, {"Authorization": "Bearer k"}) == PAGE
+    finally:
+        await fetcher.close()
+    assert server.connections == 1  # one connection, reused
+    first = server.requests[0]
+    assert first.startswith(b"GET /metrics?x=1 HTTP/1.1\r\n")
+    assert b"Host: 127.0.0.1:" in first and b"Authorization: Bearer k\r\n" in first
+    assert b"Accept-Encoding: identity" in first
+
+
+async def test_chunked_bodies(raw: tuple[RawServer, str]) -> None:
+    server, url = raw
+    server.reply = lambda n: chunked(PAGE, 777 * n)
+    fetcher = LeanHttpFetcher()
+    try:
+        assert await fetcher.get(url, {}) == PAGE
+        assert await fetcher.get(url, {}) == PAGE
+    finally:
+        await fetcher.close()
+    assert server.connections == 1
+
+
+async def test_connection_close_and_idle_close_are_transparent(
+    raw: tuple[RawServer, str],
+) -> None:
+    server, url = raw
+    fetcher = LeanHttpFetcher()
+    try:
+        server.reply = lambda n: ok(PAGE, b"Connection: close\r\n")
+        assert await fetcher.get(url, {}) == PAGE
+        assert await fetcher.get(url, {}) == PAGE
+        assert server.connections == 2  # the client honoured Connection: close
+        server.reply = lambda n: ok(PAGE)
+        server.close_after_each = True  # server drops idle keep-alive connections
+        for _ in range(3):
+            assert await fetcher.get(url, {}) == PAGE
+    finally:
+        await fetcher.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        (b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\nboom", "HTTP 500"),
+        (b"HTTP/1.1 200 OK\r\n\r\n" + PAGE, "neither Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n", "too large"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "bad Content-Length"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "not an HTTP"),
+        (ok(b"\x1f\x8b", b"Content-Encoding: gzip\r\n"), "content-encoding"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+    ],
+)
+async def test_bad_answers_are_scrape_errors(
+    raw: tuple[RawServer, str], reply: bytes, error: str
+) -> None:
+    server, url = raw
+    server.reply = lambda n: reply
+    fetcher = LeanHttpFetcher()
+    try:
+        with pytest.raises(ScrapeError, match=error):
+            await fetcher.get(url, {})
+        server.reply = lambda n: ok(PAGE)
+        assert await fetcher.get(url, {}) == PAGE  # a fresh connection after an error
+    finally:
+        await fetcher.close()
+
+
+async def test_truncated_body_and_cancellation_drop_the_connection(
+    raw: tuple[RawServer, str],
+) -> None:
+    server, url = raw
+    server.reply = lambda n: ok(PAGE)[:-100]  # promises more than it sends, then hangs
+    fetcher = LeanHttpFetcher()
+    try:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await fetcher.get(url, {})
+        server.reply = lambda n: ok(PAGE)
+        assert await fetcher.get(url, {}) == PAGE
+        assert server.connections == 2  # the half-read connection was not reused
+    finally:
+        await fetcher.close()
+
+
+@pytest.fixture
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A throwaway certificate for 127.0.0.1, made with the openssl CLI."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return cert, key
+
+
+async def test_https_with_a_self_signed_certificate(self_signed: tuple[Path, Path]) -> None:
+    cert, key = self_signed
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    server = RawServer()
+    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=server_ctx)
+    port = srv.sockets[0].getsockname()[1]
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    fetcher = LeanHttpFetcher(ssl_context=client_ctx)
+    try:
+        assert await fetcher.get(f"https://127.0.0.1:{port}/metrics", {}) == PAGE
+        with pytest.raises(ssl.SSLError):  # the system trust store does not know this cert
+            await LeanHttpFetcher().get(f"https://127.0.0.1:{port}/metrics", {})
+    finally:
+        await fetcher.close()
+        srv.close()
