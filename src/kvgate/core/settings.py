@@ -112,9 +112,9 @@ class AdmissionSettings(BaseModel):
         0.01, ge=0, description="PID derivative gain, applied to the measurement (seconds)."
     )
     control_interval_s: float = Field(
-        0.05,
+        0.04,
         gt=0,
-        description="The feedback controller runs at most this often (driven by samples).",
+        description="Each node's feedback controller runs at most this often (on its samples).",
     )
     thrash_latency_factor: float = Field(
         4.0,

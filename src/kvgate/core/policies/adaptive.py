@@ -104,6 +104,7 @@ class AdaptivePolicy(BasePolicy):
         super().__init__(settings, clock, rng_seed=rng_seed, store=store)
         self._new_limit = limit_factory or self._default_limit
         self.limits: dict[str, TokenLimit] = {}
+        self._controlled_at: dict[str, float] = {}
         self._scans: dict[tuple[Priority, tuple[str, ...]], _Scan] = {}
         self._ceilings = {
             Priority.SHEDDABLE: settings.high_watermark,
@@ -342,6 +343,10 @@ class AdaptivePolicy(BasePolicy):
         limit = self.limits.get(node.node_id)
         if limit is None:
             limit = self.limits[node.node_id] = self._new_limit()
+        last = self._controlled_at.get(node.node_id)
+        if last is not None and now - last < self.settings.control_interval_s:
+            return  # fast scrapes or pushes: the loop keeps its own pace
+        self._controlled_at[node.node_id] = now
         own = self.full_reserved_on(node.node_id)
         limit.update(
             LimitMeasurement(
@@ -357,6 +362,7 @@ class AdaptivePolicy(BasePolicy):
     def remove_node(self, node_id: str) -> None:
         super().remove_node(node_id)
         self.limits.pop(node_id, None)
+        self._controlled_at.pop(node_id, None)
 
     def _controller_snapshot(self, now: float) -> dict[str, Any]:
         """Cluster view: budgets summed over fresh nodes; the shedding probabilities a request
