@@ -369,6 +369,7 @@ class Engine:
         self.e2e = Histogram(E2E_BUCKETS)
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         self.steps_total = 0
+        self.busy_seconds_total = 0.0  # sum of modelled step durations
 
     # ----------------------------------------------------------------- requests in
     def add_request(
@@ -645,6 +646,7 @@ class Engine:
         if flight.duration == 0.0:
             return result
         self.steps_total += 1
+        self.busy_seconds_total += flight.duration
         if self.record_emissions and flight.decoding:
             result.emitted = [s.request_id for s in self._running.values() if s.state == _DECODE]
         if flight.decoding:

@@ -10,6 +10,8 @@ labels a real vLLM server puts on every sample: `engine` and `model_name`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvgate.sim.engine import Engine, Histogram
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,6 +37,7 @@ class MetricsPage:
         self, engine: Engine, model_name: str, engine_label: str = "0", preset: str = "custom"
     ) -> None:
         self.engine = engine
+        self.lag_source: Callable[[], float] | None = None
         self._eng = f'engine="{_escape(engine_label)}"'
         self._model = f'model_name="{_escape(model_name)}"'
         self._labels = f"{self._eng},{self._model}"
@@ -164,6 +167,20 @@ class MetricsPage:
             "Preemptions counted when they happen, unlike vLLM's lazy count (simulator only).",
             e.preemptions_evicted,
         )
+        scalar(
+            "sim:busy_seconds_total",
+            "counter",
+            "Sum of modelled step durations (simulator only).",
+            e.busy_seconds_total,
+        )
+        if self.lag_source is not None:
+            scalar(
+                "sim:step_lag_seconds_total",
+                "counter",
+                "How much later than modelled the live simulator ended its steps; "
+                "a growing value means the process cannot keep up (simulator only).",
+                self.lag_source(),
+            )
         out.append("")
         return "\n".join(out)
 

@@ -105,6 +105,8 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self._t0 = time.monotonic()
         self._id_counter = 0
+        self.lag_seconds_total = 0.0  # how late steps ended versus the model (CPU overload)
+        self.metrics.lag_source = lambda: self.lag_seconds_total
         self.port: int | None = None
         self.app = self._build_app()
 
@@ -162,6 +164,7 @@ class SimServer:
                 await asyncio.sleep(delay)
             else:
                 await asyncio.sleep(0)  # let handlers run even when we lag
+            self.lag_seconds_total += max(0.0, self.now() - start - duration)
             self._deliver(engine.finish_step())
 
     def _deliver(self, result: StepResult) -> None:

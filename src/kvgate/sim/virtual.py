@@ -25,6 +25,7 @@ Results are plain dataclasses: one `RequestOutcome` per client request and one
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import random
@@ -36,13 +37,14 @@ from typing import Any, Literal
 from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.policies import build_policy
-from kvgate.core.request import RequestCost
+from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 from kvgate.sim.engine import Engine, EngineConfig, EngineError, StepResult
 from kvgate.sim.workload import RequestSpec, WorkloadSpec, generate
 
 _STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES = range(7)
+_PRIORITY_NAMES = {p: p.name.lower() for p in Priority}
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +241,29 @@ class VirtualCluster:
     def run(self) -> VirtualResult:
         cfg = self.config
         wall = time.perf_counter()
+        # The run allocates millions of short-lived acyclic objects; the cyclic collector
+        # would rescan the long-lived ones over and over (measured: ~2x slower with it).
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            events = self._loop()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        for outcome in self.outcomes:
+            if outcome.status == "pending":
+                outcome.status = "unfinished"
+        return VirtualResult(
+            config=cfg,
+            outcomes=self.outcomes,
+            series=self.series,
+            wall_s=time.perf_counter() - wall,
+            events=events,
+            engine_totals=self._engine_totals(),
+        )
+
+    def _loop(self) -> int:
+        cfg = self.config
         self._workload = generate(cfg.workload, cfg.duration_s, cfg.seed, cfg.engine.max_model_len)
         self._push_next_arrival()
         for g in range(cfg.gateways):
@@ -253,17 +278,7 @@ class VirtualCluster:
             self.clock.set(now)
             handlers[kind](now, payload)
             events += 1
-        for outcome in self.outcomes:
-            if outcome.status == "pending":
-                outcome.status = "unfinished"
-        return VirtualResult(
-            config=cfg,
-            outcomes=self.outcomes,
-            series=self.series,
-            wall_s=time.perf_counter() - wall,
-            events=events,
-            engine_totals=self._engine_totals(),
-        )
+        return events
 
     def _push(self, when: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._heap, (when, next(self._seq), kind, payload))
@@ -291,7 +306,7 @@ class VirtualCluster:
             arrival=spec.arrival,
             prompt_tokens=spec.prompt_tokens,
             max_tokens=spec.max_tokens,
-            priority=spec.priority.name.lower(),
+            priority=_PRIORITY_NAMES[spec.priority],
             stream=spec.stream,
         )
         self.outcomes.append(outcome)
