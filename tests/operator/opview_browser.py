@@ -40,17 +40,31 @@ def missing_reason() -> str | None:
 
 
 @contextmanager
-def page(width: int = 1600, height: int = 1300) -> Iterator[Any]:
-    """A fresh page in a headless system Chromium; closed however the test ends."""
+def browser() -> Iterator[Any]:
+    """A headless system Chromium (one per test session: it takes seconds to start)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
+        instance = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
         try:
-            # The page's CSP forbids eval; Playwright's wait_for_function needs it.
-            context = browser.new_context(
-                viewport={"width": width, "height": height}, bypass_csp=True
-            )
-            yield context.new_page()
+            yield instance
         finally:
-            browser.close()
+            instance.close()
+
+
+@contextmanager
+def new_page(instance: Any, width: int = 1600, height: int = 1300) -> Iterator[Any]:
+    """A fresh page in its own context; closed however the test ends."""
+    # The page's CSP forbids eval; Playwright's wait_for_function needs it.
+    context = instance.new_context(viewport={"width": width, "height": height}, bypass_csp=True)
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+@contextmanager
+def page(width: int = 1600, height: int = 1300) -> Iterator[Any]:
+    """A page in a browser of its own, for scripts outside pytest."""
+    with browser() as instance, new_page(instance, width, height) as p:
+        yield p

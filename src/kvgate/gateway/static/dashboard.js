@@ -14,7 +14,7 @@
   const AXIS = "#8a93a3";
   const GRID = "#262c36";
   const MAX_WINDOW_S = 300;
-  const RATE_WINDOW_S = 1.0;   // admitted/rejected per second, over the last second
+  const RATE_WINDOW_S = 2.0;   // admitted/rejected per second, over the last two seconds
   const SLOW_WINDOW_S = 5.0;   // Retry-After and cancellations are rarer: smooth more
   const REASON_WINDOW_S = 10.0;
   const SPARK_POINTS = 120;    // per-node KV history kept for the sparkline
@@ -121,6 +121,7 @@
       // Every shed answer carries a Retry-After: without a dedicated counter, count those.
       retryCount: num(first(c, ["retry_after_count", "retry_after_total"])) ??
         (raObj ? num(first(raObj, ["count", "total", "n"])) : null) ?? sumLeaves(rej),
+      retryExact: first(c, ["retry_after_count", "retry_after_total"]) !== undefined || !!raObj,
       retrySum: num(first(c, ["retry_after_sum_s", "retry_after_seconds_sum", "retry_after_sum"])) ??
         (raObj ? num(first(raObj, ["sum_s", "sum", "seconds"])) : null),
       cancels: sumLeaves(first(c, ["cancellations", "cancelled", "client_cancellations", "cancels"])),
@@ -375,7 +376,9 @@
       `${fmtPct(frac)} used · setpoint ${fmtPct(num(ctl.setpoint))}`,
       frac !== null && frac >= 1 ? "alert" : frac !== null && frac > 0.9 ? "warn" : null);
     const rr = last(hist.retryRate), rm = last(hist.retryMean);
-    setTile("t-retry", fmtNum(rr), rm !== null ? `mean ${fmtNum(rm)} s` : "", rr > 0 ? "warn" : null);
+    const c0 = readCounters(state);
+    const note = rm !== null ? `mean ${fmtNum(rm)} s` : c0.retryExact ? "" : "one per rejection";
+    setTile("t-retry", fmtNum(rr), note, rr > 0 ? "warn" : null);
     const c = readCounters(state);
     setTile("t-cancel", fmtNum(last(hist.cancelRate)), `total ${fmtNum(c.cancels)}`);
     setTile("t-inflight", fmtNum(num(state.in_flight_requests)),
