@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from kvgate.core.admission import Admit, Outcome, Reject
 from kvgate.core.request import Priority
 
@@ -48,3 +52,40 @@ def test_none_snapshot_shape() -> None:
         "in_flight_requests",
         "released_tokens_per_s",
     }
+
+
+@pytest.mark.parametrize("name", ["none", "static-qps", "static-concurrency", "seed", "adaptive"])
+def test_every_policy_snapshot_is_strict_json_with_the_shared_keys(name: str) -> None:
+    policy, clock = make(name)
+    policy.add_node("never")
+    policy.observe("a", sample(clock, usage=0.95))
+    policy.observe("llama", sample(clock, usage=None, capacity=None))
+    clock.advance(0.05)
+    policy.observe("a", sample(clock, usage=0.95))
+    decision = policy.admit("r", cost(), Priority.CRITICAL, ["a", "llama"])
+    text = json.dumps(policy.snapshot(), allow_nan=False)
+    snap = json.loads(text)
+    assert snap["policy"] == name
+    assert set(snap["controller"]) >= {
+        "budget_tokens",
+        "in_flight_tokens",
+        "setpoint",
+        "shed_probability",
+    }
+    assert set(snap["controller"]["shed_probability"]) == {"critical", "standard", "sheddable"}
+    for node in snap["nodes"].values():
+        assert set(node) >= {
+            "fresh",
+            "age_s",
+            "state",
+            "sample",
+            "reserved_tokens",
+            "in_flight",
+            "predicted_usage",
+        }
+        assert node["state"] in {"ok", "high", "panic", "thrashing", "stale", "unknown"}
+    assert snap["nodes"]["never"]["state"] == "unknown"
+    assert snap["nodes"]["never"]["sample"] is None and snap["nodes"]["never"]["age_s"] is None
+    if isinstance(decision, Admit):
+        policy.release(decision.ticket, Outcome.DONE)
+    assert_books_empty(policy)
