@@ -1,10 +1,11 @@
 """A lean HTTP/1.1 GET client for metrics pages, and an aiohttp-backed alternative.
 
-Why not aiohttp for scraping: a GET through `aiohttp.ClientSession` costs ~300 µs of CPU,
-four times the parse of a 53 KB vLLM page; at 20 scrapes per second per node that is what
-limits how many nodes one process can watch. This client keeps one persistent connection
-per engine, writes a fixed request and reads a Content-Length or chunked body with
-asyncio streams: ~75 µs (numbers: `benchmarks/scrape_cost/results.md`). It only does what
+Why not aiohttp for scraping: a GET through `aiohttp.ClientSession` costs about twice the
+CPU of a bare asyncio-streams GET and several times the parse of a 53 KB vLLM page; at 20
+scrapes per second per node that is what limits how many nodes one process can watch.
+This client keeps one persistent connection per engine, writes a fixed request and reads
+a Content-Length or chunked body with asyncio streams (numbers:
+`benchmarks/scrape_cost/results.md`). It only does what
 a metrics scrape needs: GET, keep-alive, HTTP or HTTPS, no redirects, no proxies, no
 compression (it asks for `identity`). Anything else is an error, and the node goes stale.
 """

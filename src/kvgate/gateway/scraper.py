@@ -123,7 +123,7 @@ class Scraper:
     """Polls each backend's metrics every `settings.interval_s` and feeds `policy`.
 
     `http` is how pages are fetched: None (recommended) for the scraper's own lean
-    keep-alive client (`LeanHttpFetcher`, ~4x cheaper per scrape than aiohttp, closed by
+    keep-alive client (`LeanHttpFetcher`, about half aiohttp's CPU per GET, closed by
     `stop()`/`run()`'s end); an `aiohttp.ClientSession` owned by the caller to go through
     aiohttp instead (proxies, compressed pages); or any `MetricsFetcher`. `clock` stamps
     the samples on the core's time base.
