@@ -1,0 +1,626 @@
+"""Writes `kvgate-dashboard.json`, the Grafana dashboard for kvgate and the vLLM engines.
+
+The JSON is generated so that the ~30 panels stay consistent (same datasource, same units,
+same layout rules) and reviewable as code; the committed JSON is what operators import.
+A test checks that the committed file equals this script's output and that every query
+names a metric kvgate or vLLM really exports.
+
+    python deploy/grafana/generate.py          # rewrite the JSON next to this file
+
+Label conventions: kvgate labels per-engine series `node` (the backend's name, default
+`host:port`); the Prometheus example relabels each vLLM target's address into `node` too,
+so an engine's own KV gauge and kvgate's view of it share a label.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+WIDTH = 24
+OUT = Path(__file__).with_name("kvgate-dashboard.json")
+PRIORITY_COLORS = {"critical": "purple", "standard": "blue", "sheddable": "orange"}
+
+
+class Layout:
+    """Places panels left to right, wrapping rows, and hands out unique ids."""
+
+    def __init__(self) -> None:
+        self.x = 0
+        self.y = 0
+        self.row_height = 0
+        self.next_id = 1
+        self.panels: list[dict[str, Any]] = []
+
+    def add(self, panel: dict[str, Any], w: int, h: int) -> None:
+        if self.x + w > WIDTH:
+            self.x, self.y = 0, self.y + self.row_height
+            self.row_height = 0
+        panel["id"] = self.next_id
+        panel["gridPos"] = {"x": self.x, "y": self.y, "w": w, "h": h}
+        self.next_id += 1
+        self.x += w
+        self.row_height = max(self.row_height, h)
+        self.panels.append(panel)
+
+    def row(self, title: str) -> None:
+        if self.x:
+            self.x, self.y = 0, self.y + self.row_height
+        self.row_height = 0
+        self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, WIDTH, 1)
+        self.x, self.y, self.row_height = 0, self.y + 1, 0
+
+
+def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref}
+
+
+def timeseries(
+    title: str,
+    description: str,
+    queries: list[tuple[str, str]],
+    unit: str = "short",
+    *,
+    stack: bool = False,
+    max_value: float | None = None,
+    overrides: list[dict[str, Any]] | None = None,
+    thresholds: list[tuple[float, str]] | None = None,
+) -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "min": 0,
+        "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 10 if stack else 0,
+            "showPoints": "never",
+            "spanNulls": False,
+            "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+            "thresholdsStyle": {"mode": "dashed" if thresholds else "off"},
+        },
+    }
+    if max_value is not None:
+        defaults["max"] = max_value
+    if thresholds:
+        defaults["thresholds"] = {
+            "mode": "absolute",
+            "steps": [{"color": "green", "value": None}]
+            + [{"color": color, "value": value} for value, color in thresholds],
+        }
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+        "targets": [
+            target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(queries)
+        ],
+    }
+
+
+def stat(
+    title: str,
+    description: str,
+    expr: str,
+    unit: str,
+    steps: list[tuple[float | None, str]],
+) -> dict[str, Any]:
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "fieldConfig": {
+            "defaults": {
+                "unit": unit,
+                "thresholds": {
+                    "mode": "absolute",
+                    "steps": [{"color": color, "value": value} for value, color in steps],
+                },
+            },
+            "overrides": [],
+        },
+        "options": {
+            "colorMode": "background",
+            "graphMode": "area",
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        },
+        "targets": [target(expr, title, "A")],
+    }
+
+
+def priority_colors() -> list[dict[str, Any]]:
+    return [
+        {
+            "matcher": {"id": "byName", "options": name},
+            "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": color}}],
+        }
+        for name, color in PRIORITY_COLORS.items()
+    ]
+
+
+ADMITTED = 'kvgate_admissions_total{decision="admitted"}'
+REJECTED = 'kvgate_admissions_total{decision="rejected"}'
+NODE = 'node=~"$node"'
+RI = "$__rate_interval"
+
+
+def overview(lay: Layout) -> None:
+    lay.row("Now")
+    lay.add(
+        stat(
+            "Admitted /s",
+            "Requests admitted per second, all priorities.",
+            f"sum(rate({ADMITTED}[{RI}]))",
+            "reqps",
+            [(None, "blue")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "Shed ratio",
+            "Share of admission decisions that were rejections (429/503 with Retry-After).",
+            f"sum(rate({REJECTED}[{RI}])) / clamp_min(sum(rate(kvgate_admissions_total[{RI}])),"
+            " 1e-9)",
+            "percentunit",
+            [(None, "green"), (0.05, "yellow"), (0.25, "red")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "Stale nodes",
+            "Engines whose last good sample is older than 1 s: kvgate sends them no new work.",
+            "count(kvgate_node_sample_age_seconds > 1) or vector(0)",
+            "short",
+            [(None, "green"), (1, "red")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "Max predicted KV",
+            "Highest predicted KV-cache usage over all nodes (reported + reservations).",
+            "max(kvgate_node_predicted_usage)",
+            "percentunit",
+            [(None, "green"), (0.8, "yellow"), (0.92, "red")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "In-flight requests",
+            "Requests the gateway is serving now.",
+            "sum(kvgate_requests_in_flight)",
+            "short",
+            [(None, "blue")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "Cancel propagation p99",
+            "From noticing a client disconnect to closing the upstream request (should be ~1 ms).",
+            "histogram_quantile(0.99, sum by (le) "
+            f"(rate(kvgate_cancel_propagation_seconds_bucket[{RI}])))",
+            "s",
+            [(None, "green"), (0.05, "red")],
+        ),
+        4,
+        4,
+    )
+
+
+def admission(lay: Layout) -> None:
+    lay.row("Admission")
+    lay.add(
+        timeseries(
+            "Admitted per second, by priority",
+            "Admission decisions that let the request through.",
+            [(f"sum by (priority) (rate({ADMITTED}[{RI}]))", "{{priority}}")],
+            "reqps",
+            stack=True,
+            overrides=priority_colors(),
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Rejected per second, by priority",
+            "Shed requests (each answered 429 or 503 with a Retry-After).",
+            [(f"sum by (priority) (rate({REJECTED}[{RI}]))", "{{priority}}")],
+            "reqps",
+            stack=True,
+            overrides=priority_colors(),
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Rejected per second, by reason",
+            "kv_high_watermark: backpressure; kv_panic: a node above the panic watermark; "
+            "no_fresh_node: every candidate is stale.",
+            [(f"sum by (reason) (rate({REJECTED}[{RI}]))", "{{reason}}")],
+            "reqps",
+            stack=True,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Shedding probability",
+            "Probability that a new request of each priority is shed right now.",
+            [("max by (priority) (kvgate_shed_probability)", "{{priority}}")],
+            "percentunit",
+            max_value=1,
+            overrides=priority_colors(),
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Responses by status",
+            "What clients get back: 200s, 429s (shed, retry later), 503s, upstream errors.",
+            [(f"sum by (status) (rate(kvgate_requests_total[{RI}]))", "{{status}}")],
+            "reqps",
+            stack=True,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "In-flight: requests and reserved KV tokens",
+            "Reserved tokens are admitted requests' prompt + max_tokens not yet released.",
+            [
+                ("sum(kvgate_requests_in_flight)", "requests"),
+                ("sum(kvgate_inflight_tokens)", "reserved KV tokens"),
+            ],
+            "short",
+            overrides=[
+                {
+                    "matcher": {"id": "byName", "options": "reserved KV tokens"},
+                    "properties": [{"id": "custom.axisPlacement", "value": "right"}],
+                }
+            ],
+        ),
+        8,
+        8,
+    )
+
+
+def kv_cache(lay: Layout) -> None:
+    lay.row("KV cache per node")
+    lay.add(
+        timeseries(
+            "KV usage reported by the engines (kvgate's scrape)",
+            "The engine's own KV-cache usage, as kvgate last scraped it.",
+            [(f"kvgate_node_kv_usage{{{NODE}}}", "{{node}}")],
+            "percentunit",
+            max_value=1,
+            thresholds=[(0.8, "yellow"), (0.92, "red")],
+        ),
+        8,
+        9,
+    )
+    lay.add(
+        timeseries(
+            "KV usage predicted by kvgate",
+            "Reported usage plus reservations of admitted requests the engine cannot show yet: "
+            "what admission decides on. Dashed: high (0.80) and panic (0.92) watermarks.",
+            [(f"kvgate_node_predicted_usage{{{NODE}}}", "{{node}}")],
+            "percentunit",
+            max_value=1,
+            thresholds=[(0.8, "yellow"), (0.92, "red")],
+        ),
+        8,
+        9,
+    )
+    lay.add(
+        timeseries(
+            "KV usage, engine's own page (vLLM)",
+            "vllm:kv_cache_usage_perc scraped by Prometheus directly: should match kvgate's "
+            "scrape; a gap means kvgate's view is off.",
+            [(f"max by (node) (vllm:kv_cache_usage_perc{{{NODE}}})", "{{node}}")],
+            "percentunit",
+            max_value=1,
+            thresholds=[(0.8, "yellow"), (0.92, "red")],
+        ),
+        8,
+        9,
+    )
+    lay.add(
+        timeseries(
+            "Reserved KV tokens per node",
+            "Tokens reserved on each node by admitted requests and not yet released.",
+            [(f"kvgate_inflight_tokens{{{NODE}}}", "{{node}}")],
+            "short",
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Preemptions per second (vLLM)",
+            "Sequences evicted from the KV cache and recomputed: the thrashing kvgate prevents.",
+            [(f"sum by (node) (rate(vllm:num_preemptions_total{{{NODE}}}[{RI}]))", "{{node}}")],
+            "short",
+        ),
+        12,
+        8,
+    )
+
+
+def engines(lay: Layout) -> None:
+    lay.row("Engines (vLLM)")
+    lay.add(
+        timeseries(
+            "Running and waiting requests",
+            "The engine's batch (running) and its own queue (waiting); a long waiting queue "
+            "means kvgate admits more than the engine can start.",
+            [
+                (f"sum by (node) (vllm:num_requests_running{{{NODE}}})", "running {{node}}"),
+                (f"sum by (node) (vllm:num_requests_waiting{{{NODE}}})", "waiting {{node}}"),
+            ],
+            "short",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Inter-token latency p50 / p99 (vLLM)",
+            "Time between two output tokens: the iteration latency a full batch drives up.",
+            [
+                (
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(vllm:inter_token_latency_seconds_bucket{{{NODE}}}[{RI}])))",
+                    "p50",
+                ),
+                (
+                    "histogram_quantile(0.99, sum by (le) "
+                    f"(rate(vllm:inter_token_latency_seconds_bucket{{{NODE}}}[{RI}])))",
+                    "p99",
+                ),
+            ],
+            "s",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Generated tokens per second (vLLM)",
+            "Useful output: goodput rises with admission control, it does not fall.",
+            [(f"sum by (node) (rate(vllm:generation_tokens_total{{{NODE}}}[{RI}]))", "{{node}}")],
+            "short",
+            stack=True,
+        ),
+        8,
+        8,
+    )
+
+
+def latency(lay: Layout) -> None:
+    lay.row("Latency")
+    lay.add(
+        timeseries(
+            "Time to first byte at the gateway",
+            "From request arrival at kvgate to the first byte sent back.",
+            [
+                (
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(kvgate_time_to_first_byte_seconds_bucket[{RI}])))",
+                    "p50",
+                ),
+                (
+                    "histogram_quantile(0.99, sum by (le) "
+                    f"(rate(kvgate_time_to_first_byte_seconds_bucket[{RI}])))",
+                    "p99",
+                ),
+            ],
+            "s",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Time to first token at the engines (vLLM)",
+            "The engine's own TTFT; the difference to the gateway's TTFB is kvgate's overhead "
+            "plus the network.",
+            [
+                (
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(vllm:time_to_first_token_seconds_bucket{{{NODE}}}[{RI}])))",
+                    "p50",
+                ),
+                (
+                    "histogram_quantile(0.99, sum by (le) "
+                    f"(rate(vllm:time_to_first_token_seconds_bucket{{{NODE}}}[{RI}])))",
+                    "p99",
+                ),
+            ],
+            "s",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Request duration at the gateway",
+            "From arrival to the end of the response, however it ended.",
+            [
+                (
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(kvgate_request_duration_seconds_bucket[{RI}])))",
+                    "p50",
+                ),
+                (
+                    "histogram_quantile(0.99, sum by (le) "
+                    f"(rate(kvgate_request_duration_seconds_bucket[{RI}])))",
+                    "p99",
+                ),
+            ],
+            "s",
+        ),
+        8,
+        8,
+    )
+
+
+def health(lay: Layout) -> None:
+    lay.row("Signals and cancellation")
+    lay.add(
+        timeseries(
+            "Sample age per node",
+            "Age of each engine's last good sample; above 1 s (admission.stale_after_s) the "
+            "node is stale and takes no new work.",
+            [(f"kvgate_node_sample_age_seconds{{{NODE}}}", "{{node}}")],
+            "s",
+            thresholds=[(1.0, "red")],
+        ),
+        6,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Scrape latency and failures",
+            "How long kvgate's last scrape of each engine took, and failed scrapes per second.",
+            [
+                (f"kvgate_scrape_latency_seconds{{{NODE}}}", "latency {{node}}"),
+                (
+                    f"sum by (node) (rate(kvgate_scrape_failures_total{{{NODE}}}[{RI}]))",
+                    "failures/s {{node}}",
+                ),
+            ],
+            "short",
+        ),
+        6,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Cancellations propagated per second",
+            "Client disconnects carried into the engine, by the stage the request was in.",
+            [(f"sum by (stage) (rate(kvgate_cancellations_propagated_total[{RI}]))", "{{stage}}")],
+            "short",
+            stack=True,
+        ),
+        6,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Cancel propagation latency",
+            "From the client's disconnect to the upstream request being closed (engine aborts).",
+            [
+                (
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(kvgate_cancel_propagation_seconds_bucket[{RI}])))",
+                    "p50",
+                ),
+                (
+                    "histogram_quantile(0.99, sum by (le) "
+                    f"(rate(kvgate_cancel_propagation_seconds_bucket[{RI}])))",
+                    "p99",
+                ),
+            ],
+            "s",
+            thresholds=[(0.05, "red")],
+        ),
+        6,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Upstream errors and retries",
+            "Failures talking to engines (connect, reset, timeout, status) and requests "
+            "retried on another engine before any byte was sent.",
+            [
+                (f"sum by (kind) (rate(kvgate_upstream_errors_total[{RI}]))", "{{kind}}"),
+                (f"sum(rate(kvgate_upstream_retries_total[{RI}]))", "retried"),
+            ],
+            "reqps",
+        ),
+        12,
+        8,
+    )
+
+
+def dashboard() -> dict[str, Any]:
+    lay = Layout()
+    for section in (overview, admission, kv_cache, engines, latency, health):
+        section(lay)
+    return {
+        "title": "kvgate: KV-aware admission",
+        "uid": "kvgate-overview",
+        "description": "What each engine reports, what kvgate predicts, and what it sheds.",
+        "tags": ["kvgate", "vllm", "llm"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Prometheus",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                    "hide": 0,
+                },
+                {
+                    "name": "node",
+                    "label": "node",
+                    "type": "query",
+                    "datasource": DS,
+                    "definition": "label_values(kvgate_node_kv_usage, node)",
+                    "query": {
+                        "query": "label_values(kvgate_node_kv_usage, node)",
+                        "refId": "node",
+                    },
+                    "includeAll": True,
+                    "allValue": ".*",
+                    "multi": True,
+                    "current": {"text": "All", "value": "$__all"},
+                    "refresh": 2,
+                    "sort": 3,
+                    "hide": 0,
+                },
+            ]
+        },
+        "panels": lay.panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render(), encoding="utf-8")
+    print(f"wrote {OUT}")
