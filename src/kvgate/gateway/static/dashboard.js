@@ -588,9 +588,10 @@
   }
 
   function connect() {
+    // Credentials: with server.admin_token set, the browser asks once (HTTP Basic) and
+    // sends them again with this same-origin stream; no token ever goes into a URL.
     const params = new URLSearchParams(location.search);
     const q = new URLSearchParams();
-    if (params.get("token")) q.set("token", params.get("token"));
     if (params.get("interval_ms")) q.set("interval_ms", params.get("interval_ms"));
     const url = "/admin/events" + (q.toString() ? `?${q}` : "");
     const es = new EventSource(url);
