@@ -552,6 +552,8 @@ class Engine:
             need += self._ceil(seq.computed + chunk) - self._ceil(seq.computed)
         if need <= self._usable - self._used:
             self._used += need
+        elif self.config.scheduling == "fcfs":
+            prefills, budget = self._preempt_from_tail(prefills, budget, preempted)
         else:
             prefills, budget = self._schedule_with_preemption(preempted)
         if not preempted:
@@ -564,6 +566,35 @@ class Engine:
         self.iteration_tokens.observe(prefill_tokens + self._n_decode)
         self._in_flight = _InFlight(now, duration, prefills, self._n_decode, preempted, aborted)
         return duration
+
+    def _preempt_from_tail(
+        self, prefills: list[tuple[_Seq, int]], budget: int, preempted: list[str]
+    ) -> tuple[list[tuple[_Seq, int]], int]:
+        """FCFS preemption in O(victims): vLLM walks the running list in order and, when a
+        sequence's new blocks do not fit, preempts the *last* running sequence until they
+        do (or until it is the one preempted). The survivors are therefore the longest
+        prefix of the running list whose new blocks fit in what is free plus what the
+        preempted tail held, which is what popping the tail until the total fits gives."""
+        chunks = {seq.request_id: chunk for seq, chunk in prefills}
+        need_p = {
+            rid: self._ceil(self._running[rid].computed + c)
+            - self._ceil(self._running[rid].computed)
+            for rid, c in chunks.items()
+        }
+        need = sum(need_p.values())
+        while True:
+            total = need + (self._phase_count[-self._g % self._bs] if self._n_decode else 0)
+            if total <= self._usable - self._used or not self._running:
+                break
+            victim = next(reversed(self._running.values()))
+            if victim.request_id in chunks:
+                need -= need_p.pop(victim.request_id)
+                budget += chunks.pop(victim.request_id)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        self._used += total
+        kept = [(seq, c) for seq, c in prefills if seq.request_id in chunks]
+        return kept, budget
 
     def _schedule_with_preemption(self, preempted: list[str]) -> tuple[list[tuple[_Seq, int]], int]:
         """Slow path: walk the running list in order, preempting from its tail (or the
