@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvgate.gateway.scrape_http import LeanHttpFetcher, ScrapeError
 
@@ -189,3 +191,65 @@ async def test_https_with_a_self_signed_certificate(self_signed: tuple[Path, Pat
     finally:
         await fetcher.close()
         srv.close()
+
+
+# ---- property: whatever a server answers, the client fails only in ways the scraper handles
+
+
+EXPECTED = (ScrapeError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    reply=st.one_of(
+        st.binary(max_size=300),
+        st.builds(
+            lambda status, headers, body: (
+                b"HTTP/1.1 " + status + b"\r\n" + headers + b"\r\n" + body
+            ),
+            st.sampled_from([b"200 OK", b"204 No Content", b"200", b"abc", b"301 Moved"]),
+            st.lists(
+                st.sampled_from(
+                    [
+                        b"Content-Length: 5\r\n",
+                        b"Content-Length: -1\r\n",
+                        b"Content-Length: \r\n",
+                        b"Transfer-Encoding: chunked\r\n",
+                        b"Connection: close\r\n",
+                        b"Content-Encoding: br\r\n",
+                        b"X: y\r\n",
+                        b"broken header\r\n",
+                    ]
+                ),
+                max_size=4,
+            ).map(b"".join),
+            st.sampled_from(
+                [
+                    b"",
+                    b"hello",
+                    b"5\r\nhello\r\n0\r\n\r\n",
+                    b"-3\r\nabc\r\n",
+                    b"ffffffffffff\r\n",
+                    b"5\r\nhel",
+                ]
+            ),
+        ),
+    )
+)
+async def test_any_answer_is_bytes_or_an_expected_error(
+    raw: tuple[RawServer, str], reply: bytes
+) -> None:
+    server, url = raw
+    server.reply = lambda n: reply
+    server.close_after_each = True
+    fetcher = LeanHttpFetcher()
+    try:
+        async with asyncio.timeout(2):
+            body = await fetcher.get(url, {})
+        assert isinstance(body, bytes)
+    except EXPECTED:
+        pass
+    finally:
+        await fetcher.close()

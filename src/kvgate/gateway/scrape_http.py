@@ -177,7 +177,9 @@ async def _read_body(reader: asyncio.StreamReader, fields: Mapping[str, str]) ->
         size = int(length)
     except ValueError:
         raise ScrapeError(f"bad Content-Length {length[:20]!r}") from None
-    if size < 0 or size > MAX_PAGE_BYTES:
+    if size < 0:
+        raise ScrapeError(f"bad Content-Length {length[:20]!r}")
+    if size > MAX_PAGE_BYTES:
         raise ScrapeError(f"page of {size} bytes is too large")
     return await reader.readexactly(size)
 
@@ -191,6 +193,8 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
             size = int(line.split(b";", 1)[0].strip(), 16)
         except ValueError:
             raise ScrapeError("malformed chunk size") from None
+        if size < 0:
+            raise ScrapeError("malformed chunk size")
         if size == 0:
             while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
                 pass
