@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import logging
 
 import httpx
 import pytest
@@ -191,3 +192,15 @@ def test_ledger_refuses_and_releases_exactly_once() -> None:
     assert ledger.held("t") == (0, 0) and ledger.total_tokens == 0
     assert ledger.acquire("t", 101).limit == "tokens"  # can never fit
     assert ledger.snapshot()["t"]["refused_total"] == 3
+
+
+async def test_start_up_says_who_can_reach_the_gateway(
+    fake_engine: FakeEngine, gateway_factory, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvgate.gateway.server")
+    await gateway_factory([fake_engine.url])
+    await gateway_factory([fake_engine.url], overrides=_auth())
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.gateway.server"]
+    assert any("no API keys configured" in m and "loopback only" in m for m in lines), lines
+    assert any("2 API key(s) configured" in m for m in lines), lines
+    assert not any(ALICE in m or ADMIN in m for m in caplog.text.splitlines())
