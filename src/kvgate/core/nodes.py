@@ -7,7 +7,8 @@ fresh: nobody has heard from it.
 Thrashing (the engine is preempting and recomputing instead of making progress) is
 detected from the sample stream, because the preemption counter lags (vLLM counts a
 preemption only when the victim runs again):
-  * at high reported KV usage, `waiting` rises while `running` falls between two samples;
+  * at high reported KV usage, `waiting` rises while `running` falls between two samples
+    (engines with a KV gauge only);
   * `preemptions_total` grows;
   * the iteration latency exceeds `thrash_latency_factor` times its healthy baseline while
     requests are waiting (a busy node without a queue is just busy, not thrashing).
@@ -108,7 +109,9 @@ class NodeState:
 
     def _thrash_signal(self, sample: NodeSample, settings: AdmissionSettings) -> bool:
         prev = self.previous
-        high_usage = sample.kv_usage is None or sample.kv_usage >= settings.high_watermark
+        # Without a KV gauge (llama.cpp) a finished request and a queued arrival in the same
+        # interval look alike; such nodes are gated by their queue instead.
+        high_usage = sample.kv_usage is not None and sample.kv_usage >= settings.high_watermark
         if prev is not None:
             if high_usage and sample.waiting > prev.waiting and sample.running < prev.running:
                 return True
