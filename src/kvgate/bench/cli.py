@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="report directory")
     parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=None,
+        help="live runs: the gateway's scrape period (default 0.05 s; live-vllm 0.2 s)",
+    )
+    parser.add_argument(
         "--jobs", type=int, default=1, help="parallel processes for virtual runs (default 1)"
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run")

@@ -35,8 +35,9 @@ from kvgate.bench.workload import burst_times, generate
 LOGS = Path("/tmp/kvgate-bench-logs")
 
 
-def _gateway_env(spec: RunSpec, engines: list[str], port: int) -> dict[str, str]:
+def _gateway_env(spec: RunSpec, engines: list[str], port: int, scrape_s: float) -> dict[str, str]:
     env = {
+        "KVGATE_SCRAPE__INTERVAL_S": str(scrape_s),
         "KVGATE_BACKENDS": json.dumps([{"url": u} for u in engines]),
         "KVGATE_ADMISSION__POLICY": spec.policy,
         "KVGATE_ADMISSION__SEED": str(spec.seed),
@@ -92,7 +93,9 @@ def _play(spec: RunSpec, target: LiveTarget) -> RunResult:
     )
 
 
-def _with_gateway(spec: RunSpec, engines: list[str], zombie_counter: bool) -> RunResult:
+def _with_gateway(
+    spec: RunSpec, engines: list[str], zombie_counter: bool, scrape_s: float
+) -> RunResult:
     """Run `spec` against `engines`, through a fresh `kvgate serve` unless it is `direct`."""
     model = asyncio.run(_model_of(engines[0]))
     if spec.label == "direct":
@@ -103,7 +106,7 @@ def _with_gateway(spec: RunSpec, engines: list[str], zombie_counter: bool) -> Ru
         kvgate_cmd("serve"),
         "kvgate serve",
         LOGS / f"serve-{spec.label}-{spec.load:g}.log",
-        _gateway_env(spec, engines, port),
+        _gateway_env(spec, engines, port, scrape_s),
     )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -114,7 +117,7 @@ def _with_gateway(spec: RunSpec, engines: list[str], zombie_counter: bool) -> Ru
         gw.stop()
 
 
-def _sim_run(spec: RunSpec) -> RunResult:
+def _sim_run(spec: RunSpec, scrape_s: float) -> RunResult:
     """live-sim: fresh `kvgate sim` engines (cancellation per the spec) for every run."""
     port = free_port(spec.nodes)
     args = ["sim", "--port", str(port), "--nodes", str(spec.nodes), "--preset", spec.preset]
@@ -125,7 +128,7 @@ def _sim_run(spec: RunSpec) -> RunResult:
     try:
         for e in engines:
             asyncio.run(wait_healthy(e + "/health", sim, 30.0))
-        return _with_gateway(spec, engines, zombie_counter=True)
+        return _with_gateway(spec, engines, True, scrape_s)
     finally:
         sim.stop()
 
@@ -152,15 +155,16 @@ def _real_vllm() -> Iterator[list[str]]:
 def live_runner(opts: object) -> Iterator[Callable[[RunSpec], RunResult]]:
     """A runner for the grid: live-sim starts engines per run, live-vllm once for all."""
     mode = getattr(opts, "mode", "live-sim")
+    scrape_s = float(getattr(opts, "scrape_s", 0.05))
     if mode == "live-sim":
-        yield _sim_run
+        yield lambda spec: _sim_run(spec, scrape_s)
         return
     with _real_vllm() as engines:
 
         def run(spec: RunSpec) -> RunResult:
             asyncio.run(_wait_idle(engines))
             # No zombie counter on a real engine: zombies = generated - delivered.
-            result = _with_gateway(replace(spec), engines, zombie_counter=False)
+            result = _with_gateway(replace(spec), engines, False, scrape_s)
             result.extra.setdefault("notes", []).insert(
                 0,
                 "real vLLM: zombie tokens are estimated as tokens the engine generated minus "
