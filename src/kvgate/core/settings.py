@@ -58,11 +58,11 @@ class AdmissionSettings(BaseModel):
 
     # --- reservations --------------------------------------------------------------------
     reflect_margin_s: float = Field(
-        0.05,
+        0.1,
         ge=0,
         description=(
             "A sample is trusted to contain a request's prompt only if it was taken this long"
-            " after the request's first token (engine gauges lag by about one iteration)."
+            " after the request's first token (covers engine gauge lag and scrape latency)."
         ),
     )
     reservation_overhead_tokens: int = Field(

@@ -32,7 +32,9 @@ Because a reservation is added at admission and admission checks
 can never push predicted usage past the ceiling (at most the panic watermark), whatever N.
 
 `sampled_at` should be the clock time at which the scrape was *sent*: the engine renders
-its page after that instant, so everything we knew at `sampled_at` is in the page.
+its page after that instant, so everything we knew at `sampled_at` is in the page. Engine
+gauges also lag by about one iteration, and a shell that stamps the time the page *arrived*
+adds up to one scrape timeout: `reflect_margin_s` (default 0.1 s) covers both.
 
 Limits, said plainly: a request preempted by the engine loses its blocks and is no longer
 in `reported` while we count it as reflected; that is under-counting, but preemption only
