@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
 
@@ -54,7 +55,7 @@ def _server_cpu(pid: int) -> float:
 
 
 async def run(
-    n: int, port: int, seconds: float, server_pid: int, http: str
+    n: int, port: int, seconds: float, server_pid: int, http: Literal["lean", "aiohttp"]
 ) -> dict[str, float | str]:
     clock = MonotonicClock()
     policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
@@ -70,9 +71,8 @@ async def run(
     ]
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector) as session:
-        transport = session if http == "aiohttp" else None
-        settings = ScrapeSettings(interval_s=INTERVAL)
-        scraper = Scraper(backends, settings, policy, transport, clock)
+        settings = ScrapeSettings(interval_s=INTERVAL, http_client=http)
+        scraper = Scraper(backends, settings, policy, session, clock)
         async with scraper:
             await asyncio.sleep(1.0)  # warm-up: connections opened, caches filled
             before = {k: (s.scrapes_total, s.failures_total) for k, s in scraper.stats().items()}
@@ -105,15 +105,17 @@ async def run(
     }
 
 
-async def sequential(port: int, count: int, http: str) -> tuple[float, float]:
+async def sequential(
+    port: int, count: int, http: Literal["lean", "aiohttp"]
+) -> tuple[float, float]:
     """CPU per scrape with no concurrency: one node, `count` back-to-back polls through
     `Scraper.scrape_once` on one keep-alive connection. Best and median of 5 rounds."""
     clock = MonotonicClock()
     policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
     backend = Backend.from_settings(BackendSettings(url=f"http://127.0.0.1:{port}", name="seq"))
     async with aiohttp.ClientSession() as session:
-        transport = session if http == "aiohttp" else None
-        scraper = Scraper([backend], ScrapeSettings(interval_s=1.0), policy, transport, clock)
+        settings = ScrapeSettings(interval_s=1.0, http_client=http)
+        scraper = Scraper([backend], settings, policy, session, clock)
         rounds = []
         for _ in range(6):
             start = time.process_time()
@@ -140,10 +142,11 @@ def main() -> None:
     logging.getLogger("kvgate.gateway.scraper").setLevel(logging.ERROR)  # 1 line per node
     proc, port = _start_server()
     try:
-        seq = {http: asyncio.run(sequential(port, 300, http)) for http in ("lean", "aiohttp")}
+        clients: tuple[Literal["lean", "aiohttp"], ...] = ("lean", "aiohttp")
+        seq = {http: asyncio.run(sequential(port, 300, http)) for http in clients}
         rows = [
             asyncio.run(run(n, port, args.seconds, proc.pid, http))
-            for http in ("lean", "aiohttp")
+            for http in clients
             for n in args.nodes
         ]
     finally:

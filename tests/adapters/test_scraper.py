@@ -20,6 +20,7 @@ from kvgate.core.policies import build_policy
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
+from kvgate.gateway.scrape_http import AiohttpFetcher, LeanHttpFetcher
 from kvgate.gateway.scraper import Scraper
 
 from .pages import page, replace_line
@@ -122,13 +123,8 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
         for i, (_, url) in enumerate(served)
     ]
     async with aiohttp.ClientSession() as session:
-        scraper = Scraper(
-            backends,
-            ScrapeSettings(interval_s=INTERVAL),
-            rec,
-            session if http == "aiohttp" else None,
-            clock,
-        )
+        settings = ScrapeSettings(interval_s=INTERVAL, http_client=http)
+        scraper = Scraper(backends, settings, rec, session, clock)
         try:
             yield Rig(engines, [u for _, u in served], scraper, rec)
         finally:
@@ -259,6 +255,30 @@ async def test_a_policy_bug_does_not_stop_scraping(rig: Rig) -> None:
     async with rig.scraper:
         await _until(lambda: len(calls) >= 3)
     assert rig.scraper.stats()[rig.ids[0]].up is True
+
+
+async def test_http_client_choice() -> None:
+    """`lean` by default even when the gateway passes its session; `aiohttp` uses the
+    caller's session (and never closes it), or opens and closes its own."""
+    sink = Recorder.__new__(Recorder)
+    clock = MonotonicClock()
+    async with aiohttp.ClientSession() as session:
+        lean = Scraper([], ScrapeSettings(), sink, session, clock)
+        assert isinstance(lean.fetcher, LeanHttpFetcher)
+        shared = Scraper([], ScrapeSettings(http_client="aiohttp"), sink, session, clock)
+        assert isinstance(shared.fetcher, AiohttpFetcher)
+        await shared.run()
+        assert not session.closed
+    engine = Engine()
+    runner, url = await _serve(engine)
+    try:
+        backend = Backend.from_settings(BackendSettings(url=url))
+        own = Scraper([backend], ScrapeSettings(http_client="aiohttp"), sink, None, clock)
+        body = await own.fetcher.get(backend.metrics_url, {})
+        assert body.startswith(b"# SOURCE") and engine.hits == 1
+        await own.fetcher.close()
+    finally:
+        await runner.cleanup()
 
 
 async def test_timeout_defaults_below_the_period() -> None:

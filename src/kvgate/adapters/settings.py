@@ -38,3 +38,10 @@ class ScrapeSettings(BaseModel):
     timeout_s: float | None = Field(
         None, gt=0, description="Scrape timeout (default: 80% of the interval)."
     )
+    http_client: Literal["lean", "aiohttp"] = Field(
+        "lean",
+        description=(
+            "HTTP client for scrapes: `lean` (kvgate's keep-alive HTTP/1.1 GET, about half "
+            "aiohttp's CPU per scrape) or `aiohttp` (honours HTTP(S)_PROXY, compressed pages)."
+        ),
+    )

@@ -209,14 +209,21 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
 
 
 class AiohttpFetcher:
-    """The same contract over a shared `aiohttp.ClientSession` (owned by the caller):
-    for setups the lean client does not cover (HTTP proxies, compressed pages)."""
+    """The same contract through aiohttp, for setups the lean client does not cover (HTTP
+    proxies from the environment, compressed pages). Uses the caller's session when given
+    (the caller closes it), else its own, opened on first use and closed by `close()`."""
 
-    def __init__(self, session: aiohttp.ClientSession) -> None:
+    def __init__(self, session: aiohttp.ClientSession | None = None) -> None:
         self._session = session
+        self._owned: aiohttp.ClientSession | None = None
 
     async def get(self, url: str, headers: Mapping[str, str]) -> bytes:
-        async with self._session.get(url, headers=dict(headers), allow_redirects=False) as resp:
+        session = self._session
+        if session is None:
+            if self._owned is None:
+                self._owned = aiohttp.ClientSession(trust_env=True)
+            session = self._owned
+        async with session.get(url, headers=dict(headers), allow_redirects=False) as resp:
             if resp.status != 200:
                 raise ScrapeError(f"HTTP {resp.status}")
             if (resp.content_length or 0) > MAX_PAGE_BYTES:
@@ -231,4 +238,6 @@ class AiohttpFetcher:
             return b"".join(chunks)
 
     async def close(self) -> None:
-        """The session belongs to the caller: nothing to close here."""
+        owned, self._owned = self._owned, None
+        if owned is not None:
+            await owned.close()

@@ -8,7 +8,7 @@ the node goes down and once when it comes back, never per scrape.
 
 Start/stop from an ASGI lifespan::
 
-    scraper = Scraper(backends, config.scrape, policy, None, clock)
+    scraper = Scraper(backends, config.scrape, policy, None, clock)  # or a shared session
     async with scraper:          # starts run() in a task
         ...                      # serve
     # leaving the block cancels and awaits it
@@ -122,11 +122,12 @@ def sample_as_dict(sample: NodeSample) -> dict[str, Any]:
 class Scraper:
     """Polls each backend's metrics every `settings.interval_s` and feeds `policy`.
 
-    `http` is how pages are fetched: None (recommended) for the scraper's own lean
-    keep-alive client (`LeanHttpFetcher`, about half aiohttp's CPU per GET, closed by
-    `stop()`/`run()`'s end); an `aiohttp.ClientSession` owned by the caller to go through
-    aiohttp instead (proxies, compressed pages); or any `MetricsFetcher`. `clock` stamps
-    the samples on the core's time base.
+    How pages are fetched follows `settings.http_client`: `lean` (default) is the
+    scraper's own keep-alive client (`LeanHttpFetcher`, about half aiohttp's CPU per GET);
+    `aiohttp` goes through `http` when it is an `aiohttp.ClientSession` (owned and closed
+    by the caller), else through a session of the scraper's own. Any other object passed
+    as `http` is used as the `MetricsFetcher` whatever the setting. Fetchers the scraper
+    made are closed when `run()` ends. `clock` stamps the samples on the core's time base.
     """
 
     def __init__(
@@ -145,14 +146,14 @@ class Scraper:
         timeout = settings.timeout_s or settings.interval_s * _TIMEOUT_SHARE
         self._timeout = min(timeout, settings.interval_s * 0.95)
         self._policy = policy
-        self._owns_fetcher = http is None
         self._fetcher: MetricsFetcher
-        if http is None:
-            self._fetcher = LeanHttpFetcher()
-        elif isinstance(http, aiohttp.ClientSession):
-            self._fetcher = AiohttpFetcher(http)
-        else:
+        self._owns_fetcher = http is None or isinstance(http, aiohttp.ClientSession)
+        if http is not None and not isinstance(http, aiohttp.ClientSession):
             self._fetcher = http
+        elif settings.http_client == "aiohttp":
+            self._fetcher = AiohttpFetcher(http)  # closes only a session it opened itself
+        else:
+            self._fetcher = LeanHttpFetcher()
         self._clock = clock
         self._stats = {
             b.node_id: NodeStats(b.node_id, b.engine, b.metrics_url) for b in self._backends
@@ -168,6 +169,10 @@ class Scraper:
     @property
     def timeout_s(self) -> float:
         return self._timeout
+
+    @property
+    def fetcher(self) -> MetricsFetcher:
+        return self._fetcher
 
     @property
     def backends(self) -> Sequence[Backend]:
