@@ -119,7 +119,11 @@ class EngineConfig:
             raise ValueError("eos_mean_tokens must be >= 1")
         if self.max_model_len > self.usable_blocks * self.block_size:
             # vLLM refuses to start in this case too: one full-length sequence must fit.
-            raise ValueError("max_model_len exceeds the KV cache's usable capacity")
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the KV cache's usable capacity "
+                f"({self.usable_blocks * self.block_size} tokens): lower max_model_len or "
+                "add blocks"
+            )
 
     @property
     def usable_blocks(self) -> int:
