@@ -138,8 +138,8 @@ def _gateway_config(nodes: list[ChaosNode]) -> dict[str, Any]:
                    "admin_token": ADMIN, "drain_timeout_s": 2.0},
         "backends": [{"url": n.url, "metrics_url": n.metrics_url, "name": f"node{i}"}
                      for i, n in enumerate(nodes)],
-        "scrape": {"interval_s": 0.1},
-        "admission": {"policy": "adaptive", "stale_after_s": 0.6, "seed": 7},
+        "scrape": {"interval_s": 0.2},
+        "admission": {"policy": "adaptive", "stale_after_s": 1.0, "seed": 7},
         "upstream": {"connect_timeout_s": 0.5, "first_byte_timeout_s": 5.0,
                      "read_timeout_s": 1.0},
         "limits": {"max_body_bytes": 64 * 1024, "max_tokens_limit": 4096,
