@@ -30,6 +30,7 @@ import heapq
 import itertools
 import random
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -221,6 +222,11 @@ class VirtualCluster:
         self._seq = itertools.count()
         self._idle = [True] * config.nodes
         self._attempts: dict[str, _Attempt] = {}
+        # Every attempt gets the same timeout, so deadlines arrive in admission order: a
+        # deque swept by one heap event keeps the heap small (re-armed checks of streams
+        # that are still producing tokens go through the heap individually).
+        self._deadlines: deque[tuple[float, _Attempt]] = deque()
+        self._sweep_armed = False
         # Streaming attempts with a first token, per (gateway, node): their counts are
         # reported to the replica before each sample it receives.
         self._streaming: list[list[dict[str, _Attempt]]] = [
@@ -349,7 +355,11 @@ class VirtualCluster:
         outcome.node = ticket.node_id
         attempt = _Attempt(outcome, spec, rid, node, g, ticket, now)
         self._attempts[rid] = attempt
-        self._push(now + self.config.client.timeout_s, _TIMEOUT, attempt)
+        deadline = now + self.config.client.timeout_s
+        self._deadlines.append((deadline, attempt))
+        if not self._sweep_armed:
+            self._sweep_armed = True
+            self._push(deadline, _TIMEOUT, None)
         self._wake(node, now)
 
     def _retry(self, now: float, outcome: RequestOutcome, spec: RequestSpec, kind: str) -> None:
@@ -364,7 +374,19 @@ class VirtualCluster:
             delay *= 0.5 + 0.5 * self._rng.random()
         self._push(now + delay, _ATTEMPT, (outcome, spec))
 
-    def _on_timeout(self, now: float, attempt: _Attempt) -> None:
+    def _on_timeout(self, now: float, attempt: _Attempt | None) -> None:
+        if attempt is not None:
+            self._check_timeout(now, attempt)
+            return
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            self._check_timeout(now, deadlines.popleft()[1])
+        if deadlines:
+            self._push(deadlines[0][0], _TIMEOUT, None)
+        else:
+            self._sweep_armed = False
+
+    def _check_timeout(self, now: float, attempt: _Attempt) -> None:
         if not attempt.active:
             return
         timeout = self.config.client.timeout_s
