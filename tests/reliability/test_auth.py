@@ -204,3 +204,14 @@ async def test_start_up_says_who_can_reach_the_gateway(
     assert any("no API keys configured" in m and "loopback only" in m for m in lines), lines
     assert any("2 API key(s) configured" in m for m in lines), lines
     assert not any(ALICE in m or ADMIN in m for m in caplog.text.splitlines())
+
+
+def test_a_bad_key_file_is_a_configuration_error(tmp_path) -> None:
+    from kvgate.config import load_config
+
+    with pytest.raises(ValueError, match="key_file"):
+        load_config(None, **{"auth.key_file": str(tmp_path / "missing.yaml")})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("keys: 7\n")
+    with pytest.raises(ValueError, match="expected a list"):
+        load_config(None, **{"auth.key_file": str(bad)})

@@ -35,10 +35,8 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -46,7 +44,7 @@ from kvgate.core.admission import AdmissionPolicy, Admit, Decision, Outcome, Rej
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import Lease, TenantLedger, TenantLimits, TenantRefusal
-from kvgate.gateway.auth_settings import ApiKeySettings, AuthSettings, TenantSettings
+from kvgate.gateway.auth_settings import AuthSettings, TenantSettings
 from kvgate.gateway.errors import GatewayError, send_error
 
 log = logging.getLogger(__name__)
@@ -90,41 +88,16 @@ def digest(key: str | bytes) -> bytes:
 
 
 def load_keys(settings: AuthSettings) -> list[KeyEntry]:
-    """The configured keys plus those of `key_file`; a duplicate key is a config error."""
-    entries = list(settings.keys)
-    if settings.key_file:
-        entries.extend(_read_key_file(Path(settings.key_file)))
-    out: list[KeyEntry] = []
-    seen: set[bytes] = set()
-    for entry in entries:
-        if entry.key is not None:
-            d = digest(entry.key)
-        else:
-            d = bytes.fromhex(entry.key_sha256 or "")
-        if d in seen:
-            raise ValueError(f"a key of tenant {entry.tenant!r} is configured twice")
-        seen.add(d)
-        out.append(
-            KeyEntry(
-                digest=d,
-                tenant=entry.tenant,
-                default_priority=Priority.parse(entry.default_priority),
-                max_priority=Priority.parse(entry.max_priority),
-            )
+    """The configured keys plus those of `key_file` (unique: checked by the settings)."""
+    return [
+        KeyEntry(
+            digest=entry.digest(),
+            tenant=entry.tenant,
+            default_priority=Priority.parse(entry.default_priority),
+            max_priority=Priority.parse(entry.max_priority),
         )
-    return out
-
-
-def _read_key_file(path: Path) -> list[ApiKeySettings]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or []
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"auth.key_file {path}: {exc}") from None
-    if isinstance(data, dict):
-        data = data.get("keys", [])
-    if not isinstance(data, list):
-        raise ValueError(f"auth.key_file {path}: expected a list of keys or {{keys: [...]}}")
-    return [ApiKeySettings.model_validate(item) for item in data]
+        for entry in settings.all_keys()
+    ]
 
 
 class KeyRing:
@@ -219,7 +192,7 @@ class FrontDoor:
             return None
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if path.startswith(_ADMIN_PREFIXES):
-            self._check_admin(headers, basic=path.startswith("/dashboard"))
+            self._check_admin(headers)
             return None
         key = presented_key(headers)
         if key is None:
@@ -232,7 +205,9 @@ class FrontDoor:
         scope["headers"] = _retag(headers, entry)
         return entry.tenant
 
-    def _check_admin(self, headers: Sequence[tuple[bytes, bytes]], *, basic: bool) -> None:
+    def _check_admin(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        """Admin token as bearer or Basic password; the challenge is Basic, so a browser
+        opening the dashboard (or its event stream) prompts for it."""
         if self._admin is None:
             raise GatewayError(
                 403, "Admin routes are closed: set server.admin_token.", "admin_disabled"
@@ -240,7 +215,7 @@ class FrontDoor:
         sent = admin_credential(headers)
         if sent is None or not hmac.compare_digest(digest(sent), self._admin):
             raise _unauthorized(
-                "A valid admin token is required.", "invalid_admin_token", basic=basic
+                "A valid admin token is required.", "invalid_admin_token", basic=True
             )
 
 

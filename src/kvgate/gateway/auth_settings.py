@@ -13,6 +13,10 @@ that the main config can be shared and the secrets kept with tighter permissions
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvgate.core.request import Priority
@@ -61,6 +65,12 @@ class ApiKeySettings(BaseModel):
             raise ValueError("default_priority must not be above max_priority")
         return self
 
+    def digest(self) -> bytes:
+        """SHA-256 of the key: what kvgate keeps and compares."""
+        if self.key is not None:
+            return hashlib.sha256(self.key.encode()).digest()
+        return bytes.fromhex(self.key_sha256 or "")
+
 
 class TenantSettings(BaseModel):
     """Limits of one tenant, over all its keys."""
@@ -91,3 +101,34 @@ class AuthSettings(BaseModel):
         default_factory=TenantSettings,
         description="Limits of tenants not listed in `tenants` (default: none).",
     )
+
+    def all_keys(self) -> list[ApiKeySettings]:
+        """`keys` plus the entries of `key_file` (read now)."""
+        entries = list(self.keys)
+        if self.key_file:
+            entries.extend(read_key_file(Path(self.key_file)))
+        return entries
+
+    @model_validator(mode="after")
+    def _keys_are_unique(self) -> AuthSettings:
+        """Read the key file at load time, so a bad one is a configuration error."""
+        seen: set[bytes] = set()
+        for entry in self.all_keys():
+            digest = entry.digest()
+            if digest in seen:
+                raise ValueError(f"a key of tenant {entry.tenant!r} is configured twice")
+            seen.add(digest)
+        return self
+
+
+def read_key_file(path: Path) -> list[ApiKeySettings]:
+    """Keys from a YAML/JSON file: a list of key entries, or `{keys: [...]}`."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or []
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"auth.key_file {path}: {exc}") from None
+    if isinstance(data, dict):
+        data = data.get("keys", [])
+    if not isinstance(data, list):
+        raise ValueError(f"auth.key_file {path}: expected a list of keys or {{keys: [...]}}")
+    return [ApiKeySettings.model_validate(item) for item in data]
