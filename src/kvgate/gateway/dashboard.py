@@ -136,8 +136,15 @@ def parse_interval(query_string: bytes) -> float:
 
 
 def encode_event(state: Any) -> bytes:
-    """One SSE `data:` frame. orjson never emits raw newlines, so one line is always enough."""
-    payload = orjson.dumps(state, default=str, option=orjson.OPT_NON_STR_KEYS)
+    """One SSE `data:` frame. orjson never emits raw newlines, so one line is always enough.
+
+    Non-string keys are allowed only on a retry: the option doubles the encoding cost and
+    the states the gateway produces have string keys.
+    """
+    try:
+        payload = orjson.dumps(state, default=str)
+    except TypeError:
+        payload = orjson.dumps(state, default=str, option=orjson.OPT_NON_STR_KEYS)
     return b"data: " + payload + b"\n\n"
 
 
