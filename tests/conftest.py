@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -400,7 +401,8 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
         port = sock.getsockname()[1]
         srv = GatewayServer(gateway)
         task = asyncio.create_task(srv.serve(sock, handle_signals=False))
-        handle = RunningGateway(f"http://127.0.0.1:{port}", gateway, srv, task)
+        scheme = "https" if config.server.certfile else "http"
+        handle = RunningGateway(f"{scheme}://127.0.0.1:{port}", gateway, srv, task)
         running.append(handle)
         await _wait_healthy(handle)
         return handle
@@ -423,14 +425,20 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
 
 
 async def _wait_healthy(handle: RunningGateway, within: float = 10.0) -> None:
-    host, _, port = handle.url.removeprefix("http://").rpartition(":")
+    scheme, _, address = handle.url.partition("://")
+    host, _, port = address.rpartition(":")
+    context = None
+    if scheme == "https":  # the tests' self-signed certificate: no verification
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         if handle.task.done():
             handle.task.result()
             raise AssertionError("the gateway exited during startup")
         try:
-            reader, writer = await asyncio.open_connection(host, int(port))
+            reader, writer = await asyncio.open_connection(host, int(port), ssl=context)
         except OSError:
             await asyncio.sleep(0.02)
             continue

@@ -24,7 +24,7 @@ class RecordingPolicy(NonePolicy):
         super().__init__(AdmissionSettings(policy="none"), MonotonicClock(), rng_seed=1)
         self.shed = shed or set()
         self.admitted: list[tuple[str, RequestCost, Priority]] = []
-        self.releases: Counter[int] = Counter()
+        self.releases: Counter[Ticket] = Counter()  # tickets hash by identity
         self.outcomes: dict[str, Outcome] = {}
         self.first_tokens: set[str] = set()
         self.tokens: dict[str, int] = {}
@@ -51,7 +51,7 @@ class RecordingPolicy(NonePolicy):
         super().on_tokens(ticket, output_tokens)
 
     def release(self, ticket: Ticket, outcome: Outcome) -> None:
-        self.releases[id(ticket)] += 1
+        self.releases[ticket] += 1
         self.outcomes[ticket.request_id] = outcome
         super().release(ticket, outcome)
 

@@ -35,9 +35,9 @@ async def _propagation(engine: FakeEngine, client: RawClient, rid: str) -> float
     ],
 )
 async def test_disconnect_while_waiting_reaches_the_engine(
-    fake_engine: FakeEngine, gateway_factory, stage: str, body: dict
+    fake_engine: FakeEngine, gateway_factory, upstream_client, stage: str, body: dict
 ) -> None:
-    gw = await gateway_factory([fake_engine.url])
+    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
     rid = f"cancel-{stage}"
     client = await RawClient.post(
         gw.url, "/v1/completions", {"model": "fake-model", "prompt": "p", **body},
@@ -57,9 +57,9 @@ async def test_disconnect_while_waiting_reaches_the_engine(
 
 
 async def test_disconnect_mid_stream_stops_the_tokens(
-    fake_engine: FakeEngine, gateway_factory
+    fake_engine: FakeEngine, gateway_factory, upstream_client
 ) -> None:
-    gw = await gateway_factory([fake_engine.url])
+    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
     rid = "cancel-mid-stream"
     client = await RawClient.post(
         gw.url,
@@ -81,9 +81,9 @@ async def test_disconnect_mid_stream_stops_the_tokens(
 
 
 async def test_many_concurrent_disconnects_leave_nothing_behind(
-    fake_engine: FakeEngine, gateway_factory
+    fake_engine: FakeEngine, gateway_factory, upstream_client
 ) -> None:
-    gw = await gateway_factory([fake_engine.url])
+    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
     clients = []
     for i in range(20):
         stream = i % 2 == 0

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 import time
 from urllib.parse import urlsplit
 
@@ -10,6 +13,7 @@ import h2.config
 import h2.connection
 import h2.events
 import orjson
+import pytest
 from conftest import FakeEngine
 
 
@@ -30,7 +34,13 @@ class H2Client:
     @classmethod
     async def connect(cls, url: str) -> H2Client:
         parts = urlsplit(url)
-        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        context = None
+        if parts.scheme == "https":  # h2 negotiated by ALPN; the test certificate is self-signed
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            context.set_alpn_protocols(["h2"])
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port, ssl=context)
         client = cls(reader, writer)
         client.conn.initiate_connection()
         await client.flush()
@@ -84,8 +94,10 @@ class H2Client:
         self.writer.close()
 
 
-async def test_h2c_reset_cancels_only_that_stream(fake_engine: FakeEngine, gateway_factory) -> None:
-    gw = await gateway_factory([fake_engine.url], server="hypercorn")
+async def test_h2c_reset_cancels_only_that_stream(
+    fake_engine: FakeEngine, gateway_factory, upstream_client
+) -> None:
+    gw = await gateway_factory([fake_engine.url], server="hypercorn", overrides=upstream_client)
     client = await H2Client.connect(gw.url)
     try:
         body = {"model": "fake-model", "prompt": "p", "stream": True,
@@ -129,3 +141,33 @@ async def test_h2c_non_streaming_and_http1_share_the_port(
     async with httpx.AsyncClient(base_url=gw.url) as http1:
         response = await http1.post("/v1/completions", json={"model": "fake-model", "prompt": "p"})
     assert response.status_code == 200 and response.http_version == "HTTP/1.1"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_tls_negotiates_h2_by_alpn(
+    fake_engine: FakeEngine, gateway_factory, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    openssl = await asyncio.create_subprocess_exec(
+        "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+        "-keyout", str(key), "-out", str(cert),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert await openssl.wait() == 0
+    gw = await gateway_factory(
+        [fake_engine.url],
+        server="hypercorn",
+        overrides={"server.certfile": str(cert), "server.keyfile": str(key)},
+    )
+    assert gw.url.startswith("https://")
+    client = await H2Client.connect(gw.url)
+    try:
+        negotiated = client.writer.get_extra_info("ssl_object").selected_alpn_protocol()
+        body = {"model": "fake-model", "prompt": "p", "stream": True, "fake": {"chunks": 3}}
+        sid = await client.post("/v1/completions", body, "tls-1")
+        await client.pump(lambda: sid in client.ended)
+    finally:
+        client.close()
+    assert negotiated == "h2"
+    assert client.status[sid] == 200 and client.data[sid].endswith(b"data: [DONE]\n\n")

@@ -20,9 +20,9 @@ async def _raw_stream(url: str, path: str, body: dict, headers: dict | None = No
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_stream_is_relayed_byte_for_byte(
-    fake_engine: FakeEngine, gateway_factory, path: str
+    fake_engine: FakeEngine, gateway_factory, upstream_client, path: str
 ) -> None:
-    gw = await gateway_factory([fake_engine.url])
+    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
     body = {"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"chunks": 20}}
     direct = await _raw_stream(fake_engine.url, path, body)
     relayed = await _raw_stream(gw.url, path, body)
@@ -31,9 +31,9 @@ async def test_stream_is_relayed_byte_for_byte(
 
 
 async def test_non_streaming_body_and_status_are_relayed(
-    fake_engine: FakeEngine, gateway_factory
+    fake_engine: FakeEngine, gateway_factory, upstream_client
 ) -> None:
-    gw = await gateway_factory([fake_engine.url])
+    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
     body = {"model": "fake-model", "prompt": "hi", "max_tokens": 3, "fake": {"chunks": 3}}
     async with httpx.AsyncClient() as client:
         direct = await client.post(fake_engine.url + "/v1/completions", json=body)
@@ -63,9 +63,9 @@ async def test_request_id_is_kept_or_made_and_sent_both_ways(
 
 
 async def test_hop_by_hop_and_kvgate_headers_stay_here(
-    fake_engine: FakeEngine, gateway_factory
+    fake_engine: FakeEngine, gateway_factory, upstream_client
 ) -> None:
-    gw = await gateway_factory([fake_engine.url])
+    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
     headers = {
         "X-Request-Id": "hop-1",
         "Keep-Alive": "timeout=5",
@@ -117,9 +117,9 @@ async def test_models_are_the_union_and_requests_go_where_the_model_is(
 
 
 async def test_other_v1_paths_pass_through_unchanged(
-    fake_engine: FakeEngine, gateway_factory
+    fake_engine: FakeEngine, gateway_factory, upstream_client
 ) -> None:
-    gw = await gateway_factory([fake_engine.url])
+    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
     payload = {"model": "fake-model", "input": "héllo"}
     async with httpx.AsyncClient(base_url=gw.url) as client:
         response = await client.post("/v1/embeddings?x=1", content=orjson.dumps(payload))

@@ -33,9 +33,11 @@ async def test_stop_lets_streams_finish_within_the_drain(
 
 
 async def test_drain_timeout_cancels_upstream_and_tells_the_client(
-    fake_engine: FakeEngine, gateway_factory
+    fake_engine: FakeEngine, gateway_factory, upstream_client
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides={"server.drain_timeout_s": 0.3})
+    gw = await gateway_factory(
+        [fake_engine.url], overrides={**upstream_client, "server.drain_timeout_s": 0.3}
+    )
     body = {"model": "fake-model", "prompt": "p", "stream": True,
             "fake": {"chunks": 1000, "interval": 0.02}}  # fmt: skip
     client = await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": "drain-2"})

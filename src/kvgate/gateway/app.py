@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from kvgate.adapters.backend import Backend, backends_from_settings
+from kvgate.adapters.push import MAX_PUSH_BYTES, PushValidationError, parse_push
 from kvgate.config import KvgateConfig
 from kvgate.core.admission import AdmissionPolicy
 from kvgate.core.clock import Clock, MonotonicClock
@@ -38,8 +39,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-_PUSH_BODY_LIMIT = 1024 * 1024
 
 
 class Gateway:
@@ -246,7 +245,7 @@ class Gateway:
         """Samples pushed by sidecars, for engines kvgate cannot scrape itself."""
         try:
             self._check_admin(scope)
-            body = await _read_small_body(receive, _PUSH_BODY_LIMIT)
+            body = await _read_small_body(receive, MAX_PUSH_BYTES)
             accepted = self._apply_push(body)
         except GatewayError as err:
             await send_error(send, err)
@@ -268,21 +267,18 @@ class Gateway:
             raise GatewayError(401, "A valid admin bearer token is required.", "invalid_token")
 
     def _apply_push(self, body: bytes) -> int:
-        try:
-            push = importlib.import_module("kvgate.adapters.push")
-        except ImportError:
-            raise GatewayError(
-                501, "Pushed signals are not available.", "not_implemented"
-            ) from None
+        """Validate every sample first (all or nothing), then feed them to the policy."""
         known = {b.node_id for b in self.backends}
         try:
-            samples = push.parse_push(body, self.clock.now())
-        except ValueError as exc:
-            raise GatewayError(400, f"Invalid pushed sample: {exc}", "invalid_signal") from None
+            samples = parse_push(body, self.clock.now())
+        except PushValidationError as exc:
+            raise GatewayError(
+                400, f"Invalid pushed sample: {exc}", "invalid_signal", param=exc.param
+            ) from None
         unknown = sorted({node_id for node_id, _ in samples} - known)
         if unknown:
             raise GatewayError(
-                400, f"Unknown node id(s): {', '.join(unknown)}.", "unknown_node", param="node_id"
+                400, f"Unknown node id(s): {', '.join(unknown)}.", "unknown_node", param="node"
             )
         for node_id, sample in samples:
             self.policy.observe(node_id, sample)

@@ -30,7 +30,6 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 
 from kvgate.adapters.backend import Backend
@@ -46,6 +45,7 @@ from kvgate.gateway.upstream import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamPool,
+    UpstreamResponse,
     close_quietly,
     request_headers,
 )
@@ -210,6 +210,7 @@ class Relay:
             ex.status = err.status
             if ex.ending == "done":
                 ex.ending = "rejected" if err.status in (429, 503) else "bad_request"
+            ex.first_byte_at = time.monotonic()
             with contextlib.suppress(OSError):
                 await send_error(send, err, rid_bytes)
         except ClientGone:
@@ -369,13 +370,13 @@ class Relay:
             "?" + scope["query_string"].decode() if scope["query_string"] else ""
         )
         headers = request_headers(scope["headers"], ex.request_id, _DROP_REQUEST)
-        response: aiohttp.ClientResponse | None = None
+        response: UpstreamResponse | None = None
         clean = False
         cscope.deadline(self.upstream.first_byte_timeout_s, "first_byte_timeout")
         ex.stage = "headers"
         try:
             response = await self.pool.open(backend, scope["method"], path_qs, headers, body)
-            content_type = response.headers.get("Content-Type", "")
+            content_type = response.content_type
             if response.status == 200 and content_type.startswith("text/event-stream"):
                 outcome = await self._relay_stream(send, ex, cscope, response, ticket, parsed)
             else:
@@ -393,7 +394,7 @@ class Relay:
             if clean and response is not None:
                 response.release()
             else:
-                await close_quietly(response)
+                close_quietly(response)
                 self._propagated(ex, cscope, backend)
 
     def _propagated(self, ex: Exchange, cscope: CancelScope, backend: Backend) -> None:
@@ -451,14 +452,14 @@ class Relay:
         self,
         send: Send,
         ex: Exchange,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         ticket: Ticket,
         parsed: ParsedRequest | None,
     ) -> Outcome:
         ex.stage = "waiting"
         try:
             data = await response.read()
-        except (aiohttp.ClientError, OSError) as exc:
+        except (UpstreamError, OSError) as exc:
             self.metrics.upstream_errors[ex.backend, "reset"] += 1
             ex.ending = "upstream_error"
             raise GatewayError(
@@ -485,7 +486,7 @@ class Relay:
         send: Send,
         ex: Exchange,
         cscope: CancelScope,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         ticket: Ticket,
         parsed: ParsedRequest | None,
     ) -> Outcome:
@@ -495,14 +496,13 @@ class Relay:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         ex.first_byte_at = time.monotonic()
         ex.stage = "first_token"
-        content = response.content
         policy = self.policy
         events = 0
         done_marks = 0
         tail = b""
         try:
             while True:
-                chunk = await content.readany()
+                chunk = await response.readany()
                 if not chunk:
                     break
                 ex.last_chunk_at = time.monotonic()
@@ -525,7 +525,7 @@ class Relay:
                     if _PROMPT_TOKENS in chunk:
                         self._learn_usage(ex, parsed, _usage_from_sse(chunk))
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, OSError):
+        except (UpstreamError, OSError):
             self.metrics.upstream_errors[ex.backend, "reset"] += 1
             await _end_stream_with_error(
                 send, ex, 502, "The upstream connection failed mid-stream.", "upstream_error"

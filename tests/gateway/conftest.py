@@ -1,0 +1,22 @@
+"""Gateway tests run on uvloop, the loop `kvgate serve` uses in production (uvloop's
+transports differ from asyncio's in ways a relay can trip over)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import uvloop
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], Any]]:
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(params=["aiohttp", "native"])
+def upstream_client(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Run a relay test once per upstream client: `gateway_factory(..., overrides=this)`."""
+    return {"upstream.client": request.param}
