@@ -22,6 +22,8 @@ import aiohttp
 import orjson
 
 from kvgate.adapters.backend import Backend
+from kvgate.gateway.errors import UpstreamConnectError, UpstreamError
+from kvgate.gateway.h1client import H1Pool, H1Response
 from kvgate.gateway.settings import UpstreamSettings
 
 log = logging.getLogger(__name__)
@@ -47,18 +49,6 @@ HOP_BY_HOP = frozenset(
 )
 
 
-class UpstreamError(Exception):
-    """The upstream failed; `kind` labels the metric (connect, reset, timeout, status)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-class UpstreamConnectError(UpstreamError):
-    """Refused or reset before any response byte: safe to retry on another backend."""
-
-
 class UpstreamPool:
     """The shared client session and the backends it talks to."""
 
@@ -67,10 +57,12 @@ class UpstreamPool:
         if len(self.backends) != len(backends):
             raise ValueError("two backends share one name; give them distinct `name`s")
         self.settings = settings
-        self._auth: dict[str, list[tuple[str, str]]] = {
-            b.node_id: list(b.auth_headers().items()) for b in backends
+        self._auth: dict[str, list[tuple[bytes, bytes]]] = {
+            b.node_id: [(k.lower().encode(), v.encode()) for k, v in b.auth_headers().items()]
+            for b in backends
         }
         self._session: aiohttp.ClientSession | None = None
+        self._h1: H1Pool | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -88,13 +80,24 @@ class UpstreamPool:
         self._session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,
+            # Only new sockets get a connect timeout: wrapping every pooled checkout in a
+            # timer costs CPU on each request, and the relay's own first-byte deadline
+            # already bounds the whole wait for a response.
             timeout=aiohttp.ClientTimeout(
-                total=None, connect=self.settings.connect_timeout_s, sock_read=None
+                total=None,
+                connect=None,
+                sock_connect=self.settings.connect_timeout_s,
+                sock_read=None,
             ),
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
+        if self.settings.client == "native":
+            self._h1 = H1Pool(self.settings.connect_timeout_s)
 
     async def close(self) -> None:
+        if self._h1 is not None:
+            self._h1.close()
+            self._h1 = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -104,19 +107,34 @@ class UpstreamPool:
         backend: Backend,
         method: str,
         path_qs: str,
-        headers: list[tuple[str, str]],
+        headers: list[tuple[bytes, bytes]],
         body: bytes,
-    ) -> aiohttp.ClientResponse:
-        """Send the request and wait for the response headers (the caller bounds the wait)."""
+    ) -> UpstreamResponse:
+        """Send the request and wait for the response headers (the caller bounds the wait).
+
+        `headers` are the ASGI-style (lower-case bytes) headers to forward as they are.
+        """
         auth = self._auth.get(backend.node_id)
         if auth:  # the engine's own key replaces whatever the client sent
-            headers = [h for h in headers if h[0].lower() != "authorization"]
+            headers = [h for h in headers if h[0] != b"authorization"]
             headers.extend(auth)
+        if self._h1 is not None:
+            return await self._h1.request(backend.base_url, method, path_qs, headers, body)
+        return await self._open_aiohttp(backend, method, path_qs, headers, body)
+
+    async def _open_aiohttp(
+        self,
+        backend: Backend,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> UpstreamResponse:
         try:
-            return await self.session.request(
+            response = await self.session.request(
                 method,
                 backend.base_url + path_qs,
-                headers=headers,
+                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
                 data=body if body else None,
                 allow_redirects=False,
             )
@@ -128,6 +146,43 @@ class UpstreamPool:
             ) from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError("protocol", f"{backend.node_id}: {exc.__class__.__name__}") from exc
+        return AiohttpResponse(response)
+
+
+class AiohttpResponse:
+    """An aiohttp response behind the same small interface as `H1Response`."""
+
+    __slots__ = ("_response", "raw_headers", "status")
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status = response.status
+        self.raw_headers = list(response.raw_headers)
+
+    @property
+    def content_type(self) -> str:
+        return self._response.headers.get("Content-Type", "")
+
+    async def readany(self) -> bytes:
+        try:
+            return await self._response.content.readany()
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError("reset", "the upstream connection failed mid-body") from exc
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError("reset", "the upstream connection failed mid-body") from exc
+
+    def release(self) -> None:
+        self._response.release()
+
+    def close(self) -> None:
+        self._response.close()
+
+
+UpstreamResponse = H1Response | AiohttpResponse
 
 
 class ModelCatalog:
@@ -224,18 +279,18 @@ class ModelCatalog:
 
 def request_headers(
     raw: Iterable[tuple[bytes, bytes]], request_id: str, drop: frozenset[bytes] = frozenset()
-) -> list[tuple[str, str]]:
-    """The client's headers minus hop-by-hop ones, plus our `X-Request-Id`."""
+) -> list[tuple[bytes, bytes]]:
+    """The client's headers minus hop-by-hop ones, plus our `x-request-id`."""
     out = [
-        (name.decode("latin-1"), value.decode("latin-1"))
+        (name, value)
         for name, value in raw
         if name not in HOP_BY_HOP and name != b"x-request-id" and name not in drop
     ]
-    out.append(("X-Request-Id", request_id))
+    out.append((b"x-request-id", request_id.encode()))
     return out
 
 
-async def close_quietly(response: aiohttp.ClientResponse | None) -> None:
+def close_quietly(response: UpstreamResponse | None) -> None:
     """Close an upstream response at once: for vLLM the closed socket is the abort."""
     if response is None:
         return
