@@ -227,7 +227,7 @@ def main_virtual(opts: BenchOptions) -> Path:
             capacity=cap,
             notes=_notes(runs),
         )
-        report = write_report(runs, meta, opts.out)
+        report = write_report(runs, meta, opts.out, keep=True)
         console.print(f"  report updated: {report}")
     return report
 
@@ -289,7 +289,7 @@ def main_live(opts: BenchOptions) -> Path:
         capacity=cap,
         notes=_notes(runs),
     )
-    return write_report(runs, meta, opts.out)
+    return write_report(runs, meta, opts.out, keep=True)
 
 
 @contextlib.contextmanager

@@ -7,8 +7,12 @@ the issue's bar checked mechanically, and time-series plots per policy.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import pickle
+import sys
+import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -121,13 +125,23 @@ def check_bar(rows: Sequence[dict[str, Any]], load: float) -> list[str]:
             f"- {'PASS' if a['zombie_tokens'] == 0 else 'FAIL'}: `adaptive` zombie tokens: "
             f"{a['zombie_tokens']:,.0f} (bar: zero)."
         )
+    peak = [r for r in rows if r["policy"] == "direct"]
+    if a is not None and peak:
+        best = max(peak, key=lambda r: r["goodput_tok_s"])
+        if best["goodput_tok_s"] > 0:
+            out.append(
+                f"- for reference: `direct`'s own peak goodput was {best['goodput_tok_s']:,.0f} "
+                f"tok/s (at {best['load']:g}x); `adaptive` at {load:g}x reached "
+                f"{100 * a['goodput_tok_s'] / best['goodput_tok_s']:.0f}% of that."
+            )
     for name in ("direct", "static-qps"):
         r = at.get(name)
         if r is not None:
             lost = r["goodput_pct"] < 50.0
             out.append(
                 f"- {'PASS' if lost else 'FAIL'}: `{name}` goodput at {load:g}x is "
-                f"{r['goodput_pct']:.0f}% of capacity (bar: loses most of it, < 50%)."
+                f"{r['goodput_pct']:.0f}% of capacity (bar: loses most of it, < 50%); "
+                f"{r['slo_attainment']:.0%} of its users within SLO."
             )
     return out
 
@@ -239,8 +253,13 @@ def plot_goodput_vs_load(
     return path
 
 
-def write_report(runs: Sequence[RunResult], meta: ReportMeta, out_dir: Path) -> Path:
-    """Write report.md, the PNGs and results.json into `out_dir`; return the report's path."""
+def write_report(
+    runs: Sequence[RunResult], meta: ReportMeta, out_dir: Path, keep: bool = False
+) -> Path:
+    """Write report.md, the PNGs and results.json into `out_dir`; return the report's path.
+
+    With `keep`, the full records are also pickled under the temp dir (see `rewrite`).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     cap = float(meta.capacity.get("goodput_tok_s", 0.0))
     rows = aggregate(runs, cap)
@@ -284,6 +303,8 @@ def write_report(runs: Sequence[RunResult], meta: ReportMeta, out_dir: Path) -> 
     lines.append("")
     report = out_dir / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
+    if keep:
+        _keep_records(runs, meta, out_dir)
     dump = {
         "meta": meta.__dict__,
         "rows": rows,
@@ -293,5 +314,24 @@ def write_report(runs: Sequence[RunResult], meta: ReportMeta, out_dir: Path) -> 
     return report
 
 
+def _keep_records(runs: Sequence[RunResult], meta: ReportMeta, out_dir: Path) -> None:
+    """Keep the full records outside the repository, so the report can be re-made."""
+    keep = Path(tempfile.gettempdir()) / "kvgate-bench" / f"{out_dir.resolve().name}.pickle.gz"
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(keep, "wb") as fh:
+        pickle.dump((list(runs), meta), fh)
+
+
+def rewrite(pickled: Path, out_dir: Path) -> Path:
+    """Re-make a report from the records a run kept (`python -m kvgate.bench.report P OUT`)."""
+    with gzip.open(pickled, "rb") as fh:
+        runs, meta = pickle.load(fh)
+    return write_report(runs, meta, out_dir)
+
+
 def _kv_lines(d: dict[str, Any]) -> list[str]:
     return [f"- {k}: {v}" for k, v in d.items()]
+
+
+if __name__ == "__main__":
+    print(rewrite(Path(sys.argv[1]), Path(sys.argv[2])))
