@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvgate.adapters import KINDS, adapter_for
-from kvgate.adapters.base import HistogramDelta, MetricScanner, MetricsParseError
+from kvgate.adapters.base import HistogramDelta, MetricScanner, MetricsParseError, Series
 
 from .pages import drop_lines, page, replace_line
 
@@ -342,3 +342,10 @@ def test_histogram_delta() -> None:
     assert delta.update(0.5, 5) is None  # reset
     assert delta.update(0.7, 7) == pytest.approx(0.1)
     assert not math.isnan(delta.update(0.7, 7) or 0.0)
+
+
+def test_label_escapes_are_decoded_in_one_pass() -> None:
+    series = Series(b'a="x\\\\ny",b="q\\"r",c="l1\\nl2",engine="0"', 1.0)
+    assert series.labels() == {"a": "x\\ny", "b": 'q"r', "c": "l1\nl2", "engine": "0"}
+    assert series.label("a") == "x\\ny" and series.label("engine") == "0"
+    assert series.label("gine") is None  # a name that only ends another one
