@@ -29,7 +29,9 @@ import pytest
 from real_engine import engine as eng
 from real_engine.load import BurstResult, burst
 
-STARTUP_TIMEOUT_S = 180.0  # measured 30-60 s on 2 shared cores; leave room for a busy machine
+# Measured 30-60 s on 2 quiet cores, but over 3 minutes at a load average of 15 (other
+# builds beside it): leave room. KVGATE_VLLM_START_TIMEOUT overrides it.
+STARTUP_TIMEOUT_S = float(os.environ.get("KVGATE_VLLM_START_TIMEOUT", "360"))
 INSTALL_TIMEOUT_S = 1800.0  # a cold install takes minutes (tests/real_engine/README.md)
 HERE = Path(__file__).resolve().parent
 
@@ -51,8 +53,8 @@ T = TypeVar("T")
 # sample usable for longer; the freshness test (test_scraper_reads_the_real_metrics_page)
 # uses the defaults.
 TOLERANT_OF_SLOW_SCRAPES = {
-    "admission__stale_after_s": "5",
-    "admission__failures_to_stale": "100",
+    "admission__stale_after_s": "30",
+    "admission__failures_to_stale": "1000",
 }
 
 
@@ -111,11 +113,15 @@ def vllm_engine(
         yield eng.external_engine(external.rstrip("/"))
         return
     log_path = tmp_path_factory.mktemp("vllm-engine") / "engine.log"
+    server: eng.ServerProcess | None = None
+    problem = ""
     try:
         server = eng.start_engine(log_path, STARTUP_TIMEOUT_S)
     except (RuntimeError, TimeoutError) as exc:
+        problem = str(exc)
+    if server is None:
         # Installed but not startable is a real failure everywhere, never a skip.
-        pytest.fail(f"the real vLLM engine did not start: {exc}", pytrace=False)
+        pytest.fail(f"the real vLLM engine did not start: {problem}", pytrace=False)
     try:
         yield server
     finally:

@@ -68,13 +68,14 @@ def run_installer(log_path: Path, timeout_s: float) -> tuple[bool, str]:
     return ok, tail(log_path)
 
 
-def tail(path: Path, lines: int = 25) -> str:
-    """The last lines of a log file, for failure messages."""
+def tail(path: Path, lines: int = 15, width: int = 240) -> str:
+    """The last lines of a log file, each cut to `width`, for failure messages."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    kept = [line if len(line) <= width else line[:width] + " ..." for line in text.splitlines()]
+    return "\n".join(kept[-lines:])
 
 
 def free_port() -> int:
@@ -256,6 +257,54 @@ async def poll_until(
             return last
         await asyncio.sleep(interval_s)
     raise TimeoutError(f"engine condition not met in {timeout_s} s; last sample {last}")
+
+
+async def watch_until(
+    client: httpx.AsyncClient,
+    engine_url: str,
+    condition: Callable[[EngineMetrics], bool],
+    timeout_s: float,
+    interval_s: float = 0.01,
+    max_in_flight: int = 8,
+) -> tuple[EngineMetrics, int]:
+    """Start a metrics GET every `interval_s` without waiting for the previous one.
+
+    Returns the first page to arrive that meets `condition`, and how many pages arrived.
+    Unlike `poll_until`, a slow page does not delay the next poll, so the time at which
+    a change is seen carries one GET's latency, not two.
+    """
+    found: asyncio.Future[EngineMetrics] = asyncio.get_running_loop().create_future()
+    slots = asyncio.Semaphore(max_in_flight)
+    pending: set[asyncio.Task[None]] = set()
+    arrived = 0
+
+    async def one() -> None:
+        nonlocal arrived
+        try:
+            page = await read_metrics(client, engine_url)
+        except httpx.HTTPError:
+            return
+        finally:
+            slots.release()
+        arrived += 1
+        if not found.done() and condition(page):
+            found.set_result(page)
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not found.done() and time.monotonic() < deadline:
+            await slots.acquire()
+            task = asyncio.create_task(one())
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            await asyncio.wait({found}, timeout=interval_s)
+        if not found.done():
+            raise TimeoutError(f"engine condition not met in {timeout_s} s")
+        return found.result(), arrived
+    finally:
+        for task in list(pending):
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def wait_idle(engine_url: str, timeout_s: float = 90.0) -> EngineMetrics:

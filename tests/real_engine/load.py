@@ -21,6 +21,7 @@ from real_engine.engine import (
     MetricsRecorder,
     poll_until,
     read_metrics,
+    watch_until,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -142,9 +143,10 @@ async def measure_disconnect(
 
     The client is a task reading the response; cancelling it closes its connection (an
     httpx connection cancelled mid-request is closed, never pooled). The clock starts
-    before the cancel, and each poll is timed at the moment its page arrived, so the
-    figure is an upper bound. `chunks_first` waits for that many SSE lines first
-    (mid-stream); 0 hangs up without waiting for any (queued, or non-streaming).
+    before the cancel; a metrics GET starts every ~10 ms (overlapping when slow) and the
+    figure is the arrival of the first page showing the request gone: an upper bound.
+    `chunks_first` waits for that many SSE lines first (mid-stream); 0 hangs up without
+    waiting for any (queued, or non-streaming).
     """
     first_chunks = asyncio.Event()
     chunks = 0
@@ -176,14 +178,7 @@ async def measure_disconnect(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            polls = 0
-
-            def counted(m: EngineMetrics) -> bool:
-                nonlocal polls
-                polls += 1
-                return gone(m)
-
-            last = await poll_until(poller, engine_url, counted, gone_timeout_s)
+            last, polls = await watch_until(poller, engine_url, gone, gone_timeout_s)
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

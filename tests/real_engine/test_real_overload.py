@@ -24,6 +24,7 @@ from real_engine.load import BurstResult, burst
 pytestmark = pytest.mark.real_engine
 
 
+@pytest.mark.timeout(300)  # two ~10-30 s bursts (the direct one runs here if not yet run)
 async def test_burst_through_kvgate_is_shed_without_preemption(
     direct_burst: BurstResult,
     burst_prompt: str,
