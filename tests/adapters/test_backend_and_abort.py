@@ -62,11 +62,13 @@ def test_each_node_gets_its_own_adapter_state() -> None:
 
 
 def test_vllm_engine_ids() -> None:
-    assert vllm_engine_ids("abc", "chat") == ["chatcmpl-abc"]
-    assert vllm_engine_ids("abc", "completions") == ["cmpl-abc-0"]
-    assert vllm_engine_ids("abc", None) == ["chatcmpl-abc", "cmpl-abc-0"]
-    with pytest.raises(ValueError):
-        vllm_engine_ids("abc", "embeddings")
+    both = ["chatcmpl-abc", "cmpl-abc-0"]
+    for chat in ("chat", "/v1/chat/completions", "/v1/chat/completions/"):
+        assert vllm_engine_ids("abc", chat) == ["chatcmpl-abc"]
+    for completion in ("completions", "/v1/completions"):
+        assert vllm_engine_ids("abc", completion) == ["cmpl-abc-0"]
+    for other in (None, "", "/v1/*", "/v1/embeddings", "embeddings"):
+        assert vllm_engine_ids("abc", other) == both
 
 
 class AbortServer:
@@ -105,7 +107,11 @@ async def test_vllm_abort_posts_engine_ids(abort_server: tuple[AbortServer, str]
     adapter = adapter_for("vllm")
     async with aiohttp.ClientSession() as session:
         ok = await adapter.abort(
-            session, url, "r1", endpoint="chat", headers={"Authorization": "Bearer k"}
+            session,
+            url,
+            "r1",
+            endpoint="/v1/chat/completions",  # what the proxy passes: the request path
+            headers={"Authorization": "Bearer k"},
         )
     assert ok is True
     assert server.calls == [

@@ -132,7 +132,8 @@ class VllmAdapter:
         """POST the engine-side ids of `request_id` (the X-Request-Id kvgate sent).
 
         vLLM turns X-Request-Id `abc` into `chatcmpl-abc` for chat and `cmpl-abc-0` for
-        completions; `endpoint` ("chat" or "completions") picks one, None sends both.
+        completions; `endpoint` ("chat", "completions" or the request path) picks one,
+        anything else sends both.
         Only servers started with `--enable-scale-out` have this API (403 otherwise):
         the first refusal is remembered and later calls return False at once.
         """
@@ -160,11 +161,15 @@ class VllmAdapter:
 
 
 def vllm_engine_ids(request_id: str, endpoint: str | None) -> list[str]:
-    """The ids vLLM gives a request whose X-Request-Id header was `request_id`."""
-    if endpoint == "chat":
+    """The ids vLLM gives a request whose X-Request-Id header was `request_id`.
+
+    `endpoint` may be "chat" / "completions" or the request path
+    ("/v1/chat/completions", "/v1/completions"); anything else (None, "/v1/*") gets
+    both candidate ids, since aborting an id that does not exist is harmless.
+    """
+    path = (endpoint or "").strip("/")
+    if path in ("chat", "v1/chat/completions"):
         return [f"chatcmpl-{request_id}"]
-    if endpoint == "completions":
+    if path in ("completions", "v1/completions"):
         return [f"cmpl-{request_id}-0"]
-    if endpoint is not None:
-        raise ValueError(f"unknown endpoint {endpoint!r}: expected 'chat' or 'completions'")
     return [f"chatcmpl-{request_id}", f"cmpl-{request_id}-0"]
