@@ -104,7 +104,10 @@ class SoakReport:
 
     @property
     def faults_injected(self) -> int:
-        return sum(v for k, v in self.faults.items() if k not in ("restart",))
+        """Crashes, metrics episodes, random resets and stalls (not their consequences:
+        restarts and the connections a crash reset)."""
+        skip = ("restart", "connections_reset_by_crash")
+        return sum(v for k, v in self.faults.items() if k not in skip)
 
     @property
     def rss_growth_mib(self) -> float:
