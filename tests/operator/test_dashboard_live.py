@@ -36,6 +36,7 @@ def test_live_gateway_overload_is_charted_and_a_dead_engine_is_flagged(
             assert page.locator("#t-rejected").inner_text() != "–"
             if os.environ.get("KVGATE_SCREENSHOT"):
                 page.wait_for_timeout(int(os.environ["KVGATE_SCREENSHOT"]) * 1000)
+                page.set_viewport_size({"width": 1600, "height": 940})
                 SCREENSHOT.parent.mkdir(exist_ok=True)
                 page.screenshot(path=str(SCREENSHOT), full_page=True)
         counts = load.counts

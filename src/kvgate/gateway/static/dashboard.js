@@ -222,7 +222,9 @@
     pushHist(hist.used, num(ctl.in_flight_tokens));
     pushHist(hist.setpoint, num(ctl.setpoint));
 
-    const retryRate = c.retryCount === null ? null : rate(SLOW_WINDOW_S, (x) => x.retryCount ?? 0);
+    // Counted from rejections (no dedicated counter): same window as the rejected chart.
+    const retryWindow = c.retryExact ? SLOW_WINDOW_S : RATE_WINDOW_S;
+    const retryRate = c.retryCount === null ? null : rate(retryWindow, (x) => x.retryCount ?? 0);
     let retryMean = null;
     const base = baseline(SLOW_WINDOW_S);
     if (base && c.retryCount !== null && c.retrySum !== null) {
