@@ -9,6 +9,7 @@ to protect.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
@@ -126,6 +127,8 @@ def _serve(config: Any) -> int:
 
 
 def _setup_logging(level: str, access_log: bool) -> None:
+    from kvgate.gateway.telemetry import BufferedLineWriter, set_access_writer
+
     logging.basicConfig(
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -133,14 +136,12 @@ def _setup_logging(level: str, access_log: bool) -> None:
     )
     access = logging.getLogger("kvgate.access")
     access.propagate = False
-    access.handlers.clear()
+    access.setLevel(logging.CRITICAL + 1)  # lines go to the batched writer, or nowhere
     if access_log:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        access.addHandler(handler)
-        access.setLevel(logging.INFO)
-    else:
-        access.setLevel(logging.CRITICAL + 1)
+        sys.stderr.flush()
+        writer = BufferedLineWriter(sys.stderr.fileno())
+        set_access_writer(writer)
+        atexit.register(writer.flush)
 
 
 class SimulatorError(RuntimeError):

