@@ -32,11 +32,10 @@ COST = RequestCost(prompt_tokens=500, max_output_tokens=500)
 POLICIES: list[PolicyName] = ["none", "static-qps", "static-concurrency", "seed", "adaptive"]
 
 
-def _policy(name: PolicyName) -> tuple[BasePolicy, ManualClock]:
+def _policy(name: PolicyName, **limits: float) -> tuple[BasePolicy, ManualClock]:
     clock = ManualClock(1000.0)
-    settings = AdmissionSettings(
-        policy=name, static_qps=1e9, static_burst=10**9, static_concurrency=10**9
-    )
+    knobs = {"static_qps": 1e9, "static_burst": 10**9, "static_concurrency": 10**9} | limits
+    settings = AdmissionSettings(policy=name, **knobs)  # type: ignore[arg-type]
     policy = build_policy(settings, clock, rng_seed=1)
     assert isinstance(policy, BasePolicy)
     return policy, clock
@@ -65,10 +64,8 @@ def bench_admit_release(name: PolicyName, rounds: int, per_round: int) -> list[f
 
 def bench_reject(name: PolicyName, rounds: int, per_round: int) -> list[float] | None:
     """µs per rejection with every node in panic; None when the policy never rejects here."""
-    policy, clock = _policy(name)
-    if name == "static-concurrency":
-        policy.settings.static_concurrency = 1
-        policy.admit("hold", COST, Priority.STANDARD, NODES)
+    policy, clock = _policy(name, static_qps=1e-6, static_burst=1, static_concurrency=1)
+    policy.admit("hold", COST, Priority.STANDARD, NODES)  # spends the bucket / the slot
     figures = []
     for _ in range(rounds):
         clock.advance(0.05)
@@ -79,6 +76,41 @@ def bench_reject(name: PolicyName, rounds: int, per_round: int) -> list[float] |
         start = time.process_time()
         for i in range(per_round):
             policy.admit(f"r{i}", COST, Priority.STANDARD, NODES)
+        figures.append((time.process_time() - start) / per_round * 1e6)
+    return figures
+
+
+def bench_reject_after_sample(name: PolicyName, rounds: int, per_round: int) -> list[float]:
+    """µs per (one node's new sample + one rejection): the refusal cache is always cold."""
+    policy, clock = _policy(name, static_qps=1e-6, static_burst=1, static_concurrency=1)
+    policy.admit("hold", COST, Priority.STANDARD, NODES)
+    figures = []
+    for _ in range(rounds):
+        clock.advance(0.05)
+        _feed(policy, clock, 0.95)
+        start = time.process_time()
+        for i in range(per_round):
+            node = NODES[i % len(NODES)]
+            policy.observe(node, NodeSample(0.95, 1_000_000, 16, 0, 0.02, clock.now()))
+            policy.admit(f"r{i}", COST, Priority.STANDARD, NODES)
+        figures.append((time.process_time() - start) / per_round * 1e6)
+    return figures
+
+
+def bench_observe(name: PolicyName, rounds: int, per_round: int) -> list[float]:
+    """µs per sample fed to the policy (what the scraper costs the core)."""
+    policy, clock = _policy(name)
+    for i in range(200):  # some live tickets, so that reflection has work to do
+        decision = policy.admit(f"t{i}", COST, Priority.STANDARD, NODES)
+        if isinstance(decision, Admit):
+            policy.on_first_token(decision.ticket)
+    figures = []
+    for _ in range(rounds):
+        clock.advance(0.05)
+        start = time.process_time()
+        for i in range(per_round):
+            node = NODES[i % len(NODES)]
+            policy.observe(node, NodeSample(0.5, 1_000_000, 16, 0, 0.02, clock.now()))
         figures.append((time.process_time() - start) / per_round * 1e6)
     return figures
 
@@ -98,7 +130,11 @@ def main() -> int:
     for name in POLICIES:
         admit = bench_admit_release(name, rounds, per_round)
         reject = bench_reject(name, rounds, per_round)
-        rows.append(f"| `{name}` | {_cell(admit)} | {_cell(reject)} |")
+        cold = bench_reject_after_sample(name, rounds, per_round) if reject else None
+        observe = bench_observe(name, rounds, per_round)
+        rows.append(
+            f"| `{name}` | {_cell(admit)} | {_cell(reject)} | {_cell(cold)} | {_cell(observe)} |"
+        )
         print(rows[-1], flush=True)
     out = Path(__file__).with_name("results.md")
     out.write_text(
@@ -107,10 +143,14 @@ def main() -> int:
         f" ({rounds} rounds x {per_round} decisions; median (min-max) CPU µs per decision).\n"
         f"Machine: {platform.machine()}, Python {platform.python_version()},"
         f" {platform.system()} (shared 2-core box; other jobs were running).\n\n"
-        "| policy | admit + release (CPU µs) | reject (CPU µs) |\n| --- | --- | --- |\n"
+        "| policy | admit + release | reject | sample + reject | sample |\n"
+        "| --- | --- | --- | --- | --- |\n"
         + "\n".join(rows)
-        + "\n\n`n/a`: the policy does not refuse in this setup (`none` never refuses;"
-        " `seed` refuses by its clock-derived draw, which at a fixed instant is all or nothing).\n"
+        + "\n\n`reject`: repeated refusals between two samples (adaptive answers them from"
+        " its cached scan); `sample + reject`: one node's new sample then one refusal, so"
+        " adaptive rescans all 64 nodes each time (its worst case); `sample`: one"
+        " `observe()` with 200 live tickets spread over the nodes. `n/a`: `none` never"
+        " refuses. All figures in CPU µs per operation.\n"
     )
     print(f"wrote {out}")
     return 0

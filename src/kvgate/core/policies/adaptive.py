@@ -202,40 +202,72 @@ class AdaptivePolicy(BasePolicy):
         return best
 
     def _scan(self, now: float, candidates: Sequence[str], need: int, priority: Priority) -> _Scan:
-        """One pass over the candidates: the best node for `need` and why others refuse."""
+        """One pass over the candidates: the best node for `need` and why others refuse.
+
+        The same rules as `_room`, inlined with locals: this loop is the worst case of a
+        refusal (every node full, a new sample since the last scan).
+        """
         scan = _Scan(self.generation)
-        panic = self.settings.panic_watermark
-        stale_after = self.settings.stale_after_s
-        best_score = float("-inf")
+        settings = self.settings
+        panic = settings.panic_watermark
+        stale_after = settings.stale_after_s
+        failures_to_stale = settings.failures_to_stale
+        static = self._ceilings[priority]
+        critical = priority is Priority.CRITICAL
+        nodes_get = self.nodes.get
+        reserved = self.store.reserved
+        inf = float("inf")
+        fresh = usable = unknown = max_capacity = 0
+        valid_until = min_panic_room = inf
+        max_room = max_static_room = best_score = -inf
+        at_panic = False
+        best: NodeState | None = None
         for node_id in candidates:
-            node = self.nodes.get(node_id)
-            if node is None or not node.is_fresh(now, self.settings):
+            node = nodes_get(node_id)
+            if node is None:
                 continue
-            assert node.sample is not None
-            scan.fresh += 1
-            scan.valid_until = min(scan.valid_until, node.sample.sampled_at + stale_after)
+            sample = node.sample
+            if sample is None or node.consecutive_failures >= failures_to_stale:
+                continue
+            expires = sample.sampled_at + stale_after
+            if now > expires:
+                continue
+            fresh += 1
+            if expires < valid_until:
+                valid_until = expires
             if node.thrashing:
                 continue
-            scan.usable += 1
+            usable += 1
             cap = node.cap
+            in_panic = node.level == LEVEL_PANIC
             if cap is None:
-                scan.unknown_capacity += 1
+                unknown += 1
+                if in_panic or sample.waiting:
+                    continue
+                room, score = inf, _UNKNOWN_HEADROOM
             else:
-                scan.max_capacity = max(scan.max_capacity, cap)
-                predicted = node.used + self.store.reserved(node_id)
-                scan.min_panic_room = min(scan.min_panic_room, panic * cap - predicted)
-                if node.level != LEVEL_PANIC:
-                    static_room = self._ceilings[priority] * cap - predicted
-                    scan.max_static_room = max(scan.max_static_room, static_room)
-                scan.at_panic = scan.at_panic or node.level == LEVEL_PANIC
-            room = self._room(node, now, priority)
-            if room is None:
-                continue
-            scan.max_room = max(scan.max_room, room)
-            if room >= need:
-                score = self._score(node, room, need)
-                if score > best_score:
-                    scan.best, best_score = node, score
+                if cap > max_capacity:
+                    max_capacity = cap
+                predicted = node.used + reserved(node_id)
+                min_panic_room = min(min_panic_room, panic * cap - predicted)
+                if in_panic:
+                    at_panic = True
+                    continue
+                max_static_room = max(max_static_room, static * cap - predicted)
+                ceiling = node.dynamic_ceiling
+                if critical or ceiling > static:
+                    ceiling = static
+                room = ceiling * cap - predicted
+                score = (room - need) / cap
+            if room > max_room:
+                max_room = room
+            if room >= need and score > best_score:
+                best, best_score = node, score
+        scan.best = best
+        scan.fresh, scan.usable, scan.unknown_capacity = fresh, usable, unknown
+        scan.max_capacity, scan.valid_until, scan.at_panic = max_capacity, valid_until, at_panic
+        scan.max_room, scan.max_static_room = max_room, max_static_room
+        scan.min_panic_room = min_panic_room
         return scan
 
     def _admit_or_shed(
