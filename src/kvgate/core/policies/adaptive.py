@@ -14,14 +14,30 @@ Two layers, so that safety never depends on a control loop that runs at sample r
    Nodes are never averaged: one node at 99 % and one at 10 % are two different answers.
 
 2. **Feedback between the watermarks, per node** (`limits.PidLimit`, one per node, updated
-   on each of its samples). It measures the node's predicted usage and holds it at the
-   high watermark by raising a pressure 0..1. The pressure (a) lowers the node's ceiling
-   for non-critical work from `standard_ceiling` towards the high watermark (the node's
-   token budget) and (b) sets shedding probabilities for requests routed to that node:
+   on its samples, at most every `control_interval_s`). It measures the node's predicted
+   usage and holds it at the high watermark by raising a pressure 0..1. The pressure
+   (a) lowers the node's ceiling for non-critical work from `standard_ceiling` towards
+   the high watermark (the node's token budget) and (b) sets shedding probabilities for
+   requests routed to that node:
    sheddable `min(1, 2p)`, standard `max(0, 2p - 1)`, critical never. Requests are routed
    first and then face the pressure of the node they would land on, so a busy node never
    causes shedding of traffic a calm node can take. Draws come from a seeded
    `random.Random`: simultaneous requests are independent and runs reproducible.
+
+Refusals (`Reject.reason`, also the `X-Kvgate-Reason` header):
+  * 429 `kv_high_watermark` - shed by the controller's draw, or no node fits under the
+    priority's ceiling while none is at panic;
+  * 429 `budget` - it would fit under the static ceiling, but the controller has lowered
+    the node's ceiling (its token budget);
+  * 429 `kv_panic` - every node is at (or would pass) the panic watermark;
+  * 429 `thrashing` - every fresh candidate is thrashing;
+  * 503 `no_fresh_node` - no candidate is fresh (fail-closed);
+  * 503 `no_capacity` - the request is larger than any candidate could ever hold;
+  * 503 `no_backend` - the candidate list is empty.
+Retry-After comes from `retry_after.py`: tokens to free over the measured freeing rate.
+A refusal scan over many nodes is remembered until anything changes (sample, ticket,
+node set) or a node it counted as fresh goes stale, so a refusal storm between two
+samples costs O(1) per request.
 
 Fail mode, when no candidate node is fresh: `closed` (default) answers 503 `no_fresh_node`
 with a Retry-After of about one staleness period and never sends traffic to nodes nobody
