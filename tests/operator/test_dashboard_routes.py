@@ -180,3 +180,20 @@ def test_event_frames_are_single_line_json() -> None:
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
     assert frame.count(b"\n") == 2
     assert orjson.loads(frame[6:]) == {"text": "a\nb", "3": None}
+
+
+def test_the_gateway_serves_the_dashboard_and_streams_its_own_state() -> None:
+    """The real Gateway merges these routes; its stream carries its nested state."""
+    from kvgate.config import KvgateConfig
+    from kvgate.gateway.app import Gateway
+
+    config = KvgateConfig(backends=[{"url": "http://127.0.0.1:9", "name": "n0"}])
+    with serve(Gateway(config)) as url, httpx.Client(base_url=url, timeout=5) as client:
+        page = client.get("/dashboard")
+        assert page.status_code == 200 and "dashboard.js" in page.text
+        assert client.get("/dashboard/static/uPlot.iife.min.js").status_code == 200
+        with client.stream("GET", "/admin/events") as response:
+            frames = _events(response, wanted=2)
+    state = orjson.loads(frames[-1].split("data: ", 1)[1])
+    assert state["policy"]["policy"] == "adaptive"
+    assert "n0" in state["policy"]["nodes"]

@@ -113,3 +113,16 @@ def test_rates_come_from_counter_deltas_and_reset_on_restart() -> None:
     assert status.rates(None, second) is None
     restarted = status.totals(state(1, 0, 0), at=103.0)
     assert status.rates(second, restarted) is None
+
+
+def test_status_reads_a_real_gateway(capsys: pytest.CaptureFixture[str]) -> None:
+    """Against kvgate's own /admin/state (nested policy snapshot, gateway counters)."""
+    from kvgate.config import KvgateConfig
+    from kvgate.gateway.app import Gateway
+
+    config = KvgateConfig(backends=[{"url": "http://127.0.0.1:9", "name": "engine-a"}])
+    with serve(Gateway(config)) as url:
+        assert status.run(_args(url=url)) == 0
+    out = capsys.readouterr().out
+    assert "policy adaptive" in out
+    assert "engine-a" in out
