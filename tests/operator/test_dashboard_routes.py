@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -197,3 +198,21 @@ def test_the_gateway_serves_the_dashboard_and_streams_its_own_state() -> None:
     state = orjson.loads(frames[-1].split("data: ", 1)[1])
     assert state["policy"]["policy"] == "adaptive"
     assert "n0" in state["policy"]["nodes"]
+
+
+def test_open_dashboards_share_one_snapshot() -> None:
+    """Several clients within the cache's lifetime cost one call of the state provider."""
+    calls = {"n": 0}
+
+    def provider() -> dict[str, Any]:
+        calls["n"] += 1
+        return {"time": calls["n"]}
+
+    async def scenario() -> tuple[list[bytes], int]:
+        cache = dashboard.FrameCache(provider, ttl_s=10.0)
+        frames = [cache.get() for _ in range(5)]
+        return frames, cache.builds
+
+    frames, builds = asyncio.run(scenario())
+    assert builds == 1 and calls["n"] == 1
+    assert len(set(frames)) == 1

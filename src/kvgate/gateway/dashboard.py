@@ -171,6 +171,7 @@ def events_app(
     reconnects by itself after `retry` milliseconds.
     """
     stop = _Stop(closing, max_stream_s)
+    frames = FrameCache(state_provider)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         interval = parse_interval(scope.get("query_string", b""))
@@ -190,7 +191,7 @@ def events_app(
             )
             retry = f"retry: {RECONNECT_MS}\n\n".encode()
             await send({"type": "http.response.body", "body": retry, "more_body": True})
-            await _push_loop(state_provider, send, gone, interval, stop)
+            await _push_loop(frames, send, gone, interval, stop)
         except OSError:
             pass  # the client vanished mid-write; nothing to tell anyone
         finally:
@@ -223,12 +224,34 @@ class _Stop:
             return False
 
 
+class FrameCache:
+    """One snapshot and one encoding shared by every open dashboard within `ttl_s`.
+
+    Ten operators watching during an incident then cost the gateway what one does.
+    """
+
+    def __init__(self, state_provider: StateProvider, ttl_s: float = 0.05) -> None:
+        self.state_provider = state_provider
+        self.ttl_s = ttl_s
+        self.built_at = -math.inf
+        self.frame = b""
+        self.builds = 0
+
+    def get(self) -> bytes:
+        now = asyncio.get_running_loop().time()
+        if now - self.built_at >= self.ttl_s:
+            self.frame = _snapshot_frame(self.state_provider)
+            self.built_at = now
+            self.builds += 1
+        return self.frame
+
+
 async def _push_loop(
-    state_provider: StateProvider, send: Send, gone: asyncio.Event, interval: float, stop: _Stop
+    frames: FrameCache, send: Send, gone: asyncio.Event, interval: float, stop: _Stop
 ) -> None:
     started = asyncio.get_running_loop().time()
     while not gone.is_set() and not stop.now(started):
-        frame = _snapshot_frame(state_provider)
+        frame = frames.get()
         await send({"type": "http.response.body", "body": frame, "more_body": True})
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(gone.wait(), timeout=interval)
