@@ -128,3 +128,24 @@ def test_exact_counts_with_a_tokenizer_json(tmp_path: Path) -> None:
     est.learn("exact", reference, reference * 3)
     assert est.ratio("exact") == before
     assert est.tokenizer("plain") is None
+
+
+def test_learning_counts_the_prompt_once_and_only_its_estimated_part() -> None:
+    est = estimator(chars_per_token=4.0)
+    # n = 4: the reservation holds four prompt copies; the engine reports the prompt once.
+    for _ in range(50):
+        cost = est.estimate("m", {"prompt": "z" * 3000, "n": 4, "max_tokens": 5})
+        est.learn("m", cost.prompt_tokens, 1000)
+    assert abs(est.ratio("m") - 3.0) < 0.05
+    # Token ids are exact: nothing to learn from them.
+    ids = est.estimate("ids", {"prompt": list(range(500))})
+    est.learn("ids", ids.prompt_tokens, 800)
+    assert est.ratio("ids") == 4.0
+    # A batch mixing ids and text learns from the text's share only.
+    for _ in range(50):
+        mixed = est.estimate("mix", {"prompt": [list(range(100)), "q" * 2000]})
+        est.learn("mix", mixed.prompt_tokens, 100 + 1000)
+    assert abs(est.ratio("mix") - 2.0) < 0.05
+    # An estimate it never made teaches nothing.
+    est.learn("other", 12345, 10)
+    assert est.ratio("other") == 4.0

@@ -27,6 +27,7 @@ its own KV blocks.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,6 +45,8 @@ MEDIA_PART_CHARS = 4096
 LEARN_ALPHA = 0.1
 # Deepest nesting walked when measuring a body (bounded: bodies are untrusted).
 MAX_DEPTH = 32
+# Estimates remembered for learning (enough for the requests in flight at once).
+MEMORY = 4096
 
 
 class CostError(ValueError):
@@ -101,6 +104,7 @@ class CostEstimator:
     ) -> None:
         self.settings = settings
         self._ratios: dict[str, float] = {}
+        self._memory: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._loader = tokenizer_loader
 
@@ -112,26 +116,47 @@ class CostEstimator:
             raise CostError("the request body must be a JSON object")
         prompt = self._measure(body)
         per_prompt = self._per_prompt(body)
+        exact, chars, approx = self._prompt_tokens(model, prompt)
         # Each of the `n` sequences may hold its own copy of the prompt (no prefix cache).
-        tokens = self._prompt_tokens(model, prompt) * per_prompt
+        tokens = (exact + approx) * per_prompt
         output = self._output_tokens(body) * per_prompt * prompt.sequences
+        if chars > 0:
+            self._remember(model, tokens, chars, exact)
         return RequestCost(prompt_tokens=tokens, max_output_tokens=output)
 
     def learn(self, model: str, estimated_prompt: int, actual_prompt_tokens: int) -> None:
         """Move the model's chars-per-token ratio towards what the engine actually counted.
 
-        `estimated_prompt` is the `prompt_tokens` of the cost this estimator produced;
-        from it and the current ratio we recover the characters that were measured.
-        Models with an exact tokenizer do not learn (nothing to correct).
+        `estimated_prompt` is the `prompt_tokens` of a cost this estimator produced; the
+        estimator remembers (for its last `MEMORY` estimates) how many characters and exact
+        tokens made it, so that the ratio learns from the characters only, once per prompt
+        (engines count a prompt once in `usage` even with `n` > 1). Estimates it does not
+        remember, exact ones (token ids, a configured tokenizer) and non-positive counts
+        teach nothing.
         """
         if actual_prompt_tokens <= 0 or estimated_prompt <= 0 or self.tokenizer(model):
             return
+        made = self._memory.get((model, estimated_prompt))
+        if made is None:
+            return
+        chars, exact = made
+        approx_actual = actual_prompt_tokens - exact
+        if approx_actual <= 0:
+            return
         ratio = self.ratio(model)
-        chars = estimated_prompt / self.settings.prompt_safety_factor * ratio
-        observed = chars / actual_prompt_tokens
+        observed = chars / approx_actual
         updated = ratio + LEARN_ALPHA * (observed - ratio)
         s = self.settings
         self._ratios[model] = min(s.chars_per_token_max, max(s.chars_per_token_min, updated))
+
+    def _remember(self, model: str, estimated: int, chars: int, exact: int) -> None:
+        memory = self._memory
+        key = (model, estimated)
+        if key in memory:
+            memory.move_to_end(key)
+        memory[key] = (chars, exact)
+        if len(memory) > MEMORY:
+            memory.popitem(last=False)
 
     def ratio(self, model: str) -> float:
         """The current chars-per-token ratio for `model`."""
@@ -200,7 +225,8 @@ class CostEstimator:
                 raise CostError("`prompt` items must be strings or arrays of token ids", "prompt")
         return prompt
 
-    def _prompt_tokens(self, model: str, prompt: _Prompt) -> int:
+    def _prompt_tokens(self, model: str, prompt: _Prompt) -> tuple[int, int, int]:
+        """(exact tokens, characters left to estimate, their estimated tokens)."""
         chars = prompt.chars
         exact = prompt.exact_tokens
         tokenizer = self.tokenizer(model) if chars else None
@@ -211,8 +237,9 @@ class CostEstimator:
             exact += MESSAGE_OVERHEAD_TOKENS * prompt.messages
             chars -= MESSAGE_OVERHEAD_CHARS * prompt.messages
         if chars <= 0:
-            return exact
-        return exact + math.ceil(chars / self.ratio(model) * self.settings.prompt_safety_factor)
+            return exact, 0, 0
+        approx = math.ceil(chars / self.ratio(model) * self.settings.prompt_safety_factor)
+        return exact, chars, approx
 
     def _output_tokens(self, body: dict[str, Any]) -> int:
         for key in ("max_completion_tokens", "max_tokens"):
