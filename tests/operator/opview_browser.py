@@ -21,10 +21,15 @@ CHROMIUM_ARGS = [
 
 
 def chromium_path() -> str | None:
-    """The system browser (`apt-get install chromium`), or None when it is not installed."""
-    for candidate in (os.environ.get("KVGATE_CHROMIUM"), "/usr/bin/chromium"):
-        if candidate and os.path.exists(candidate):
-            return candidate
+    """The system browser (`apt-get install chromium`), or None when it is not installed.
+
+    `KVGATE_CHROMIUM`, when set, is the only place looked at.
+    """
+    chosen = os.environ.get("KVGATE_CHROMIUM")
+    if chosen:
+        return chosen if os.path.exists(chosen) else None
+    if os.path.exists("/usr/bin/chromium"):
+        return "/usr/bin/chromium"
     return shutil.which("chromium")
 
 
