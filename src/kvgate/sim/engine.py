@@ -43,7 +43,7 @@ import math
 import random
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -317,10 +317,6 @@ class _WaitingQueue:
     def discard(self, seq: _Seq) -> None:
         """Called after `seq.state` left _WAITING; the entry itself is dropped lazily."""
         self.size -= 1
-
-    def __iter__(self) -> Iterator[_Seq]:
-        items = (e[3] for e in sorted(self._heap)) if self._by_priority else iter(self._fifo)
-        return (s for s in items if s.state == _WAITING)
 
 
 @dataclass(slots=True)
