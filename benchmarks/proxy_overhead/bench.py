@@ -484,8 +484,22 @@ def run(args: argparse.Namespace) -> int:
     report = render(results, args)
     print(report)
     if not args.only and args.write:
-        (HERE / "results.md").write_text(report)
+        _write_results(report)
     return 0
+
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def _write_results(report: str) -> None:
+    """Replace the table between the markers in results.md, keeping the prose around it."""
+    path = HERE / "results.md"
+    text = path.read_text() if path.exists() else f"{START}\n{END}\n"
+    if START not in text or END not in text:
+        text += f"\n{START}\n{END}\n"
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{START}\n{report}{END}{tail}")
 
 
 def _median(name: str, results: list[StackResult]) -> StackResult:
