@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import httpx
-import pytest
 from conftest import FakeEngine
 
 from gateway.helpers import openai_error
@@ -11,40 +10,38 @@ from gateway.helpers import openai_error
 GOOD = b'{"model": "fake-model", "prompt": "p"}'
 
 
-@pytest.mark.parametrize(
-    ("body", "param", "code"),
-    [
-        (b"", None, "invalid_request"),
-        (b"{not json", None, "invalid_json"),
-        (b'{"model": "fake-model", "prompt": "\xff\xfe"}', None, "invalid_json"),  # bad UTF-8
-        (b"[1, 2]", None, "invalid_json"),
-        (b'{"prompt": "p"}', "model", "invalid_request"),
-        (b'{"model": 7, "prompt": "p"}', "model", "invalid_request"),
-        (b'{"model": "fake-model", "stream": "yes"}', "stream", "invalid_request"),
-        (b'{"model": "fake-model", "max_tokens": -1}', "max_tokens", "invalid_request"),
-        (b'{"model": "fake-model", "max_tokens": 1.5}', "max_tokens", "invalid_request"),
-        (b'{"model": "fake-model", "max_tokens": true}', "max_tokens", "invalid_request"),
-        (b'{"model": "fake-model", "max_tokens": 99999999}', "max_tokens", "invalid_request"),
-        (
-            b'{"model": "fake-model", "max_completion_tokens": -5}',
-            "max_completion_tokens",
-            "invalid_request",
-        ),
-    ],
-)
-async def test_malformed_requests_are_400(
-    fake_engine: FakeEngine, gateway_factory, body: bytes, param: str | None, code: str
-) -> None:
+MALFORMED = [
+    (b"", None, "invalid_request"),
+    (b"{not json", None, "invalid_json"),
+    (b'{"model": "fake-model", "prompt": "\xff\xfe"}', None, "invalid_json"),  # bad UTF-8
+    (b"[1, 2]", None, "invalid_json"),
+    (b'{"prompt": "p"}', "model", "invalid_request"),
+    (b'{"model": 7, "prompt": "p"}', "model", "invalid_request"),
+    (b'{"model": "fake-model", "stream": "yes"}', "stream", "invalid_request"),
+    (b'{"model": "fake-model", "max_tokens": -1}', "max_tokens", "invalid_request"),
+    (b'{"model": "fake-model", "max_tokens": 1.5}', "max_tokens", "invalid_request"),
+    (b'{"model": "fake-model", "max_tokens": true}', "max_tokens", "invalid_request"),
+    (b'{"model": "fake-model", "max_tokens": 99999999}', "max_tokens", "invalid_request"),
+    (b'{"model": "fake-model", "max_tokens": 0, "prompt": "p"}', "max_tokens", "invalid_request"),
+    (b'{"model": "fake-model", "max_completion_tokens": -5}', "max_completion_tokens",
+     "invalid_request"),
+    (b'{"model": "fake-model", "messages": "hi"}', "messages", "invalid_request"),
+]  # fmt: skip
+
+
+async def test_malformed_requests_are_400(fake_engine: FakeEngine, gateway_factory) -> None:
+    """Every case against one gateway (one server start instead of one per case)."""
     gw = await gateway_factory([fake_engine.url])
     async with httpx.AsyncClient(base_url=gw.url) as client:
-        response = await client.post(
-            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
-        )
-    assert response.status_code == 400
-    error = openai_error(response.content)
-    assert error["type"] == "invalid_request_error"
-    assert error["param"] == param and error["code"] == code
-    assert response.headers["x-request-id"]
+        for body, param, code in MALFORMED:
+            response = await client.post(
+                "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
+            assert response.status_code == 400, body
+            error = openai_error(response.content)
+            assert error["type"] == "invalid_request_error", body
+            assert (error["param"], error["code"]) == (param, code), body
+            assert response.headers["x-request-id"], body
     assert not fake_engine.completions()
 
 
