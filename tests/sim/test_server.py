@@ -213,3 +213,14 @@ async def test_bad_input_gets_openai_style_errors(
         assert error["param"] == param and error["code"] == status
         assert (await http.get("/health")).status_code == 200
         assert (await http.get("/nope")).status_code == 404
+
+
+async def test_a_failed_engine_answers_500_instead_of_hanging(server: SimServer) -> None:
+    def broken(now: float) -> float | None:
+        raise RuntimeError("model bug")
+
+    server.engine.begin_step = broken  # type: ignore[method-assign]
+    async with httpx.AsyncClient(base_url=url(server), timeout=10) as http:
+        r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
+        assert r.status_code == 500 and "error" in r.json()
+        assert (await http.get("/health")).status_code == 500

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 import uuid
@@ -37,6 +38,7 @@ _WORDS = tuple(
         "while the engine stayed below its watermark"
     ).split()
 )
+_log = logging.getLogger(__name__)
 _CHAT_TOKENS_PER_MESSAGE = 4  # role markers and separators a chat template adds
 _MAX_BODY = 64 * 1024 * 1024
 
@@ -106,6 +108,7 @@ class SimServer:
         self._t0 = time.monotonic()
         self._id_counter = 0
         self.lag_seconds_total = 0.0  # how late steps ended versus the model (CPU overload)
+        self.failure: BaseException | None = None
         self.metrics.lag_source = lambda: self.lag_seconds_total
         self.port: int | None = None
         self.app = self._build_app()
@@ -150,6 +153,18 @@ class SimServer:
 
     # ------------------------------------------------------------------ engine loop
     async def _engine_loop(self) -> None:
+        try:
+            await self._run_engine()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in the model: fail loudly, like a dead vLLM engine
+            self.failure = exc
+            _log.exception("simulated engine failed; /health now answers 500")
+            for stream in self._streams.values():
+                stream.aborted = True
+                stream.event.set()
+
+    async def _run_engine(self) -> None:
         engine = self.engine
         while True:
             if not engine.has_work:
@@ -201,7 +216,7 @@ class SimServer:
 
     # ------------------------------------------------------------------ simple routes
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=500 if self.failure else 200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -318,6 +333,8 @@ class SimServer:
     async def _generate(
         self, request: web.Request, p: _Parsed, public_id: str, engine_id: str, chat: bool
     ) -> web.StreamResponse:
+        if self.failure is not None:
+            return error_response(500, f"the simulated engine failed: {self.failure!r}")
         if engine_id in self.engine:
             # A reused X-Request-Id (e.g. a retry racing its aborted predecessor).
             self._id_counter += 1
