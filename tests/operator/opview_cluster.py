@@ -135,8 +135,9 @@ def gateway_with_sims(tmp: Path, steady_nodes: int = 3) -> Iterator[Cluster]:
         for name, url in engines.items():
             lines += [f"  - url: {url}", f"    name: {name}"]
         # The test machine also runs the browser and the load: give a busy simulator
-        # more than the default 40 ms to answer a scrape, so only a dead engine goes stale.
-        lines += ["scrape:", "  interval_s: 0.1", "  timeout_s: 0.5"]
+        # more than the default 40 ms to answer a scrape (the timeout is capped at 95% of
+        # the interval), so that only a dead engine goes stale.
+        lines += ["scrape:", "  interval_s: 0.25"]
         config.write_text("\n".join(lines) + "\n", encoding="utf-8")
         port = _free_port()
         command = [
@@ -212,6 +213,8 @@ async def _client(
                         break
         except httpx.HTTPError:
             key = "error"
+        except Exception as exc:  # a load generator that dies silently would fake a calm
+            key = f"error:{type(exc).__name__}"
         counts[key] = counts.get(key, 0) + 1
-        if key in ("429", "503", "error"):
+        if key in ("429", "503") or key.startswith("error"):
             await asyncio.sleep(0.05)
