@@ -59,8 +59,13 @@ def test_page_loads_only_its_own_files() -> None:
             asset = client.get(ref)
             assert asset.status_code == 200, ref
             assert int(asset.headers["content-length"]) == len(asset.content) > 0
-        script = client.get("/dashboard/static/dashboard.js").text
-        assert "http://" not in script and "https://" not in script
+        script = client.get("/dashboard/static/dashboard.js")
+        assert "http://" not in script.text and "https://" not in script.text
+        # Revalidation is cheap: the same ETag gets a 304 without a body.
+        etag = script.headers["etag"]
+        again = client.get("/dashboard/static/dashboard.js", headers={"If-None-Match": etag})
+        assert again.status_code == 304 and again.content == b""
+        assert script.headers["cache-control"] == "no-cache"
 
 
 def test_events_stream_pushes_state_about_five_times_a_second() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -70,14 +71,14 @@ def routes(
     bounds how long one stream lives (the browser reconnects on its own in a blink).
     """
     table: dict[tuple[str, str], ASGIApp] = {
-        ("GET", "/dashboard"): _static_app("dashboard.html", cache_s=0),
-        ("GET", "/dashboard/"): _static_app("dashboard.html", cache_s=0),
+        ("GET", "/dashboard"): _static_app("dashboard.html"),
+        ("GET", "/dashboard/"): _static_app("dashboard.html"),
         ("GET", EVENTS_PATH): events_app(state_provider, closing, max_stream_s),
     }
     for name in static_files():
         if name == "dashboard.html":
             continue
-        table[("GET", STATIC_PREFIX + name)] = _static_app(name, cache_s=300)
+        table[("GET", STATIC_PREFIX + name)] = _static_app(name)
     return table
 
 
@@ -96,22 +97,33 @@ def _content_type(name: str) -> str | None:
     return _CONTENT_TYPES.get(name[dot:]) if dot >= 0 else None
 
 
-def _static_app(name: str, cache_s: int) -> ASGIApp:
-    """Serve one packaged file; read once, lazily, since the files never change at run time."""
+def _static_app(name: str) -> ASGIApp:
+    """Serve one packaged file, read once (files never change while kvgate runs).
+
+    `no-cache` + an ETag: the browser revalidates every load (a 304 without body), so a
+    kvgate upgrade never leaves a tab running last release's script against this one's page.
+    """
     content_type = _content_type(name) or "application/octet-stream"
-    cached: list[bytes] = []
+    loaded: list[tuple[bytes, bytes]] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if not cached:
+        if not loaded:
             folder = resources.files("kvgate.gateway").joinpath("static")
-            cached.append(folder.joinpath(name).read_bytes())
-        body = cached[0]
-        cache = f"public, max-age={cache_s}" if cache_s else "no-cache"
+            data = folder.joinpath(name).read_bytes()
+            loaded.append((data, b'"' + hashlib.sha256(data).hexdigest()[:32].encode() + b'"'))
+        body, etag = loaded[0]
         headers = [
+            (b"etag", etag),
+            (b"cache-control", b"no-cache"),
+            (b"x-content-type-options", b"nosniff"),
+        ]
+        if _matches(scope, etag):
+            await send({"type": "http.response.start", "status": 304, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        headers += [
             (b"content-type", content_type.encode()),
             (b"content-length", str(len(body)).encode()),
-            (b"cache-control", cache.encode()),
-            (b"x-content-type-options", b"nosniff"),
         ]
         if name.endswith(".html"):
             headers.append((b"content-security-policy", _CSP.encode()))
@@ -119,6 +131,13 @@ def _static_app(name: str, cache_s: int) -> ASGIApp:
         await send({"type": "http.response.body", "body": body})
 
     return app
+
+
+def _matches(scope: Scope, etag: bytes) -> bool:
+    for key, value in scope.get("headers", ()):
+        if key == b"if-none-match":
+            return etag in [tag.strip() for tag in value.split(b",")] or value.strip() == b"*"
+    return False
 
 
 def parse_interval(query_string: bytes) -> float:
