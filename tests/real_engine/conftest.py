@@ -69,6 +69,7 @@ def _unavailable(message: str) -> None:
     pytest.skip(f"real vLLM engine unavailable: {message}")
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: the budget goes to a test that runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark everything here `real_engine`; give the first test time to install and start."""
     ours = [item for item in items if HERE in Path(str(item.path)).resolve().parents]

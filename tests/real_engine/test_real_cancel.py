@@ -23,7 +23,13 @@ from real_engine.engine import (
     poll_until,
     record_figure,
 )
-from real_engine.load import GONE_BOUND_S, describe, disconnect_attempts, measure_disconnect
+from real_engine.load import (
+    ATTEMPTS,
+    GONE_BOUND_S,
+    describe,
+    disconnect_attempts,
+    measure_disconnect,
+)
 
 pytestmark = pytest.mark.real_engine
 
@@ -80,6 +86,7 @@ FILLER_TOKENS = 90
 VICTIM_PROMPT_TOKENS = 300
 
 
+@pytest.mark.timeout(300)  # up to 5 attempts, each filling the engine first
 async def test_disconnect_before_the_first_token_while_queued(
     start_gateway: GatewayFactory, idle_engine: ServerProcess
 ) -> None:
@@ -87,7 +94,7 @@ async def test_disconnect_before_the_first_token_while_queued(
     async with httpx.AsyncClient(timeout=60.0) as client:
         victim_prompt = await exact_prompt(client, idle_engine.url, VICTIM_PROMPT_TOKENS)
     results = []
-    for _ in range(3):  # as disconnect_attempts, but each attempt needs its own fillers
+    for _ in range(ATTEMPTS):  # as disconnect_attempts, but each attempt needs its fillers
         result = await _queued_disconnect(gateway.url, idle_engine.url, victim_prompt)
         results.append(result)
         if result.gone_after_s < GONE_BOUND_S:
