@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import itertools
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,6 +114,12 @@ def external_engine(url: str) -> ServerProcess:
     return ServerProcess("vLLM (external)", url, port, None, Path("/dev/null"))
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if pytest dies without tearing down (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def spawn(
     name: str, argv: list[str], port: int, log_path: Path, env: dict[str, str] | None = None
 ) -> ServerProcess:
@@ -125,6 +133,7 @@ def spawn(
             env={**os.environ, **(env or {})},
             cwd=REPO_ROOT,
             start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
     return ServerProcess(name, f"http://127.0.0.1:{port}", port, proc, log_path)
 
