@@ -56,7 +56,8 @@ class FakeEngine:
     `interval` (seconds between events, or the non-streaming think time per token),
     `delay` (before the response headers), `crash_after` (close the socket after that many
     events, abruptly), `hang_after` (stop sending after that many events), `status`
-    (answer this error status with an OpenAI error body), `usage` (send a final usage event).
+    (answer this error status with an OpenAI error body), `usage` (send a final usage event),
+    `pad` (characters added to each streamed token's text, to make big streams).
     """
 
     model: str = "fake-model"
@@ -209,6 +210,7 @@ class FakeEngine:
         await writer.drain()
         crash_after = knobs.get("crash_after")
         hang_after = knobs.get("hang_after")
+        pad = "x" * int(knobs.get("pad", 0))
         for i in range(chunks):
             if crash_after is not None and i >= int(crash_after):
                 writer.transport.abort()
@@ -221,7 +223,7 @@ class FakeEngine:
             if closed.done():
                 req.closed_by_client_at = req.closed_by_client_at or time.monotonic()
                 return False
-            choice = {"index": 0, "text": f"t{i} ", "finish_reason": None}
+            choice = {"index": 0, "text": f"t{i} " + pad, "finish_reason": None}
             event = {"id": "cmpl-1", "object": "text_completion", "model": self.model,
                      "choices": [choice]}  # fmt: skip
             _chunk(writer, b"data: " + orjson.dumps(event) + b"\n\n")

@@ -51,6 +51,23 @@ class RawClient:
                 self.received += chunk
         return self.received
 
+    async def count_to_end(self, marker: bytes, within: float = 20.0) -> tuple[int, bytes]:
+        """Read a chunked body to its end without keeping it: (count of `marker`, last bytes).
+
+        The end is the terminating chunk (the connection stays open: keep-alive) or EOF.
+        """
+        count = self.received.count(marker)
+        tail = self.received[-(len(marker) - 1) :] if len(marker) > 1 else b""
+        async with asyncio.timeout(within):
+            while not tail.endswith(b"\r\n0\r\n\r\n"):
+                chunk = await self.reader.read(1 << 20)
+                if not chunk:
+                    break
+                window = tail + chunk
+                count += window.count(marker) - tail.count(marker)
+                tail = window[-64:]
+        return count, tail
+
     def drop(self) -> float:
         """Close the connection now (FIN), as a client that gave up does; returns when."""
         self.closed_at = time.monotonic()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import httpx
 import orjson
 import pytest
 from conftest import FakeEngine
+
+from gateway.helpers import RawClient
 
 
 async def _raw_stream(url: str, path: str, body: dict, headers: dict | None = None) -> bytes:
@@ -147,3 +150,22 @@ async def test_one_access_log_line_per_request_with_usage(
     assert line["prompt_tokens"] == 7 and line["completion_tokens"] == 4
     assert line["ending"] == "done" and 0 < line["ttft_s"] <= line["total_s"]
     assert lines[1]["status"] == 404 and lines[1]["ending"] == "bad_request"
+
+
+async def test_a_slow_reader_holds_the_engine_back(
+    fake_engine: FakeEngine, gateway_factory, upstream_client
+) -> None:
+    """Back-pressure: while the client does not read, the gateway stops reading upstream,
+    so the engine blocks instead of the gateway buffering the whole 32 MB stream."""
+    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    body = {"model": "fake-model", "prompt": "p", "stream": True,
+            "fake": {"chunks": 2000, "pad": 16384}}  # fmt: skip
+    client = await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": "slow-read"})
+    await client.read_until(b"\r\n\r\n")
+    await asyncio.sleep(1.0)  # the client reads nothing more meanwhile
+    stalled = fake_engine.by_id("slow-read")
+    assert stalled.completed_at is None
+    assert stalled.chunks_sent < 1000  # under 16 MB in flight across every buffer
+    events, tail = await client.count_to_end(b"data: ", within=30.0)
+    assert events == 2002 and tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert fake_engine.by_id("slow-read").completed_at is not None
