@@ -130,3 +130,25 @@ async def test_kvgate_serve_without_backend_runs_the_simulator(tmp_path) -> None
     assert process.returncode == 0, stderr.decode()
     assert b"started the built-in simulator" in stderr
     assert b"Traceback" not in stderr
+
+
+async def test_hypercorn_drains_and_cancels_too(fake_engine: FakeEngine, gateway_factory) -> None:
+    gw = await gateway_factory(
+        [fake_engine.url],
+        server="hypercorn",
+        overrides={"server.drain_timeout_s": 0.3, "upstream.client": "native"},
+    )
+    short = {"model": "fake-model", "prompt": "p", "stream": True,
+             "fake": {"chunks": 5, "interval": 0.03}}  # fmt: skip
+    long = {**short, "fake": {"chunks": 1000, "interval": 0.02}}
+    finishing = await RawClient.post(gw.url, "/v1/completions", short, {"x-request-id": "h-ok"})
+    doomed = await RawClient.post(gw.url, "/v1/completions", long, {"x-request-id": "h-cut"})
+    await finishing.read_until(b"data: ")
+    await doomed.read_until(b"data: ")
+    gw.server.stop()
+    done, _ = await finishing.count_to_end(b"data: ", within=5.0)
+    cut, tail = await doomed.count_to_end(b"data: ", within=5.0)
+    await fake_engine.wait_closed("h-cut", within=3.0)
+    await asyncio.wait_for(gw.task, 10)
+    assert done == 7  # 5 tokens, usage, [DONE]: finished inside the drain
+    assert cut < 1000 and b'"code":"shutting_down"' in tail  # the final SSE error event
