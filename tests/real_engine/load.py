@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -235,3 +235,55 @@ def describe(results: list[Disconnect]) -> str:
         f"{r.gone_after_s * 1000:.0f} ms ({r.polls} polls, last took {r.last.took * 1000:.0f} ms)"
         for r in results
     )
+
+
+# ---------------------------------------------------------------------------------------
+# A full engine
+# ---------------------------------------------------------------------------------------
+
+SLOTS = 32  # serve.sh's MAX_NUM_SEQS
+FILLER_TOKENS = 90  # 4 + 90 tokens = 3 KV blocks each, 96 of 128 for 32: no preemption
+
+
+@contextlib.asynccontextmanager
+async def occupied_slots(engine_url: str, extra: int = 0) -> AsyncIterator[EngineMetrics]:
+    """Hold all of the engine's sequence slots with short fillers sent straight to it.
+
+    `extra` more fillers wait in the engine's queue. Yields the first page that shows the
+    engine full (running = 32, waiting = extra); on exit the fillers are aborted (their
+    clients hang up) and the engine is idle again. Fillers run for seconds, so whatever
+    the caller does right after entering happens while the slots are held.
+    """
+    filler = {
+        "model": MODEL_NAME,
+        "prompt": " self" * 4,
+        "max_tokens": FILLER_TOKENS,
+        "ignore_eos": True,
+    }
+    limits = httpx.Limits(max_connections=SLOTS + extra)
+    async with (
+        httpx.AsyncClient(timeout=120.0, limits=limits) as client,
+        httpx.AsyncClient(timeout=10.0) as poller,  # its own pool: the fillers use all of theirs
+    ):
+        fillers = [
+            asyncio.create_task(client.post(engine_url + "/v1/completions", json=filler))
+            for _ in range(SLOTS + extra)
+        ]
+        try:
+            yield await poll_until(
+                poller,
+                engine_url,
+                lambda m: m.running == SLOTS and m.waiting == extra,
+                timeout_s=30.0,
+            )
+        finally:
+            for task in fillers:
+                task.cancel()
+            await asyncio.gather(*fillers, return_exceptions=True)
+            await poll_until(
+                poller,
+                engine_url,
+                lambda m: m.running == 0 and m.waiting == 0,
+                timeout_s=60.0,
+                interval_s=0.05,
+            )

@@ -8,9 +8,6 @@ at the end of the run and in tests/real_engine/README.md).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import httpx
 import pytest
 
@@ -20,7 +17,6 @@ from real_engine.engine import (
     EngineMetrics,
     ServerProcess,
     exact_prompt,
-    poll_until,
     record_figure,
 )
 from real_engine.load import (
@@ -29,6 +25,7 @@ from real_engine.load import (
     describe,
     disconnect_attempts,
     measure_disconnect,
+    occupied_slots,
 )
 
 pytestmark = pytest.mark.real_engine
@@ -75,14 +72,12 @@ async def test_disconnect_while_waiting_for_a_non_streaming_answer(
 
 
 # Queued: 32 fillers sent straight to the engine take all of its 32 sequence slots
-# (MAX_NUM_SEQS) and at most 96 of its 128 KV blocks (4 + 90 tokens each: no preemption),
-# so the engine queues the victim. The victim's 300-token prompt is what tells "dropped
+# (MAX_NUM_SEQS) and at most 96 of its 128 KV blocks (see `occupied_slots`), so the engine
+# queues the victim. The victim's 300-token prompt is what tells "dropped
 # from the queue" from "scheduled": had the engine started it, vllm:prompt_tokens_total
 # would jump by 300. The fillers are aborted once the figure is taken.
 # kvgate runs the pass-through policy here: the adaptive one may rightly shed a request
 # for a full engine, and what is tested is the disconnect path, which is the same for all.
-FILLERS = 32
-FILLER_TOKENS = 90
 VICTIM_PROMPT_TOKENS = 300
 
 
@@ -107,47 +102,23 @@ async def test_disconnect_before_the_first_token_while_queued(
 
 
 async def _queued_disconnect(gateway_url: str, engine_url: str, victim_prompt: str):
-    filler = {
+    victim = {
         "model": MODEL_NAME,
-        "prompt": " self" * 4,
-        "max_tokens": FILLER_TOKENS,
+        "prompt": victim_prompt,
+        "max_tokens": 16,
         "ignore_eos": True,
+        "stream": True,
     }
-    limits = httpx.Limits(max_connections=FILLERS)
-    async with (
-        httpx.AsyncClient(timeout=120.0, limits=limits) as client,
-        httpx.AsyncClient(timeout=10.0) as poller,  # its own pool: the fillers use all of theirs
-    ):
-        fillers = [
-            asyncio.create_task(client.post(engine_url + "/v1/completions", json=filler))
-            for _ in range(FILLERS)
-        ]
-        try:
-            full = await poll_until(
-                poller, engine_url, lambda m: m.running == FILLERS, timeout_s=30.0
-            )
-            victim = {
-                "model": MODEL_NAME,
-                "prompt": victim_prompt,
-                "max_tokens": 16,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            result = await measure_disconnect(
-                gateway_url,
-                engine_url,
-                victim,
-                ready=lambda m: m.waiting == 1,
-                gone=lambda m: m.waiting == 0,
-            )
-            # Gone from the queue, not started: its prompt was never prefilled.
-            assert result.last.prompt_tokens_total < full.prompt_tokens_total + (
-                VICTIM_PROMPT_TOKENS
-            ), "the victim was scheduled before the engine saw the disconnect"
-        finally:
-            for task in fillers:
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                await asyncio.gather(*fillers, return_exceptions=True)
-        await poll_until(poller, engine_url, _idle, timeout_s=60.0, interval_s=0.05)
+    async with occupied_slots(engine_url) as full:
+        result = await measure_disconnect(
+            gateway_url,
+            engine_url,
+            victim,
+            ready=lambda m: m.waiting == 1,
+            gone=lambda m: m.waiting == 0,
+        )
+        # Gone from the queue, not started: its prompt was never prefilled.
+        assert result.last.prompt_tokens_total < full.prompt_tokens_total + (
+            VICTIM_PROMPT_TOKENS
+        ), "the victim was scheduled before the engine saw the disconnect"
     return result
