@@ -392,8 +392,10 @@
   let order = [];
   let lastSortAt = 0;
   let lastTableAt = 0;
+  let tablePass = 0;
   const TABLE_PERIOD_MS = 400;
-  // Rows far off screen skip their number updates; scrolled into view, they catch up at once.
+  // Rows far off screen update their numbers only every ~2 s; scrolled into view, they
+  // catch up at once.
   const onScreen = "IntersectionObserver" in window ? new IntersectionObserver((entries) => {
     for (const e of entries) {
       const row = rows.get(e.target.dataset.node);
@@ -550,13 +552,14 @@
     // Numbers in a 64-row table changing 5 times a second are unreadable, and the table's
     // layout is most of the page's cost: refresh it at 2.5 Hz, states and charts at 5 Hz.
     const numbers = force || now - lastTableAt >= TABLE_PERIOD_MS;
-    if (numbers) lastTableAt = now;
+    if (numbers) { lastTableAt = now; tablePass++; }
+    const offScreenToo = numbers && tablePass % 5 === 0; // off-screen rows every ~2 s
     for (const id in nodes) {
       let row = rows.get(id);
       if (!row) { row = makeRow(id); rows.set(id, row); tbody.appendChild(row.tr); force = true; }
       const n = obj(nodes[id]) || {};
       renderNodeState(row, n);
-      if ((numbers && row.visible) || row.behind) {
+      if ((numbers && row.visible) || offScreenToo || row.behind) {
         row.behind = false;
         renderNode(row, id, n, state, wm);
       }
