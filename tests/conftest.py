@@ -144,6 +144,13 @@ class FakeEngine:
         if req.path in ("/v1/completions", "/v1/chat/completions"):
             return await self._completion(req, reader, writer)
         body = orjson.dumps({"path": req.path, "echo": req.body.decode("utf-8", "replace")})
+        if req.method == "HEAD":  # the length of the body a GET would get, and no body
+            writer.write(
+                f"HTTP/1.1 200 X\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n".encode()
+            )
+            await writer.drain()
+            return True
         return await _send(writer, 200, body)
 
     def _metrics_page(self) -> bytes:

@@ -126,8 +126,13 @@ async def test_other_v1_paths_pass_through_unchanged(
     payload = {"model": "fake-model", "input": "héllo"}
     async with httpx.AsyncClient(base_url=gw.url) as client:
         response = await client.post("/v1/embeddings?x=1", content=orjson.dumps(payload))
+        head = await client.head("/v1/embeddings")  # no body, yet content-length: no hang
+        after = await client.get("/v1/files")
     assert response.status_code == 200
     assert response.json() == {"path": "/v1/embeddings", "echo": orjson.dumps(payload).decode()}
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) > 0
+    assert after.json() == {"path": "/v1/files", "echo": ""}
 
 
 async def test_one_access_log_line_per_request_with_usage(

@@ -140,6 +140,7 @@ class H1Connection(asyncio.Protocol):
         self.closed = False
         self.used = False
         self.keep_alive = False
+        self.head = False  # a HEAD request: its response has no body, whatever it says
         self._paused = False
 
     # -- asyncio.Protocol -------------------------------------------------------------------
@@ -194,6 +195,12 @@ class H1Connection(asyncio.Protocol):
         self.keep_alive = self.parser.should_keep_alive()
         if status in (204, 304):
             response.delimited = True
+        if self.head:
+            # httptools cannot be told that a HEAD response has no body: end it here and
+            # never reuse the connection, whose parser would wait for that body.
+            self.keep_alive = False
+            response.delimited = True
+            response._end()
         if self.headers_future is not None and not self.headers_future.done():
             self.headers_future.set_result(response)
 
@@ -207,11 +214,12 @@ class H1Connection(asyncio.Protocol):
 
     # -- used by the pool and the response --------------------------------------------------
 
-    async def send(self, head: bytes, body: bytes) -> H1Response:
+    async def send(self, head: bytes, body: bytes, *, is_head: bool = False) -> H1Response:
         """Write one request and wait for its response headers."""
         assert self.transport is not None
         self.used = True
         self.keep_alive = False
+        self.head = is_head
         self.response = H1Response(self)
         self.headers_future = self.loop.create_future()
         self.parser = httptools.HttpResponseParser(self)
@@ -302,11 +310,11 @@ class H1Pool:
             if conn.closed:
                 continue
             try:
-                return await conn.send(data, body)
+                return await conn.send(data, body, is_head=method == "HEAD")
             except UpstreamConnectError:
                 break  # closed while idle: once more on a fresh connection
         conn = await self._connect(base_url, host, port, parts.scheme == "https")
-        return await conn.send(data, body)
+        return await conn.send(data, body, is_head=method == "HEAD")
 
     async def _connect(self, key: str, host: str, port: int, tls: bool) -> H1Connection:
         loop = asyncio.get_running_loop()

@@ -380,7 +380,8 @@ class Relay:
             if response.status == 200 and content_type.startswith("text/event-stream"):
                 outcome = await self._relay_stream(send, ex, cscope, response, ticket, parsed)
             else:
-                outcome = await self._relay_whole(send, ex, response, ticket, parsed)
+                head = scope["method"] == "HEAD"
+                outcome = await self._relay_whole(send, ex, response, ticket, parsed, head)
             clean = outcome is Outcome.DONE
             return outcome
         except UpstreamConnectError:
@@ -455,6 +456,7 @@ class Relay:
         response: UpstreamResponse,
         ticket: Ticket,
         parsed: ParsedRequest | None,
+        head: bool = False,
     ) -> Outcome:
         ex.stage = "waiting"
         try:
@@ -471,7 +473,10 @@ class Relay:
         if response.status >= 500:
             self.metrics.upstream_errors[ex.backend, "status"] += 1
         headers = _response_headers(response.raw_headers, ex.request_id)
-        headers.append((b"content-length", str(len(data)).encode()))
+        if head:  # the length a GET would have had, as the upstream said
+            headers += [(k, v) for k, v in response.raw_headers if k.lower() == b"content-length"]
+        else:
+            headers.append((b"content-length", str(len(data)).encode()))
         ex.status = response.status
         ex.response_done = True
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
