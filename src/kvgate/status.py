@@ -208,7 +208,23 @@ def _cluster_table(state: dict[str, Any], per_second: dict[str, float] | None) -
     if per_second is not None:
         cancel += f" ({_fmt(per_second['cancellations'])}/s)"
     table.add_row("cancellations propagated", "", "", "", cancel)
+    by_reason = rejection_reasons(state)
+    if by_reason:
+        ranked = sorted(by_reason.items(), key=lambda item: -item[1])
+        table.caption = "rejected by reason: " + " · ".join(f"{r} {_fmt(n)}" for r, n in ranked)
     return table
+
+
+def rejection_reasons(state: dict[str, Any]) -> dict[str, float]:
+    """Total rejections per reason, from the `decision|priority|reason` counters."""
+    out: dict[str, float] = {}
+    for key, value in _obj(normalize(state)["counters"].get("admissions")).items():
+        decision, _, rest = str(key).partition("|")
+        if decision.lower().startswith(("admit", "accept")):
+            continue
+        reason = rest.partition("|")[2] or "other"
+        out[reason] = out.get(reason, 0.0) + _sum(value)
+    return out
 
 
 def _node_table(state: dict[str, Any]) -> Table:
