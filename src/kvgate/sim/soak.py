@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -555,6 +556,10 @@ async def run_soak(settings: SoakSettings) -> SoakReport:
         report.elapsed_s = time.monotonic() - started
         with contextlib.suppress(OSError):
             _scan_log(log_path.read_text(errors="replace"), report)
+        if report.ok:  # keep the config and log of a failed run for the post-mortem
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            report.violation(f"config and log kept in {workdir}")
     return report
 
 
