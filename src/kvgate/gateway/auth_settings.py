@@ -43,7 +43,7 @@ class ApiKeySettings(BaseModel):
         description="Hex SHA-256 of the key, instead of `key`.",
     )
     tenant: str = Field(
-        min_length=1, max_length=128, description="Tenant the key belongs to (limits, logs)."
+        min_length=1, max_length=128, description="Tenant the key belongs to (limits, metrics)."
     )
     default_priority: str = Field(
         "standard", description="Priority of requests that send no `X-Kvgate-Priority`."
