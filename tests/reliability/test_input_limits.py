@@ -81,6 +81,8 @@ async def test_huge_headers_get_431_and_the_gateway_goes_on(
     assert _split(await _raw(gw.url, long_url))[0] == 431
     async with httpx.AsyncClient(base_url=gw.url) as client:
         assert (await client.post("/v1/completions", content=GOOD)).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert 'kvgate_connections_refused_total{status="431"} 3.0' in metrics
     assert len(fake_engine.completions()) == 1
 
 

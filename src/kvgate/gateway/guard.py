@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvgate.gateway.errors import error_body
@@ -144,6 +147,24 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             self.transport.write(raw_error(status, message, code))
             self.transport.close()
+
+
+class GuardCollector(Collector):
+    """`kvgate_connections_refused_total{status}`: what the guards turned away (408, 431,
+    503, 400), read from the protocol class when `/metrics` is scraped."""
+
+    def __init__(self, protocol: type[GuardedHttpToolsProtocol]) -> None:
+        self._protocol = protocol
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "kvgate_connections_refused",
+            "Connections answered and closed by the input guards, by status.",
+            labels=["status"],
+        )
+        for status, count in sorted(self._protocol.refused.items()):
+            family.add_metric([status], count)
+        yield family
 
 
 def hypercorn_limits(config: Any, limits: LimitSettings) -> None:

@@ -25,7 +25,7 @@ import uvicorn
 
 from kvgate.gateway.app import Gateway
 from kvgate.gateway.auth import exposure_message
-from kvgate.gateway.guard import GuardedHttpToolsProtocol, hypercorn_limits
+from kvgate.gateway.guard import GuardCollector, GuardedHttpToolsProtocol, hypercorn_limits
 from kvgate.gateway.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -92,10 +92,12 @@ class GatewayServer:
 
     async def _serve_uvicorn(self, sock: socket.socket) -> None:
         s = self.settings
+        protocol = GuardedHttpToolsProtocol.with_limits(self.gateway.config.limits)
+        self.gateway.metrics.registry.register(GuardCollector(protocol))
         config = uvicorn.Config(
             self.gateway,
             # httptools plus header-size, slow-client and connection limits (guard.py)
-            http=GuardedHttpToolsProtocol.with_limits(self.gateway.config.limits),
+            http=protocol,
             loop="none",
             lifespan="on",
             log_level=s.log_level.lower(),
