@@ -34,8 +34,8 @@ HERE = Path(__file__).resolve().parent
 WORKLOAD = WorkloadSpec(prompt_mean=1000, max_tokens_mean=400, ignore_eos_fraction=0.2)
 
 
-def scenario(name: str, seconds: float, nodes: int) -> VirtualConfig:
-    rate = 3.0 * estimate_capacity_rps(GPU_8B, WORKLOAD, nodes)
+def scenario(name: str, seconds: float, nodes: int, overload: float = 3.0) -> VirtualConfig:
+    rate = overload * estimate_capacity_rps(GPU_8B, WORKLOAD, nodes)
     policy = "none" if name in ("engines", "none") else name
     return VirtualConfig(
         engine=GPU_8B,
@@ -70,20 +70,23 @@ def main() -> None:
     parser.add_argument("--profile-seconds", type=float, default=20.0)
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--scenario", nargs="+", default=["engines", "none", "adaptive"])
+    parser.add_argument("--overload", type=float, default=3.0, help="load / capacity")
     parser.add_argument("--out", default=str(HERE / "results.md.table"))
     args = parser.parse_args()
     rows = []
     for name in args.scenario:
-        cfg = scenario(name, args.sim_seconds, args.nodes)
+        cfg = scenario(name, args.sim_seconds, args.nodes, args.overload)
         start, cpu_start = time.perf_counter(), time.process_time()
         result = run_virtual(cfg)
         wall = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
         summary = result.summary()
         profile = cProfile.Profile()
-        profile.runcall(run_virtual, scenario(name, args.profile_seconds, args.nodes))
+        profile.runcall(
+            run_virtual, scenario(name, args.profile_seconds, args.nodes, args.overload)
+        )
         row = {
-            "scenario": name,
+            "scenario": f"{name} at {args.overload:g}x",
             "sim_s": args.sim_seconds,
             "wall_s": wall,
             "cpu_s": cpu,
