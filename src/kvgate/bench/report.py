@@ -91,6 +91,21 @@ def aggregate(runs: Sequence[RunResult], capacity_tok_s: float) -> list[dict[str
 _ORDER = ["direct", "static-qps", "static-concurrency", "seed", "adaptive", "adaptive-nocancel"]
 
 
+_COLORS = {
+    "direct": "tab:blue",
+    "static-qps": "tab:orange",
+    "static-concurrency": "tab:green",
+    "seed": "tab:red",
+    "adaptive": "tab:purple",
+    "adaptive-nocancel": "black",
+}
+
+
+def _style(name: str) -> dict[str, Any]:
+    """One colour per policy in every plot; the no-cancellation variant dashed."""
+    return {"color": _COLORS.get(name), "ls": "--" if name.endswith("nocancel") else "-"}
+
+
 def _policy_order(name: str) -> int:
     return _ORDER.index(name) if name in _ORDER else len(_ORDER)
 
@@ -177,7 +192,7 @@ def plot_timeseries(runs: dict[str, RunResult], path: Path, title: str) -> Path:
         series = _series_for_plot(run)
         for ax, (key, _label) in zip(axes, panels, strict=True):
             if key in series:
-                ax.plot(series["t_" + key], series[key], label=name, lw=1.0)
+                ax.plot(series["t_" + key], series[key], label=name, lw=1.0, **_style(name))
         for b in run.bursts:
             for ax in axes:
                 ax.axvline(b, color="grey", lw=0.5, ls=":")
@@ -237,8 +252,10 @@ def plot_goodput_vs_load(
     for name in sorted(by_policy, key=_policy_order):
         pts = sorted(by_policy[name], key=lambda r: r["load"])
         loads = [r["load"] for r in pts]
-        ax1.plot(loads, [r["goodput_pct"] for r in pts], marker="o", label=name)
-        ax2.plot(loads, [100 * r["slo_attainment"] for r in pts], marker="o", label=name)
+        ax1.plot(loads, [r["goodput_pct"] for r in pts], marker="o", label=name, **_style(name))
+        ax2.plot(
+            loads, [100 * r["slo_attainment"] for r in pts], marker="o", label=name, **_style(name)
+        )
     ax1.axhline(90, color="grey", ls="--", lw=0.8)
     ax1.set_ylabel(f"goodput, % of capacity ({capacity_tok_s:,.0f} tok/s)")
     ax2.set_ylabel("user requests within SLO, %")
