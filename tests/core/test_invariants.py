@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -208,3 +210,39 @@ def test_predicted_usage_never_undercounts_the_coming_peak(
         peak = external + sum(s["prompt"] + s["max"] for s in state.values() if not s["done"])
         node = policy.nodes["a"]
         assert policy.predicted_tokens(node) >= peak - 1e-6
+
+
+any_float = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    policy_name=st.sampled_from(POLICIES),
+    usage=st.one_of(st.none(), any_float),
+    capacity=st.one_of(st.none(), st.integers(-10, 10**9)),
+    running=st.integers(-5, 10**6),
+    waiting=st.integers(-5, 10**6),
+    latency=st.one_of(st.none(), any_float),
+    skew=any_float,
+)
+def test_garbage_samples_never_crash_or_poison_the_snapshot(
+    policy_name: str,
+    usage: float | None,
+    capacity: int | None,
+    running: int,
+    waiting: int,
+    latency: float | None,
+    skew: float,
+) -> None:
+    policy, clock = make(policy_name)
+    at = clock.now() + skew
+    policy.observe("a", NodeSample(usage, capacity, running, waiting, latency, at))
+    decision = policy.admit("r", RequestCost(100, 100), Priority.CRITICAL, ["a"])
+    json.dumps(policy.snapshot(), allow_nan=False)
+    node = policy.snapshot()["nodes"]["a"]
+    assert node["age_s"] is None or node["age_s"] >= 0
+    if isinstance(decision, Admit):
+        policy.release(decision.ticket, Outcome.DONE)
+    clock.advance(policy.settings.stale_after_s + 0.01)
+    assert not policy.snapshot()["nodes"]["a"]["fresh"]  # a future stamp buys no freshness
+    assert_books_empty(policy)

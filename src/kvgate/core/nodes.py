@@ -19,6 +19,8 @@ a sample no longer shows it, so a node does not flap in and out of rotation.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from kvgate.core.rates import Ewma
@@ -71,7 +73,16 @@ class NodeState:
         return settings.default_capacity_tokens
 
     def accept(self, sample: NodeSample, now: float, settings: AdmissionSettings) -> bool:
-        """Take a new sample; False (ignored) when it is older than the one held."""
+        """Take a new sample; False (ignored) when it is older than the one held.
+
+        A sample that cannot be trusted (non-finite KV usage or time) counts as a failed
+        scrape instead; out-of-range numbers are clamped (see `sanitize`).
+        """
+        clean = sanitize(sample, now)
+        if clean is None:
+            self.fail()
+            return False
+        sample = clean
         if self.sample is not None and sample.sampled_at < self.sample.sampled_at:
             return False
         self.previous, self.sample = self.sample, sample
@@ -133,6 +144,36 @@ class NodeState:
 
     def is_thrashing(self, now: float) -> bool:
         return self.thrashing
+
+
+def sanitize(sample: NodeSample, now: float) -> NodeSample | None:
+    """The sample with impossible values made safe, or None when it is unusable.
+
+    Adapters should never produce these, but a pushed sample or a broken page might:
+    NaN/inf KV usage or sample time -> unusable; KV usage clamped to [0, 1]; a sample
+    time in the future -> now (it must not keep a node fresh longer than it is); negative
+    counts -> 0; a non-positive capacity -> unknown; a non-finite or negative latency ->
+    unknown.
+    """
+    usage = sample.kv_usage
+    at = sample.sampled_at
+    if not math.isfinite(at) or (usage is not None and not math.isfinite(usage)):
+        return None
+    latency = sample.iteration_latency_s
+    capacity = sample.kv_capacity_tokens
+    fixed = {
+        "kv_usage": None if usage is None else min(1.0, max(0.0, usage)),
+        "sampled_at": min(at, now),
+        "running": max(0, sample.running),
+        "waiting": max(0, sample.waiting),
+        "kv_capacity_tokens": capacity if capacity is not None and capacity > 0 else None,
+        "iteration_latency_s": (
+            latency if latency is not None and math.isfinite(latency) and latency >= 0 else None
+        ),
+    }
+    if all(getattr(sample, key) == value for key, value in fixed.items()):
+        return sample
+    return dataclasses.replace(sample, **fixed)
 
 
 def next_level(level: str, usage: float, high: float, panic: float, hysteresis: float) -> str:
