@@ -1,0 +1,21 @@
+"""An inference-engine simulator that behaves like vLLM where overload is decided.
+
+- `engine`: the pure engine model (paged KV blocks, continuous batching in vLLM v1's order,
+  chunked prefill, recompute preemption, aborts, zombies, roofline step latency).
+- `presets`: `cpu-tiny` (calibrated to the real vLLM CPU build) and `gpu-8b` (Llama-3.1-8B
+  on one H100-class GPU).
+- `metrics`: the vLLM-named Prometheus page (plus `sim:` counters).
+- `server` + `cli`: live mode, `kvgate sim --nodes N`: OpenAI-compatible HTTP engines.
+- `workload` + `virtual`: virtual-time mode, a discrete-event cluster of engine models
+  behind kvgate admission policies, for long and large experiments::
+
+      from kvgate.core.settings import AdmissionSettings
+      from kvgate.sim.presets import GPU_8B
+      from kvgate.sim.virtual import VirtualConfig, run_virtual
+      from kvgate.sim.workload import WorkloadSpec
+
+      result = run_virtual(VirtualConfig(
+          engine=GPU_8B, workload=WorkloadSpec(rate_rps=300), duration_s=120, nodes=16,
+          gateways=2, admission=AdmissionSettings(policy="adaptive", seed=1), seed=1))
+      print(result.summary())
+"""

@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvgate.sim.presets import PRESETS  # light: no aiohttp
 
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="first engine's port (8000)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="first engine's port (8000; 0: any free ports)"
+    )
     parser.add_argument("--nodes", type=int, default=1, help="number of engines (1)")
     parser.add_argument(
         "--preset", default="cpu-tiny", choices=sorted(PRESETS), help="engine model (cpu-tiny)"
