@@ -103,9 +103,11 @@ def main() -> int:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *rows,
             "",
-            "A frame updates every node row (text only where it changed, one 120x20 canvas"
-            " sparkline each) and the six uPlot charts. At 5 updates per second the page has"
-            " 200 ms per update; frames rendered ≈ updates received means rendering keeps pace.",
+            "A frame redraws the six uPlot charts and the node states; node numbers, bars and"
+            " sparklines refresh at 2.5 Hz for rows on or near the screen and every ~2 s for"
+            " the others (text and styles written only when they changed). At 5 updates per"
+            " second the page has 200 ms per update; frames rendered ≈ updates received means"
+            " rendering keeps pace (the browser coalesces updates that arrive within one frame).",
             "",
         ]
     )
