@@ -208,6 +208,12 @@ def _cluster_table(state: dict[str, Any], per_second: dict[str, float] | None) -
     if per_second is not None:
         cancel += f" ({_fmt(per_second['cancellations'])}/s)"
     table.add_row("cancellations propagated", "", "", "", cancel)
+    counters = normalize(state)["counters"]
+    handed_out = _num(counters.get("retry_after_count"))
+    if handed_out is not None:  # gateways that count the Retry-After headers they send
+        seconds = _num(counters.get("retry_after_sum_s"))
+        mean = f" (mean {seconds / handed_out:.1f} s)" if seconds is not None and handed_out else ""
+        table.add_row("Retry-After handed out", "", "", "", _fmt(handed_out) + mean)
     by_reason = rejection_reasons(state)
     if by_reason:
         ranked = sorted(by_reason.items(), key=lambda item: -item[1])

@@ -51,6 +51,7 @@ def test_status_prints_every_node_and_flags_the_stale_one() -> None:
     assert out.index("node-03") < out.index("node-00")
     assert "shed probability" in out and "60%" in out
     assert "rejected by reason: kv_high" in out
+    assert "Retry-After handed out" in out and "(mean " in out
 
 
 def test_status_sends_the_admin_token(capsys: pytest.CaptureFixture[str]) -> None:
