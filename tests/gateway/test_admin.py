@@ -55,3 +55,9 @@ async def test_metrics_count_requests_by_route_status_and_backend(
         in text
     )
     assert 'kvgate_time_to_first_byte_seconds_count{route="/v1/completions"} 4.0' in text
+    # the scraper's durations become a histogram at collection time
+    count = [
+        line for line in text.splitlines()
+        if line.startswith(f'kvgate_scrape_duration_seconds_count{{node="{backend}"}}')
+    ]  # fmt: skip
+    assert count and float(count[0].rsplit(" ", 1)[1]) >= 1

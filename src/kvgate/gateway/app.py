@@ -187,6 +187,7 @@ class Gateway:
             self.backends, self.config.scrape, self.policy, self.pool.session, self.clock
         )
         self.metrics.scraper_stats = self.scraper.snapshot
+        self.metrics.scraper_node_stats = self.scraper.stats
         self.spawn(self.scraper.run())
 
     async def drain(self, timeout_s: float) -> None:

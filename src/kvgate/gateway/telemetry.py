@@ -10,6 +10,7 @@ from their snapshots only when `/metrics` is scraped.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 import os
@@ -19,7 +20,12 @@ from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 access_logger = logging.getLogger("kvgate.access")
@@ -29,6 +35,8 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
+# A scrape should take a few ms; its timeout is below the 50 ms period.
+_SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.5)
 # Cancellation should take about a millisecond; anything above 50 ms is a bug.
 _CANCEL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -69,6 +77,9 @@ class GatewayMetrics:
         self._children: dict[tuple[str, str], Any] = {}
         self.policy_snapshot: SnapshotFn | None = None
         self.scraper_stats: SnapshotFn | None = None
+        #: `Scraper.stats()`: per-node latencies drained into a histogram at scrape time.
+        self.scraper_node_stats: Callable[[], Mapping[str, Any]] | None = None
+        self._scrape_hist: dict[str, list[float]] = {}  # node -> cumulative bucket counts
         self.registry.register(_SnapshotCollector(self))
 
     def _child(self, which: str, route: str) -> Any:
@@ -146,6 +157,31 @@ class _SnapshotCollector(Collector):
             yield from _policy_metrics(_safe(m.policy_snapshot))
         if m.scraper_stats is not None:
             yield from _scraper_metrics(_safe(m.scraper_stats))
+        if m.scraper_node_stats is not None:
+            yield self._scrape_histogram()
+
+    def _scrape_histogram(self) -> Metric:
+        """Scrape durations observed since the last collection, added to running buckets."""
+        m = self._m
+        family = HistogramMetricFamily(
+            "kvgate_scrape_duration_seconds",
+            "Duration of each scrape of an engine's metrics page.",
+            labels=["node"],
+        )
+        try:
+            stats = m.scraper_node_stats() if m.scraper_node_stats else {}
+        except Exception:
+            return family
+        for node_id, node in stats.items():
+            counts = m._scrape_hist.setdefault(node_id, [0.0] * (len(_SCRAPE_BUCKETS) + 1))
+            for latency in node.drain_latencies():
+                counts[bisect.bisect_left(_SCRAPE_BUCKETS, latency)] += 1
+            cumulative, buckets = 0.0, []
+            for bound, count in zip((*_SCRAPE_BUCKETS, math.inf), counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == math.inf else str(bound), cumulative))
+            family.add_metric([node_id], buckets, sum_value=float(node.latency_sum_s))
+        return family
 
 
 def _safe(fn: SnapshotFn) -> Mapping[str, Any]:
