@@ -26,6 +26,9 @@ class RefSeq:
     prompt: int
     target: int
     max_tokens: int
+    priority: int
+    arrival: float
+    order: int
     computed: int = 0
     generated: int = 0
     prefilled: bool = False  # prompt (+ generated, after a preemption) fully computed
@@ -45,6 +48,13 @@ class Reference:
 
     def add(self, seq: RefSeq) -> None:
         self.waiting.append(seq)
+        self._sort_waiting()
+
+    def _sort_waiting(self) -> None:
+        if self.cfg.scheduling == "priority":  # vLLM's heap on (priority, arrival)
+            self.waiting = deque(
+                sorted(self.waiting, key=lambda s: (s.priority, s.arrival, s.order))
+            )
 
     def abort(self, rid: str) -> None:
         self.pending.append(rid)
@@ -62,34 +72,49 @@ class Reference:
         decoding = [s for s in self.running if s.prefilled]
         budget = self.cfg.max_num_batched_tokens - len(decoding)
         chunks: dict[str, int] = {}
-        for seq in self.running:
-            if not seq.prefilled:
-                chunk = min(seq.prompt + seq.generated - seq.computed, budget)
-                if chunk > 0:
-                    chunks[seq.rid] = chunk
-                    budget -= chunk
+        taken: dict[str, int] = {}  # blocks allocated this step, per scheduled sequence
         preempted: list[str] = []
         scheduled: list[RefSeq] = []
+        by_priority = self.cfg.scheduling == "priority"
         i = 0
         while i < len(self.running):  # vLLM's walk over the running list
             seq = self.running[i]
-            new = 1 if seq.prefilled else chunks.get(seq.rid, 0)
-            if new == 0:
-                i += 1
-                continue
+            if seq.prefilled:
+                new = 1
+            else:
+                new = min(seq.prompt + seq.generated - seq.computed, budget)
+                if new <= 0:
+                    i += 1
+                    continue
             need = self.ceil(seq.computed + new) - self.ceil(seq.computed)
             while need > self.free:
-                victim = self.running.pop()
+                if by_priority:
+                    victim = max(self.running, key=lambda s: (s.priority, s.arrival))
+                    index = self.running.index(victim)
+                    del self.running[index]
+                    if index < i:
+                        i -= 1
+                else:
+                    victim = self.running.pop()
+                if victim in scheduled:  # only in priority mode: undo its allocation
+                    scheduled.remove(victim)
+                    self.free += taken.pop(victim.rid)
+                    if not victim.prefilled:
+                        budget += chunks.pop(victim.rid)
                 self.free += self.ceil(victim.computed)
                 victim.computed, victim.prefilled = 0, False
-                chunks.pop(victim.rid, None)
                 self.waiting.appendleft(victim)
+                self._sort_waiting()
                 preempted.append(victim.rid)
                 if victim is seq:
                     break
             if seq not in self.running:
-                break
+                continue  # preempted itself (the simulator goes on with the rest)
             self.free -= need
+            taken[seq.rid] = need
+            if not seq.prefilled:
+                chunks[seq.rid] = new
+                budget -= new
             scheduled.append(seq)
             i += 1
         budget = self.cfg.max_num_batched_tokens - sum(
@@ -140,8 +165,8 @@ class Reference:
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 14), st.integers(1, 10)),
-        st.tuples(st.just("add"), st.integers(4, 10), st.integers(4, 10)),
+        st.tuples(st.just("add"), st.integers(1, 14), st.integers(1, 10), st.integers(0, 2)),
+        st.tuples(st.just("add"), st.integers(4, 10), st.integers(4, 10), st.integers(0, 2)),
         st.tuples(st.just("step")),
         st.tuples(st.just("step")),
         st.tuples(st.just("step")),
@@ -151,15 +176,20 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
-@given(ops=ops, num_blocks=st.integers(5, 8), budget=st.sampled_from([4, 8, 16, 64]))
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=ops,
+    num_blocks=st.integers(5, 8),
+    budget=st.sampled_from([4, 8, 16, 64]),
+    scheduling=st.sampled_from(["fcfs", "priority"]),
+)
 def test_fast_engine_matches_the_naive_vllm_walk(
-    ops: list[tuple], num_blocks: int, budget: int
+    ops: list[tuple], num_blocks: int, budget: int, scheduling: str
 ) -> None:
     cfg = EngineConfig(
         num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=budget,
-        max_model_len=16, latency=LAT, eos_mean_tokens=4.0,
-    )  # fmt: skip
+        max_model_len=16, latency=LAT, eos_mean_tokens=4.0, scheduling=scheduling,
+    )  # type: ignore[arg-type]  # fmt: skip
     engine, ref = Engine(cfg, seed=5, record_emissions=True), Reference(cfg)
     now, added = 0.0, 0
     for op in [*ops, *[("step",)] * 200]:
@@ -169,9 +199,9 @@ def test_fast_engine_matches_the_naive_vllm_walk(
                 continue
             rid = f"r{added}"
             added += 1
-            engine.add_request(rid, prompt, max_tokens, now)
+            engine.add_request(rid, prompt, max_tokens, now, priority=op[3])
             target = engine._seqs[rid].target  # the engine's EOS draw, shared
-            ref.add(RefSeq(rid, prompt, target, max_tokens))
+            ref.add(RefSeq(rid, prompt, target, max_tokens, op[3], now, added))
         elif op[0] == "abort":
             if engine.abort(f"r{op[1]}"):
                 ref.abort(f"r{op[1]}")

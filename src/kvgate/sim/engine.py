@@ -30,10 +30,13 @@ What is modelled, following vLLM v1's `Scheduler.schedule()`:
 
 Decoding sequences are kept in an aggregate form (a global decode-step counter, a count of
 sequences per block phase, a heap of finish steps), so a step costs O(prefilling sequences
-+ events), not O(running sequences): that is what lets the virtual-time mode run an hour of
-a 16-node cluster in seconds. One documented simplification: within a step, decoding
-sequences take their token of the budget before any prefill chunk (vLLM walks the running
-list in admission order; the two differ only when the budget runs out mid-list).
++ events), not O(running sequences), and FCFS preemption costs O(victims).
+`tests/sim/test_engine_reference.py` checks it step for step against a naive transcription
+of vLLM's walk. Documented simplifications: within a step, decoding sequences take their
+token of the budget before any prefill chunk (vLLM walks the running list in admission
+order; the two differ only when the budget runs out mid-list); with priority scheduling,
+when the sequence being scheduled is itself the lowest-priority victim, vLLM stops the
+walk for that step while the simulator goes on scheduling the sequences after it.
 """
 
 from __future__ import annotations
