@@ -134,9 +134,7 @@ class SimServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, backlog=1024)
         await site.start()
-        server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = int(self._runner.addresses[0][1])
         return self.port
 
     async def close(self) -> None:
