@@ -157,6 +157,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
     retry_afters = [a.retry_after_s for a in attempts if a.retry_after_s is not None]
     good_tokens = sum(r.success.output_tokens for r in done if r.success is not None)
     n = len(reqs)
+    by_kind = {kind: [r for r in reqs if r.kind == kind] for kind in sorted({r.kind for r in reqs})}
     return {
         "policy": run.policy,
         "load": run.load,
@@ -166,6 +167,10 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "goodput_tok_s": good_tokens / window,
         "goodput_req_s": len(done) / window,
         "slo_attainment": sum(within_slo(r, run.slo) for r in reqs) / n if n else math.nan,
+        **{
+            f"served_{kind}": sum(r.success is not None for r in group) / len(group)
+            for kind, group in by_kind.items()
+        },
         "ttft_p50_s": _pct(ttfts, 50),
         "ttft_p99_s": _pct(ttfts, 99),
         "tpot_p50_s": _pct(tpots, 50),

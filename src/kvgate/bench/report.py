@@ -29,6 +29,8 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("goodput_pct", "% of capacity", "{:.0f}%"),
     ("goodput_req_s", "done req/s", "{:.2f}"),
     ("slo_attainment", "in SLO", "{:.0%}"),
+    ("served_chat", "chats served", "{:.0%}"),
+    ("served_long", "longs served", "{:.0%}"),
     ("ttft_p50_s", "TTFT p50 s", "{:.2f}"),
     ("ttft_p99_s", "TTFT p99 s", "{:.2f}"),
     ("tpot_p50_s", "TPOT p50 ms", "ms"),
@@ -75,7 +77,7 @@ def aggregate(runs: Sequence[RunResult], capacity_tok_s: float) -> list[dict[str
     for (load, policy), items in groups.items():
         row: dict[str, Any] = {"load": load, "policy": policy, "seeds": len(items)}
         for key in items[0]:
-            vals = [i[key] for i in items if isinstance(i[key], (int, float))]
+            vals = [i[key] for i in items if isinstance(i.get(key), (int, float))]
             if key in ("load", "seed", "policy"):
                 continue
             finite = [v for v in vals if not math.isnan(v)]
@@ -311,7 +313,10 @@ def write_report(
     lines += ["## Time series", ""]
     for load, name in series_pngs:
         lines += [f"### {load:g}x", "", f"![time series at {load:g}x]({name})", ""]
-    lines += ["## Retry-After values sent (all runs at the focus load, by policy)", ""]
+    lines += [
+        "## Retry-After values sent at the focus load (one seed per policy; whole s, rounded up)",
+        "",
+    ]
     for policy, run in _pick(runs, meta.focus_load).items():
         hist = retry_after_histogram(run)
         if hist:
