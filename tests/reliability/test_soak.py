@@ -4,8 +4,9 @@ About a minute of traffic (`KVGATE_SOAK_SECONDS`, default 60) from 24 workers ag
 three simulated engines that crash, restart, stall, reset connections and hang or garble
 their metrics every ~0.4 s on average; a quarter of the requests are cancelled at random
 points and one in seven is malformed. On these 2-core machines that is 4,000-9,000
-requests depending on their load (the report printed below says exactly how many). `benchmarks/soak/run_soak.py`
-runs the longer version and writes its figures to `benchmarks/soak/results.md`.
+requests depending on their load (the report printed below says exactly how many).
+`benchmarks/soak/run_soak.py` runs the longer version and writes its figures to
+`benchmarks/soak/results.md`.
 """
 
 from __future__ import annotations
