@@ -161,8 +161,11 @@ class GatewayServer:
             signal.SIGINT: lambda: self.stop(force_if_repeated=True),  # Ctrl-C twice: now
         }
         for sig, handler in handlers.items():
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            try:
                 loop.add_signal_handler(sig, handler)
+            except (NotImplementedError, RuntimeError, ValueError) as exc:
+                log.warning("cannot handle %s (%s): it will stop kvgate at once", sig.name, exc)
+            else:
                 installed.append(sig)
         try:
             yield
