@@ -55,7 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=None, help="engines (default per mode)")
     parser.add_argument("--duration", type=float, default=None, help="seconds of traffic")
     parser.add_argument("--warmup", type=float, default=None, help="seconds not scored")
-    parser.add_argument("--loads", type=_floats, default=_floats(DEFAULT_LOADS))
+    parser.add_argument(
+        "--loads",
+        type=_floats,
+        default=_floats(DEFAULT_LOADS),
+        help=f"offered loads, multiples of the sustainable capacity ({DEFAULT_LOADS})",
+    )
     parser.add_argument("--policies", type=_policies, default=None, help="comma list or 'all'")
     parser.add_argument("--seeds", type=_ints, default=None, help="comma list of seeds")
     parser.add_argument(
@@ -81,12 +86,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run, rebuilt from the parsed options."""
+    parts = ["kvgate", "bench", args.mode]
+    for name in (
+        "preset", "nodes", "duration", "warmup", "loads", "policies", "seeds", "retry",
+        "max_attempts", "timeout", "capacity_scale", "scrape_interval", "jobs", "out",
+    ):  # fmt: skip
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+        parts += ["--" + name.replace("_", "-"), str(value)]
+    if args.quick:
+        parts.append("--quick")
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse nonsense before anything starts (a clear message, not a traceback)."""
+    if args.nodes is not None and args.nodes < 1:
+        raise ValueError("--nodes must be at least 1")
+    for name in ("duration", "timeout", "capacity_scale", "scrape_interval"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if not args.loads or any(x <= 0 for x in args.loads):
+        raise ValueError("--loads must be positive numbers")
+    if args.max_attempts < 1 or args.jobs < 1:
+        raise ValueError("--max-attempts and --jobs must be at least 1")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvgate.bench.driver import BenchOptions, main_live, main_virtual
 
-    command = "kvgate bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    opts = BenchOptions.from_args(args, command)
+    command = _command(args)
     try:
+        _check(args)
+        opts = BenchOptions.from_args(args, command)
         report = main_virtual(opts) if args.mode == "virtual" else main_live(opts)
     except (ValueError, KeyError, RuntimeError) as exc:
         print(f"kvgate bench: {exc}", file=sys.stderr)
