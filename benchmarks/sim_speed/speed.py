@@ -34,7 +34,9 @@ HERE = Path(__file__).resolve().parent
 WORKLOAD = WorkloadSpec(prompt_mean=1000, max_tokens_mean=400, ignore_eos_fraction=0.2)
 
 
-def scenario(name: str, seconds: float, nodes: int, overload: float = 3.0) -> VirtualConfig:
+def scenario(
+    name: str, seconds: float, nodes: int, overload: float = 3.0, scrape_s: float = 0.05
+) -> VirtualConfig:
     rate = overload * estimate_capacity_rps(GPU_8B, WORKLOAD, nodes)
     policy = "none" if name in ("engines", "none") else name
     return VirtualConfig(
@@ -43,7 +45,7 @@ def scenario(name: str, seconds: float, nodes: int, overload: float = 3.0) -> Vi
         duration_s=seconds,
         nodes=nodes,
         admission=AdmissionSettings(policy=policy, seed=1),  # type: ignore[arg-type]
-        scrape_interval_s=1e9 if name == "engines" else 0.05,
+        scrape_interval_s=1e9 if name == "engines" else scrape_s,
         client=ClientModel(timeout_s=30.0),
         seed=1,
     )
@@ -71,11 +73,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--scenario", nargs="+", default=["engines", "none", "adaptive"])
     parser.add_argument("--overload", type=float, default=3.0, help="load / capacity")
+    parser.add_argument("--scrape-interval", type=float, default=0.05, help="seconds (0.05)")
     parser.add_argument("--out", default=str(HERE / "results.md.table"))
     args = parser.parse_args()
     rows = []
     for name in args.scenario:
-        cfg = scenario(name, args.sim_seconds, args.nodes, args.overload)
+        cfg = scenario(name, args.sim_seconds, args.nodes, args.overload, args.scrape_interval)
         start, cpu_start = time.perf_counter(), time.process_time()
         result = run_virtual(cfg)
         wall = time.perf_counter() - start
@@ -83,10 +86,11 @@ def main() -> None:
         summary = result.summary()
         profile = cProfile.Profile()
         profile.runcall(
-            run_virtual, scenario(name, args.profile_seconds, args.nodes, args.overload)
+            run_virtual,
+            scenario(name, args.profile_seconds, args.nodes, args.overload, args.scrape_interval),
         )
         row = {
-            "scenario": f"{name} at {args.overload:g}x",
+            "scenario": f"{name} at {args.overload:g}x, scrape {args.scrape_interval:g} s",
             "sim_s": args.sim_seconds,
             "wall_s": wall,
             "cpu_s": cpu,
