@@ -189,7 +189,7 @@ class ModelCatalog:
     """Which backend serves which model, from their `/v1/models`, refreshed lazily.
 
     The hot path only reads a dict. A stale catalog is used as is while one refresh runs in
-    the background; an unknown model waits for a fresh look (at most one per second) before
+    the background; an unknown model waits for a fresh look (at most four per second) before
     it is declared unknown, so a model loaded a moment ago is not refused.
     """
 
@@ -220,7 +220,7 @@ class ModelCatalog:
     async def resolve(self, model: str) -> tuple[str, ...] | None:
         """Like `nodes_for`, but looks again (rate-limited) before saying "unknown"."""
         nodes = self.nodes_for(model)
-        if nodes is None and time.monotonic() - self._fetched_at > 1.0:
+        if nodes is None and time.monotonic() - self._fetched_at > 0.25:
             await self.refresh()
             nodes = self._nodes_by_model.get(model)
         return nodes
@@ -241,7 +241,7 @@ class ModelCatalog:
         self._refresh = self._spawn(self.refresh())
 
     async def refresh(self) -> None:
-        """Ask every backend at once; a backend that fails keeps no models until it answers."""
+        """Ask every backend at once; one that fails keeps the models it listed last."""
         if self._refresh is not None and not self._refresh.done():
             current = asyncio.current_task()
             if self._refresh is not current:
@@ -249,7 +249,12 @@ class ModelCatalog:
                 return
         backends = list(self._pool.backends.values())
         results = await asyncio.gather(*(self._fetch(b) for b in backends))
-        by_backend = {b.node_id: r for b, r in zip(backends, results, strict=True) if r is not None}
+        # A backend that fails to answer keeps the models it listed last: one slow answer
+        # must not turn its models into 404s (a dead node is the policy's business).
+        by_backend = dict(self._by_backend)
+        for backend, result in zip(backends, results, strict=True):
+            if result is not None:
+                by_backend[backend.node_id] = result
         nodes: dict[str, list[str]] = {}
         for node_id, entries in by_backend.items():
             for entry in entries:
