@@ -276,10 +276,12 @@ class H1Connection(asyncio.Protocol):
 class H1Pool:
     """Idle keep-alive connections per backend base URL, and new ones when none is idle."""
 
-    def __init__(self, connect_timeout_s: float) -> None:
+    def __init__(
+        self, connect_timeout_s: float, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self._idle: dict[str, collections.deque[H1Connection]] = {}
         self._connect_timeout_s = connect_timeout_s
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl: ssl.SSLContext | None = ssl_context
         self._closed = False
 
     async def request(
