@@ -276,9 +276,7 @@ class H1Connection(asyncio.Protocol):
 class H1Pool:
     """Idle keep-alive connections per backend base URL, and new ones when none is idle."""
 
-    def __init__(
-        self, connect_timeout_s: float, ssl_context: ssl.SSLContext | None = None
-    ) -> None:
+    def __init__(self, connect_timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
         self._idle: dict[str, collections.deque[H1Connection]] = {}
         self._connect_timeout_s = connect_timeout_s
         self._ssl: ssl.SSLContext | None = ssl_context
