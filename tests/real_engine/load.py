@@ -19,6 +19,7 @@ from real_engine.engine import (
     MODEL_NAME,
     EngineMetrics,
     MetricsRecorder,
+    exact_prompt,
     poll_until,
     read_metrics,
     watch_until,
@@ -241,40 +242,44 @@ def describe(results: list[Disconnect]) -> str:
 # A full engine
 # ---------------------------------------------------------------------------------------
 
-SLOTS = 32  # serve.sh's MAX_NUM_SEQS
-FILLER_TOKENS = 90  # 4 + 90 tokens = 3 KV blocks each, 96 of 128 for 32: no preemption
+# Two fillers of 1,400 prompt tokens hold 88 of the 128 KV blocks from their prefill on and
+# grow to 126 (1,400 + 600 tokens = 63 blocks each): never a preemption, and never the 47
+# free blocks that a 1,500-token prompt needs, so such a request waits in the engine's queue
+# for ~2 s (600 decode steps). Two streams keep the engine's API server responsive, so its
+# metrics page stays a fine clock (32 slot-fillers made each GET take 140-200 ms).
+FILLERS = 2
+FILLER_PROMPT_TOKENS = 1400
+FILLER_MAX_TOKENS = 600
+BLOCKED_PROMPT_TOKENS = 1500  # a prompt that cannot be scheduled while the fillers run
 
 
 @contextlib.asynccontextmanager
-async def occupied_slots(engine_url: str, extra: int = 0) -> AsyncIterator[EngineMetrics]:
-    """Hold all of the engine's sequence slots with short fillers sent straight to it.
+async def full_kv_cache(engine_url: str) -> AsyncIterator[EngineMetrics]:
+    """Fill the engine's KV cache with long requests sent straight to it.
 
-    `extra` more fillers wait in the engine's queue. Yields the first page that shows the
-    engine full (running = 32, waiting = extra); on exit the fillers are aborted (their
-    clients hang up) and the engine is idle again. Fillers run for seconds, so whatever
-    the caller does right after entering happens while the slots are held.
+    Yields the first page showing both fillers running with their prompts in the cache;
+    on exit the fillers are aborted (their clients hang up) and the engine is idle again.
     """
-    filler = {
-        "model": MODEL_NAME,
-        "prompt": " self" * 4,
-        "max_tokens": FILLER_TOKENS,
-        "ignore_eos": True,
-    }
-    limits = httpx.Limits(max_connections=SLOTS + extra)
     async with (
-        httpx.AsyncClient(timeout=120.0, limits=limits) as client,
-        httpx.AsyncClient(timeout=10.0) as poller,  # its own pool: the fillers use all of theirs
+        httpx.AsyncClient(timeout=120.0) as client,
+        httpx.AsyncClient(timeout=10.0) as poller,  # its own pool, free while fillers run
     ):
+        filler = {
+            "model": MODEL_NAME,
+            "prompt": await exact_prompt(poller, engine_url, FILLER_PROMPT_TOKENS),
+            "max_tokens": FILLER_MAX_TOKENS,
+            "ignore_eos": True,
+        }
         fillers = [
             asyncio.create_task(client.post(engine_url + "/v1/completions", json=filler))
-            for _ in range(SLOTS + extra)
+            for _ in range(FILLERS)
         ]
         try:
             yield await poll_until(
                 poller,
                 engine_url,
-                lambda m: m.running == SLOTS and m.waiting == extra,
-                timeout_s=30.0,
+                lambda m: m.running == FILLERS and m.waiting == 0 and m.kv_usage >= 88 / 128,
+                timeout_s=60.0,
             )
         finally:
             for task in fillers:

@@ -21,11 +21,12 @@ from real_engine.engine import (
 )
 from real_engine.load import (
     ATTEMPTS,
+    BLOCKED_PROMPT_TOKENS,
     GONE_BOUND_S,
     describe,
     disconnect_attempts,
+    full_kv_cache,
     measure_disconnect,
-    occupied_slots,
 )
 
 pytestmark = pytest.mark.real_engine
@@ -71,14 +72,12 @@ async def test_disconnect_while_waiting_for_a_non_streaming_answer(
     assert results[-1].gone_after_s < GONE_BOUND_S, describe(results)
 
 
-# Queued: 32 fillers sent straight to the engine take all of its 32 sequence slots
-# (MAX_NUM_SEQS) and at most 96 of its 128 KV blocks (see `occupied_slots`), so the engine
-# queues the victim. The victim's 300-token prompt is what tells "dropped
-# from the queue" from "scheduled": had the engine started it, vllm:prompt_tokens_total
-# would jump by 300. The fillers are aborted once the figure is taken.
-# kvgate runs the pass-through policy here: the adaptive one may rightly shed a request
-# for a full engine, and what is tested is the disconnect path, which is the same for all.
-VICTIM_PROMPT_TOKENS = 300
+# Queued: two long requests sent straight to the engine fill its KV cache (see
+# `full_kv_cache`), so the engine queues the victim, whose 1,500-token prompt cannot fit.
+# That prompt also tells "dropped from the queue" from "scheduled": had the engine started
+# it, vllm:prompt_tokens_total would jump by 1,500. The fillers are aborted afterwards.
+# kvgate runs the pass-through policy here: the adaptive one rightly sheds a request for
+# a full engine, and what is tested is the disconnect path, which is the same for all.
 
 
 @pytest.mark.timeout(300)  # up to 5 attempts, each filling the engine first
@@ -87,7 +86,7 @@ async def test_disconnect_before_the_first_token_while_queued(
 ) -> None:
     gateway = start_gateway("none", **TOLERANT_OF_SLOW_SCRAPES)
     async with httpx.AsyncClient(timeout=60.0) as client:
-        victim_prompt = await exact_prompt(client, idle_engine.url, VICTIM_PROMPT_TOKENS)
+        victim_prompt = await exact_prompt(client, idle_engine.url, BLOCKED_PROMPT_TOKENS)
     results = []
     for _ in range(ATTEMPTS):  # as disconnect_attempts, but each attempt needs its fillers
         result = await _queued_disconnect(gateway.url, idle_engine.url, victim_prompt)
@@ -109,7 +108,7 @@ async def _queued_disconnect(gateway_url: str, engine_url: str, victim_prompt: s
         "ignore_eos": True,
         "stream": True,
     }
-    async with occupied_slots(engine_url) as full:
+    async with full_kv_cache(engine_url) as full:
         result = await measure_disconnect(
             gateway_url,
             engine_url,
@@ -119,6 +118,7 @@ async def _queued_disconnect(gateway_url: str, engine_url: str, victim_prompt: s
         )
         # Gone from the queue, not started: its prompt was never prefilled.
         assert result.last.prompt_tokens_total < full.prompt_tokens_total + (
-            VICTIM_PROMPT_TOKENS
+            BLOCKED_PROMPT_TOKENS
         ), "the victim was scheduled before the engine saw the disconnect"
+        assert result.last.running == full.running
     return result

@@ -20,7 +20,7 @@ from real_engine.engine import (
     read_metrics,
     record_figure,
 )
-from real_engine.load import occupied_slots
+from real_engine.load import BLOCKED_PROMPT_TOKENS, full_kv_cache
 
 pytestmark = pytest.mark.real_engine
 
@@ -92,11 +92,27 @@ async def test_scraper_reads_the_real_metrics_page(
         )
         assert max(lags[-1]) < STATE_LAG_BOUND_S, lags
 
-        # Waiting: one request more than the engine has sequence slots.
-        async with occupied_slots(idle_engine.url, extra=1) as full:
-            sample = await _state_until(client, gateway.url, lambda s: s["waiting"] == 1)
-            waiting_lag = time.monotonic() - full.at
-            assert sample["running"] == full.running
+        # Waiting: a request that cannot fit in the engine's full KV cache is queued.
+        blocked_prompt = await exact_prompt(client, idle_engine.url, BLOCKED_PROMPT_TOKENS)
+        async with full_kv_cache(idle_engine.url) as full:
+            body = {"model": MODEL_NAME, "prompt": blocked_prompt, "max_tokens": 16}
+            blocked = asyncio.create_task(
+                client.post(idle_engine.url + "/v1/completions", json=body)
+            )
+            try:
+                waiting_lag, _, sample = await _lag(
+                    client,
+                    idle_engine.url,
+                    gateway.url,
+                    lambda m: m.waiting == 1,
+                    lambda s: s["waiting"] == 1,
+                )
+                assert sample["running"] == full.running
+                assert sample["kv_usage"] >= full.kv_usage
+            finally:
+                blocked.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await blocked
     record_figure(
         "/admin/state behind the engine's own page (a request queued)",
         f"{waiting_lag * 1000:.0f} ms",
@@ -106,15 +122,6 @@ async def test_scraper_reads_the_real_metrics_page(
 
 async def _state(client: httpx.AsyncClient, gateway_url: str) -> dict[str, Any] | None:
     return _scraped((await client.get(gateway_url + "/admin/state")).json())
-
-
-async def _state_until(
-    client: httpx.AsyncClient, gateway_url: str, condition: Any
-) -> dict[str, Any]:
-    _, sample = await _first_time(
-        lambda: _state(client, gateway_url), lambda s: s is not None and condition(s)
-    )
-    return sample
 
 
 async def _one_change(
