@@ -290,7 +290,8 @@ class Gateway:
             dashboard = importlib.import_module("kvgate.gateway.dashboard")
         except ImportError:
             return
-        for key, app in dashboard.routes(self.state).items():
+        closing = lambda: not self.relay.accepting  # noqa: E731 - drains end event streams
+        for key, app in dashboard.routes(self.state, closing=closing).items():
             self.routes.setdefault(key, app)
 
 

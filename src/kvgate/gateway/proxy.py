@@ -322,6 +322,7 @@ class Relay:
             decision = self.policy.admit(ex.request_id, cost, priority, candidates)
             if isinstance(decision, Reject):
                 self.metrics.admissions["rejected", ex.priority or "-", decision.reason] += 1
+                self.metrics.observe_retry_after(decision.retry_after_s)
                 raise _rejection(decision, after_failure=attempt > 0)
             self.metrics.admissions["admitted", ex.priority or "-", "admitted"] += 1
             ticket = decision.ticket

@@ -39,6 +39,7 @@ _LATENCY_BUCKETS = (
 _SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.5)
 # Cancellation should take about a millisecond; anything above 50 ms is a bug.
 _CANCEL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_RETRY_AFTER_BUCKETS = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 30.0, 60.0)
 
 SnapshotFn = Callable[[], Mapping[str, Any]]
 
@@ -74,6 +75,14 @@ class GatewayMetrics:
             buckets=_CANCEL_BUCKETS,
             registry=self.registry,
         )
+        self._retry_after = Histogram(
+            "kvgate_retry_after_seconds",
+            "Retry-After handed out with each 429/503 refusal (before rounding up).",
+            buckets=_RETRY_AFTER_BUCKETS,
+            registry=self.registry,
+        )
+        self.retry_after_count = 0
+        self.retry_after_sum_s = 0.0
         self._children: dict[tuple[str, str], Any] = {}
         self.policy_snapshot: SnapshotFn | None = None
         self.scraper_stats: SnapshotFn | None = None
@@ -100,6 +109,11 @@ class GatewayMetrics:
         self.cancellations[stage] += 1
         self._cancel.observe(seconds)
 
+    def observe_retry_after(self, seconds: float) -> None:
+        self.retry_after_count += 1
+        self.retry_after_sum_s += seconds
+        self._retry_after.observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -112,6 +126,8 @@ class GatewayMetrics:
             "cancellations": dict(self.cancellations),
             "admissions": {"|".join(k): v for k, v in self.admissions.items()},
             "retries": self.retries,
+            "retry_after_count": self.retry_after_count,
+            "retry_after_sum_s": round(self.retry_after_sum_s, 3),
         }
 
 
