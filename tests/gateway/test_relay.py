@@ -11,6 +11,7 @@ import pytest
 from conftest import FakeEngine
 
 from gateway.helpers import RawClient
+from kvgate.core.settings import AdmissionSettings
 
 
 async def _raw_stream(url: str, path: str, body: dict, headers: dict | None = None) -> bytes:
@@ -174,3 +175,26 @@ async def test_a_slow_reader_holds_the_engine_back(
     events, tail = await client.count_to_end(b"data: ", within=30.0)
     assert events == 2002 and tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     assert fake_engine.by_id("slow-read").completed_at is not None
+
+
+async def test_a_request_without_max_tokens_reaches_the_engine_with_the_reserved_cap(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    """The reservation assumed `default_max_tokens`; the engine must not generate past it."""
+    gw = await gateway_factory([fake_engine.url])
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        capped = await client.post(
+            "/v1/completions",
+            json={"model": "fake-model", "prompt": "hi", "max_tokens": 7},
+            headers={"X-Request-Id": "with-cap"},
+        )
+        uncapped = await client.post(
+            "/v1/chat/completions",
+            json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"X-Request-Id": "no-cap"},
+        )
+    assert capped.status_code == uncapped.status_code == 200
+    assert orjson.loads(fake_engine.by_id("with-cap").body)["max_tokens"] == 7
+    sent = orjson.loads(fake_engine.by_id("no-cap").body)
+    assert sent["max_tokens"] == AdmissionSettings().default_max_tokens
+    assert sent["messages"] == [{"role": "user", "content": "hi"}]

@@ -203,6 +203,8 @@ class Relay:
                 ) from None
             ex.priority = priority.name.lower()
             cost, nodes, parsed = await plan(body, ex)
+            if parsed is not None and parsed.max_tokens is None:
+                body = self._with_default_max_tokens(parsed)
             await self._admit_and_relay(
                 scope, receive, send, ex, body, cost, priority, nodes, parsed
             )
@@ -232,6 +234,15 @@ class Relay:
             if self._idle is not None and self.metrics.in_flight == 0:
                 self._idle.set()
             self._finish(ex)
+
+    def _with_default_max_tokens(self, parsed: ParsedRequest) -> bytes:
+        """The body with the output cap the reservation assumed, made explicit.
+
+        Without it the engine may generate up to its context limit, past what was reserved.
+        Re-encoding happens only for requests that omit `max_tokens`.
+        """
+        cap = self.estimator.settings.default_max_tokens
+        return orjson.dumps({**parsed.data, "max_tokens": cap})
 
     async def _completion_plan(
         self, body: bytes, ex: Exchange
