@@ -51,9 +51,10 @@ class AdmissionSettings(BaseModel):
         ),
     )
     failures_to_stale: int = Field(
-        3,
+        10,
         ge=1,
-        description="Consecutive scrape failures after which a node is stale at once.",
+        description="Consecutive scrape failures after which a node is stale before"
+        " `stale_after_s` (10 x 50 ms: a slow page on a busy host is not a dead engine).",
     )
 
     # --- reservations --------------------------------------------------------------------
