@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvgate.config import load_config
-from kvgate.config_doc import reference_table
+from kvgate.config_doc import reference_table, with_reference
 
 
 def test_bare_backend_url_is_a_vllm_engine(tmp_path: Path) -> None:
@@ -45,3 +45,10 @@ def test_reference_table_names_every_section() -> None:
     table = reference_table()
     for key in ("server.port", "backends[].url", "admission.high_watermark", "scrape.interval_s"):
         assert f"`{key}`" in table
+
+
+def test_readme_reference_is_generated_from_the_model() -> None:
+    """The README's config table is `kvgate config-doc --update README.md`'s output."""
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    assert with_reference(text) == text, "run: kvgate config-doc --update README.md"

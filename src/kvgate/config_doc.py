@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -11,14 +12,33 @@ from pydantic_core import PydanticUndefined
 
 from kvgate.config import KvgateConfig
 
+START, END = "<!-- config-doc:start -->", "<!-- config-doc:end -->"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.set_defaults()
+    parser.add_argument(
+        "--update",
+        metavar="FILE",
+        help="rewrite the table between the config-doc markers of FILE (e.g. README.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.update:
+        path = Path(args.update)
+        path.write_text(with_reference(path.read_text(encoding="utf-8")), encoding="utf-8")
+        return 0
     print(reference_table())
     return 0
+
+
+def with_reference(text: str) -> str:
+    """`text` with the reference table placed between its config-doc markers."""
+    head, found, rest = text.partition(START)
+    _, found_end, tail = rest.partition(END)
+    if not (found and found_end):
+        raise ValueError(f"the markers {START} and {END} are missing")
+    return f"{head}{START}\n{reference_table()}\n{END}{tail}"
 
 
 def _default(field: FieldInfo) -> str:
