@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvgate.gateway.cli", "run the gateway (simulated engines if no backend is given)"),
@@ -24,16 +24,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
         try:
             module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:  # a subcommand still being built
-            if exc.name != module_name:
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").startswith("kvgate"):
                 raise
+            # An optional extra is missing (e.g. matplotlib for `kvgate bench`): say which.
+            command.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            command.set_defaults(_run=_missing_extra(name, exc.name or "?"))
             continue
-        command = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(command)
         command.set_defaults(_run=module.run)
     return parser
+
+
+EXTRAS = {"bench": "bench"}
+
+
+def _missing_extra(command: str, package: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        extra = EXTRAS.get(command, command)
+        print(
+            f"kvgate {command} needs the Python package {package!r}: "
+            f"pip install 'kvgate[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
+
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
