@@ -32,7 +32,7 @@ from typing import Any
 from kvgate.bench.metrics import summarize
 from kvgate.bench.profiles import get_profile
 from kvgate.bench.suite import RunSpec
-from kvgate.bench.virtual import VirtualCluster
+from kvgate.bench.virtual import build_cluster, to_run_result
 from kvgate.core.admission import Outcome
 from kvgate.core.request import Priority, RequestCost
 
@@ -84,10 +84,10 @@ class _Wrapped:
 
 
 def _run(spec: RunSpec, factor: float, mixed: bool, hidden: float) -> dict[str, Any]:
-    cluster = VirtualCluster(spec)
-    wrapped = _Wrapped(cluster.policy, factor, mixed, hidden)
-    cluster.policy = wrapped  # type: ignore[assignment]
-    result = cluster.run()
+    cluster = build_cluster(spec)
+    wrapped = _Wrapped(cluster.policies[0], factor, mixed, hidden)
+    cluster.policies[0] = wrapped  # type: ignore[assignment]
+    result = to_run_result(spec, cluster.run())
     row = summarize(result)
     for p in Priority:
         tries = wrapped.tries[p]

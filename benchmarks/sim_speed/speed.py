@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvgate.core.settings import AdmissionSettings
 from kvgate.sim.presets import GPU_8B
-from kvgate.sim.virtual import ClientModel, VirtualConfig, run_virtual
+from kvgate.sim.virtual import VirtualConfig, read_timeout_client, run_virtual
 from kvgate.sim.workload import WorkloadSpec, estimate_capacity_rps
 
 HERE = Path(__file__).resolve().parent
@@ -46,7 +46,7 @@ def scenario(
         nodes=nodes,
         admission=AdmissionSettings(policy=policy, seed=1),  # type: ignore[arg-type]
         scrape_interval_s=1e9 if name == "engines" else scrape_s,
-        client=ClientModel(timeout_s=30.0),
+        client=read_timeout_client(timeout_s=30.0),
         seed=1,
     )
 

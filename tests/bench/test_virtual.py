@@ -11,7 +11,8 @@ from kvgate.bench.metrics import OK, SHED, TIMEOUT, Slo, summarize
 from kvgate.bench.report import ReportMeta, write_report
 from kvgate.bench.suite import RunSpec
 from kvgate.bench.virtual import run_virtual
-from kvgate.bench.workload import Arrival, ClientConfig, Shape
+from kvgate.bench.workload import Arrival, Shape
+from kvgate.sim.virtual import ClientModel
 
 SHAPE = Shape(kv_capacity_tokens=4096, chat_rate=0, long_rate=0, burst_every_s=0, burst_per_node=0)
 
@@ -25,7 +26,7 @@ def _spec(**kw: object) -> RunSpec:
         seed=1,
         duration_s=10.0,
         warmup_s=0.0,
-        client=ClientConfig(timeout_s=5.0, max_attempts=3),
+        client=ClientModel(timeout_s=5.0, max_attempts=3),
         slo=Slo(ttft_s=1.0, tpot_s=0.05, long_ttft_s=3.0),
         label="direct",
         policy="none",
@@ -52,7 +53,7 @@ def test_two_chats_on_an_idle_engine_are_served_once_each() -> None:
 def test_timeouts_are_retried_then_given_up_and_cancellation_decides_zombies() -> None:
     # 1,000 tokens take ~3.5 s alone; a 0.5 s timeout can never be met.
     arrivals = [Arrival("x", 0.5, "long", 1000, 1000)]
-    client = ClientConfig(timeout_s=0.5, max_attempts=3)
+    client = ClientModel(timeout_s=0.5, max_attempts=3)
     cancelled = run_virtual(_spec(client=client), arrivals)
     (user,) = cancelled.requests
     assert [a.outcome for a in user.attempts] == [TIMEOUT] * 3

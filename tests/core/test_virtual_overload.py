@@ -1,8 +1,9 @@
 """The adaptive policy against simulated paged-KV engines at 3x their sustainable load.
 
-Virtual time (`kvgate.bench.virtual`): the engine simulator with vLLM-style scheduling and
-recompute preemption, scraped every 50 ms with 10 ms delivery lag, clients that time out,
-retry and honour Retry-After. The same seeded workload goes through `none` and `adaptive`.
+Virtual time (`kvgate.sim.virtual`, via `kvgate.bench.virtual`): the engine simulator with
+vLLM-style scheduling and recompute preemption, scraped every 50 ms with 10 ms delivery lag,
+clients that time out, retry and honour Retry-After. The same seeded workload goes through
+`none` and `adaptive`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import dataclasses
 
 from kvgate.core.settings import AdmissionSettings
 from kvgate.sim.presets import CPU_TINY
-from kvgate.sim.virtual import ClientModel, VirtualConfig, VirtualResult, run_virtual
+from kvgate.sim.virtual import VirtualConfig, VirtualResult, read_timeout_client, run_virtual
 from kvgate.sim.workload import WorkloadSpec, estimate_capacity_rps, generate
 
 WORKLOAD = WorkloadSpec(prompt_mean=300, max_tokens_mean=200, ignore_eos_fraction=0.3)
@@ -21,7 +21,8 @@ def config(policy: str, seed: int = 1, **kw: object) -> VirtualConfig:
         nodes=2,
         gateways=2,
         admission=AdmissionSettings(policy=policy, seed=seed),  # type: ignore[arg-type]
-        client=ClientModel(timeout_s=5.0, max_retries=1),
+        # A streaming client's read timeout per token, one backed-off retry, five 429s.
+        client=read_timeout_client(timeout_s=5.0, max_retries=1),
         seed=seed,
     )
     base.update(kw)
@@ -29,11 +30,24 @@ def config(policy: str, seed: int = 1, **kw: object) -> VirtualConfig:
 
 
 def fingerprint(result: VirtualResult) -> tuple:
-    outcomes = tuple(
-        (o.index, o.status, o.attempts, o.rejections_429, o.timeouts, o.first_token_at,
-         o.completed_at, o.output_tokens, o.zombie_tokens, o.node)
-        for o in result.outcomes
-    )  # fmt: skip
+    outcomes = (
+        tuple(
+            (
+                o.index,
+                o.status,
+                o.attempts,
+                o.rejections_429,
+                o.timeouts,
+                o.first_token_at,
+                o.completed_at,
+                o.output_tokens,
+                o.zombie_tokens,
+                o.node,
+                tuple((a.outcome, a.start, a.end, a.output_tokens) for a in o.tries),
+            )
+            for o in result.outcomes
+        ),
+    )
     series = tuple(
         (p.t, p.kv_usage_mean, p.running, p.waiting, p.admissions) for p in result.series
     )

@@ -2,7 +2,7 @@
 
 Each user request is an asyncio task that sends streaming `/v1/completions` with a token-id
 prompt (exact length on every engine) and `ignore_eos`, so the work asked for is the same
-whatever the engine. The client behaves as in the virtual runs (`ClientConfig`): when its
+whatever the engine. The client behaves as in the virtual runs (`ClientModel`): when its
 deadline passes it closes the connection (a real disconnect the engine or gateway sees);
 a timeout or 5xx is retried; a 429 waits out `Retry-After`; after N tries it gives up.
 While the run goes, every engine's `/metrics` is polled to record the time series.
@@ -40,7 +40,8 @@ from kvgate.bench.metrics import (
     Slo,
     UserRequest,
 )
-from kvgate.bench.workload import Arrival, ClientConfig
+from kvgate.bench.workload import Arrival
+from kvgate.sim.virtual import ClientModel
 
 # Gauges and counters read from each engine's metrics page (summed over label sets).
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -169,7 +170,7 @@ def _retry_after(headers: aiohttp.typedefs.LooseHeaders) -> float | None:  # typ
 async def _user(
     session: aiohttp.ClientSession,
     arrival: Arrival,
-    client: ClientConfig,
+    client: ClientModel,
     target: LiveTarget,
     shared: _Shared,
     prompt: list[int],
@@ -272,7 +273,7 @@ async def _scrape(session: aiohttp.ClientSession, engine: str) -> dict[str, floa
 
 async def run_live(
     arrivals: Sequence[Arrival],
-    client: ClientConfig,
+    client: ClientModel,
     target: LiveTarget,
     *,
     policy: str,

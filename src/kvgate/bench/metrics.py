@@ -16,44 +16,17 @@ from typing import Any
 
 import numpy as np
 
-# How an attempt ended, from the client's point of view.
-OK = "ok"  # the whole answer arrived within the client's timeout
-TIMEOUT = "timeout"  # the client gave up waiting and disconnected
-SHED = "shed"  # 429 from the gateway: never reached an engine
-UNAVAILABLE = "unavailable"  # 503 (no backend could serve at all)
-ERROR = "error"  # any other 5xx or transport error
-OUTCOMES = (OK, TIMEOUT, SHED, UNAVAILABLE, ERROR)
+from kvgate.sim.virtual import ERROR as ERROR
+from kvgate.sim.virtual import OK as OK
+from kvgate.sim.virtual import OUTCOMES as OUTCOMES
+from kvgate.sim.virtual import SHED as SHED
+from kvgate.sim.virtual import TIMEOUT as TIMEOUT
+from kvgate.sim.virtual import UNAVAILABLE as UNAVAILABLE
+from kvgate.sim.virtual import Attempt as Attempt
 
 
-@dataclass(slots=True)
-class Attempt:
-    """One HTTP try (or its virtual twin). Times are seconds on the run's clock."""
-
-    start: float
-    end: float
-    outcome: str
-    first_token_at: float | None = None
-    output_tokens: int = 0
-    retry_after_s: float | None = None
-    node: str | None = None
-
-    @property
-    def admitted(self) -> bool:
-        """Did this attempt reach an engine (i.e. was not refused by the gateway)?"""
-        return self.outcome not in (SHED, UNAVAILABLE)
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean time per output token after the first; None with fewer than two tokens."""
-        if self.first_token_at is None or self.output_tokens < 2 or self.outcome != OK:
-            return None
-        return (self.end - self.first_token_at) / (self.output_tokens - 1)
-
-
+# How an attempt ended, and the per-try record itself, are the simulator's: the virtual runs
+# produce them directly and the live load generator writes the same ones.
 @dataclass(slots=True)
 class UserRequest:
     """A request a user wanted answered, with all the tries their client made."""

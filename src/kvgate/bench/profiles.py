@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.bench.metrics import Slo
-from kvgate.bench.workload import ClientConfig, Shape
+from kvgate.bench.workload import Shape
+from kvgate.sim.virtual import ClientModel
 
 # The six configurations compared: label -> (admission policy, cancellation propagated).
 POLICIES: dict[str, tuple[str, bool]] = {
@@ -30,7 +31,7 @@ class Profile:
     preset: str
     shape: Shape
     slo: Slo
-    client: ClientConfig
+    client: ClientModel
     why: str
 
 
@@ -52,7 +53,7 @@ def _gpu_8b() -> Profile:
         shape=shape,
         # A 92-129k-token prefill takes ~4-5 s alone at 8,192 tokens per ~0.33 s step.
         slo=Slo(ttft_s=2.0, tpot_s=0.2, long_ttft_s=15.0),
-        client=ClientConfig(timeout_s=30.0),
+        client=ClientModel(timeout_s=30.0),
         why="Llama-3.1-8B on one H100: 368k KV tokens per node; long prompts 25-35% of it",
     )
 
@@ -75,7 +76,7 @@ def _cpu_tiny() -> Profile:
         shape=shape,
         slo=Slo(ttft_s=1.0, tpot_s=0.05, long_ttft_s=3.0),
         # Timeout scaled down with the engine: a long request takes ~1-2 s when healthy.
-        client=ClientConfig(timeout_s=10.0),
+        client=ClientModel(timeout_s=10.0),
         why="the real vLLM CPU engine's 4,096-token KV; long prompts 25-40% of it",
     )
 

@@ -18,7 +18,8 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvgate.bench.metrics import RunResult, Slo, summarize
-from kvgate.bench.workload import ClientConfig, Shape, offered_tokens_per_s
+from kvgate.bench.workload import Shape, offered_tokens_per_s
+from kvgate.sim.virtual import ClientModel
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class RunSpec:
     seed: int
     duration_s: float
     warmup_s: float
-    client: ClientConfig
+    client: ClientModel
     slo: Slo
     label: str  # the policy's name in the report
     policy: str  # the admission policy run

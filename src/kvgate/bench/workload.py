@@ -5,7 +5,8 @@ requests (prompt 25-50% of one node's KV cache), plus periodic bursts of long re
 Everything scales with one number, `load`: 1.0 is the cluster's measured sustainable
 capacity (see `kvgate.bench.capacity`), so 3.0 offers three times what the cluster can serve.
 Arrivals are drawn from the seed alone, never from a policy's behaviour, so every policy
-faces exactly the same users.
+faces exactly the same users. How the users' clients behave is `kvgate.sim.virtual.ClientModel`,
+the same in virtual and live runs.
 """
 
 from __future__ import annotations
@@ -13,30 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
-
-
-@dataclass(frozen=True, slots=True)
-class ClientConfig:
-    """How the simulated users' HTTP clients behave (the same in virtual and live runs).
-
-    A read timeout disconnects; a timeout or 5xx is retried (at once, or with exponential
-    backoff and full jitter); a 429 waits for its Retry-After; after `max_attempts` tries
-    the user gives up.
-    """
-
-    timeout_s: float = 30.0
-    max_attempts: int = 4
-    retry: str = "immediate"  # or "backoff"
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 8.0
-    honor_retry_after: bool = True
-
-    def retry_delay(self, attempt_no: int, rng: np.random.Generator) -> float:
-        """Delay before try `attempt_no + 1` after a timeout or 5xx on try `attempt_no`."""
-        if self.retry == "immediate":
-            return 0.0
-        cap = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt_no - 1))
-        return float(rng.uniform(0.0, cap))
 
 
 @dataclass(frozen=True, slots=True)

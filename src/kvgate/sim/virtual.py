@@ -12,15 +12,20 @@ function of its `VirtualConfig`) advances a `ManualClock` from event to event:
   `policies.base` asks. Streaming requests report their output count to their replica
   every `token_update_interval_s` (what a live gateway learns from the stream; coarser
   than per token to keep the cost O(streams) per update, never under-counting).
-- **Clients** arrive from a `WorkloadSpec`. An admitted request goes to the node the policy
-  chose. A client times out when a non-streaming answer or the next streamed token takes
-  longer than `timeout_s`; it then disconnects (the engine aborts at its next step, or
-  runs a zombie with `abort_on_disconnect=False`) and retries after an immediate or
-  exponential backoff, up to `max_retries`. A 429 is retried after its Retry-After, up to
-  `max_429_tries` 429s; a 503 counts as a 5xx.
+- **Clients** arrive from a `WorkloadSpec` (or a caller's own list of `RequestSpec`, which is
+  how `kvgate.bench` plays its scenario) and behave as `ClientModel` says. An admitted
+  request goes to the node the policy chose. A client times out when the whole answer
+  (`deadline="answer"`) or, for a stream with `deadline="token"`, the next token takes
+  longer than `timeout_s`; it then disconnects and retries (at once or with exponential
+  backoff). With `abort_on_disconnect=True` the engine drops the request at its next step
+  and the replica frees its reservation; with `False` the request runs on as a zombie and,
+  as in a gateway without cascading cancellation, the replica's upstream call (and its
+  ticket) lives until the engine finishes it. A 429 waits for its Retry-After; a 503
+  counts as a 5xx. `max_attempts`, `max_retries` and `max_429_tries` bound the tries.
 
-Results are plain dataclasses: one `RequestOutcome` per client request and one
-`SeriesPoint` per `series_interval_s`, for the benchmark tooling to turn into reports.
+Results are plain dataclasses: one `RequestOutcome` per client request holding one
+`Attempt` record per try (the records the benchmark scores, live or virtual), and one
+`SeriesPoint` per `series_interval_s`.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+import math
 import random
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
@@ -48,16 +54,92 @@ _STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES = range(7)
 _PRIORITY_NAMES = {p: p.name.lower() for p in Priority}
 
 
+# How one try ended, from the client's point of view (shared with the live benchmark).
+OK = "ok"  # the whole answer arrived within the client's timeout
+TIMEOUT = "timeout"  # the client gave up waiting and disconnected
+SHED = "shed"  # 429 from the gateway: never reached an engine
+UNAVAILABLE = "unavailable"  # 503 (no backend could serve at all)
+ERROR = "error"  # any other 5xx or transport error
+OUTCOMES = (OK, TIMEOUT, SHED, UNAVAILABLE, ERROR)
+
+
+class _Uniform(Protocol):
+    def uniform(self, a: float, b: float, /) -> Any: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ClientModel:
-    """How clients wait, give up and retry."""
+    """How clients wait, give up and retry: one model for virtual and live runs.
 
-    timeout_s: float = 60.0
-    max_retries: int = 2
-    backoff: Literal["immediate", "exponential"] = "exponential"
-    backoff_base_s: float = 1.0
-    backoff_max_s: float = 30.0
-    max_429_tries: int = 5
+    `deadline="answer"` is a whole-answer deadline (an HTTP client's total timeout);
+    `"token"` restarts the clock at each streamed token (a read timeout). After a timeout
+    or a 5xx the client retries at once (`retry="immediate"`) or after an exponential
+    backoff with full jitter (`"backoff"`); a 429 waits for its Retry-After when
+    `honor_retry_after`. It gives up after `max_attempts` tries of any kind, after
+    `max_retries` retries of timeouts/5xx, or after `max_429_tries` 429s (None: no
+    separate bound).
+    """
+
+    timeout_s: float = 30.0
+    deadline: Literal["answer", "token"] = "answer"
+    max_attempts: int = 4
+    max_retries: int | None = None
+    max_429_tries: int | None = None
+    retry: Literal["immediate", "backoff"] = "immediate"
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 8.0
+    honor_retry_after: bool = True
+
+    def retry_delay(self, attempt_no: int, rng: _Uniform) -> float:
+        """Delay before try `attempt_no + 1` after a timeout or 5xx on try `attempt_no`."""
+        if self.retry == "immediate":
+            return 0.0
+        cap = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt_no - 1))
+        return float(rng.uniform(0.0, cap))
+
+
+def read_timeout_client(timeout_s: float, max_retries: int = 2) -> ClientModel:
+    """A streaming client with a per-token read timeout, `max_retries` backed-off retries
+    (1 s doubling up to 30 s) and up to five 429s: the simulator's capacity-study client."""
+    return ClientModel(
+        timeout_s=timeout_s,
+        deadline="token",
+        max_attempts=1 + max_retries + 5,
+        max_retries=max_retries,
+        max_429_tries=5,
+        retry="backoff",
+        backoff_base_s=1.0,
+        backoff_max_s=30.0,
+    )
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try (an HTTP request, or its virtual twin). Times are seconds on the run's clock."""
+
+    start: float
+    end: float
+    outcome: str
+    first_token_at: float | None = None
+    output_tokens: int = 0
+    retry_after_s: float | None = None
+    node: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        """Did this attempt reach an engine (i.e. was not refused by the gateway)?"""
+        return self.outcome not in (SHED, UNAVAILABLE)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first; None with fewer than two tokens."""
+        if self.first_token_at is None or self.output_tokens < 2 or self.outcome != OK:
+            return None
+        return (self.end - self.first_token_at) / (self.output_tokens - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +164,17 @@ class RequestOutcome:
     """One client request across all its attempts. Times are virtual seconds."""
 
     index: int
+    id: str
+    kind: str
     arrival: float
     prompt_tokens: int
     max_tokens: int
     priority: str
     stream: bool
-    status: str = "pending"  # ok | gave_up_429 | gave_up_timeout | gave_up_5xx | bad_request
-    attempts: int = 0  # sent to an engine
+    # ok | gave_up_429 | gave_up_timeout | gave_up_5xx | bad_request | unfinished
+    status: str = "pending"
+    tries: list[Attempt] = field(default_factory=list)  # every try, 429s included
+    attempts: int = 0  # tries sent to an engine
     rejections_429: int = 0
     rejections_5xx: int = 0
     timeouts: int = 0
@@ -174,7 +260,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 class _Attempt:
-    __slots__ = ("active", "first_token_at", "gateway", "node", "outcome", "rid", "spec",
+    __slots__ = ("active", "gateway", "held", "node", "outcome", "record", "rid", "spec",
                  "started", "ticket")  # fmt: skip
 
     def __init__(
@@ -185,7 +271,7 @@ class _Attempt:
         node: int,
         gateway: int,
         ticket: Ticket,
-        now: float,
+        record: Attempt,
     ) -> None:
         self.outcome = outcome
         self.spec = spec
@@ -193,18 +279,23 @@ class _Attempt:
         self.node = node
         self.gateway = gateway
         self.ticket = ticket
-        self.started = now
-        self.active = True
-        self.first_token_at: float | None = None
+        self.record = record
+        self.started = record.start
+        self.active = True  # the client is still waiting for it
+        self.held = False  # abandoned, but its ticket lives until the engine finishes it
 
 
 class VirtualCluster:
     """Build with a config, call `run()` once."""
 
-    def __init__(self, config: VirtualConfig) -> None:
+    def __init__(
+        self, config: VirtualConfig, arrivals: Iterable[RequestSpec] | None = None
+    ) -> None:
+        """`arrivals` (in arrival order) replaces the requests `config.workload` would draw."""
         if config.nodes < 1 or config.gateways < 1:
             raise ValueError("need at least one node and one gateway")
         self.config = config
+        self._arrivals = arrivals
         self.clock = ManualClock()
         self.node_ids = [f"node-{i}" for i in range(config.nodes)]
         self._node_index = {nid: i for i, nid in enumerate(self.node_ids)}
@@ -256,6 +347,12 @@ class VirtualCluster:
         finally:
             if gc_was_enabled:
                 gc.enable()
+        horizon = cfg.duration_s + cfg.drain_s
+        for attempt in self._attempts.values():
+            if attempt.active:  # still open when the run ended: scored as a timeout
+                attempt.record.end = horizon
+                attempt.record.outcome = TIMEOUT
+                attempt.record.output_tokens = self.engines[attempt.node].output_tokens(attempt.rid)
         for outcome in self.outcomes:
             if outcome.status == "pending":
                 outcome.status = "unfinished"
@@ -270,7 +367,12 @@ class VirtualCluster:
 
     def _loop(self) -> int:
         cfg = self.config
-        self._workload = generate(cfg.workload, cfg.duration_s, cfg.seed, cfg.engine.max_model_len)
+        if self._arrivals is not None:
+            self._workload = iter(self._arrivals)
+        else:
+            self._workload = generate(
+                cfg.workload, cfg.duration_s, cfg.seed, cfg.engine.max_model_len
+            )
         self._push_next_arrival()
         for g in range(cfg.gateways):
             self._push(g * cfg.scrape_interval_s / cfg.gateways, _SCRAPE, g)
@@ -309,6 +411,8 @@ class VirtualCluster:
     def _on_arrival(self, now: float, spec: RequestSpec) -> None:
         outcome = RequestOutcome(
             index=spec.index,
+            id=spec.id or f"r{spec.index}",
+            kind=spec.kind,
             arrival=spec.arrival,
             prompt_tokens=spec.prompt_tokens,
             max_tokens=spec.max_tokens,
@@ -325,18 +429,17 @@ class VirtualCluster:
         g = self._next_gateway
         self._next_gateway = (g + 1) % self.config.gateways
         policy = self.policies[g]
-        rid = f"r{spec.index}.{outcome.attempts + outcome.rejections_429 + outcome.rejections_5xx}"
+        rid = f"{outcome.id}#{len(outcome.tries) + 1}"
         cost = RequestCost(spec.prompt_tokens, spec.max_tokens)
         decision = policy.admit(rid, cost, spec.priority, self.node_ids)
         if isinstance(decision, Reject):
             self._counts["rejections"] += 1
             if decision.status == 429:
-                outcome.rejections_429 += 1
-                if outcome.rejections_429 >= self.config.client.max_429_tries:
-                    outcome.status = "gave_up_429"
-                else:
-                    self._push(now + decision.retry_after_s, _ATTEMPT, payload)
+                self._on_429(now, outcome, spec, decision.retry_after_s)
             else:
+                outcome.tries.append(
+                    Attempt(now, now, UNAVAILABLE, retry_after_s=decision.retry_after_s)
+                )
                 outcome.rejections_5xx += 1
                 self._retry(now, outcome, spec, "5xx")
             return
@@ -348,12 +451,15 @@ class VirtualCluster:
                                ignore_eos=spec.ignore_eos, priority=int(spec.priority))  # fmt: skip
         except EngineError:
             policy.release(ticket, Outcome.UPSTREAM_ERROR)
+            outcome.tries.append(Attempt(now, now, ERROR, node=ticket.node_id))
             outcome.status = "bad_request"
             return
         self._counts["admissions"] += 1
         outcome.attempts += 1
         outcome.node = ticket.node_id
-        attempt = _Attempt(outcome, spec, rid, node, g, ticket, now)
+        record = Attempt(now, math.nan, "", node=ticket.node_id)
+        outcome.tries.append(record)
+        attempt = _Attempt(outcome, spec, rid, node, g, ticket, record)
         self._attempts[rid] = attempt
         deadline = now + self.config.client.timeout_s
         self._deadlines.append((deadline, attempt))
@@ -362,17 +468,33 @@ class VirtualCluster:
             self._push(deadline, _TIMEOUT, None)
         self._wake(node, now)
 
+    def _on_429(
+        self, now: float, outcome: RequestOutcome, spec: RequestSpec, retry_after: float | None
+    ) -> None:
+        client = self.config.client
+        outcome.tries.append(Attempt(now, now, SHED, retry_after_s=retry_after))
+        outcome.rejections_429 += 1
+        if len(outcome.tries) >= client.max_attempts or (
+            client.max_429_tries is not None and outcome.rejections_429 >= client.max_429_tries
+        ):
+            outcome.status = "gave_up_429"
+            return
+        if client.honor_retry_after and retry_after is not None:
+            delay = retry_after
+        else:
+            delay = client.retry_delay(len(outcome.tries), self._rng)
+        self._push(now + delay, _ATTEMPT, (outcome, spec))
+
     def _retry(self, now: float, outcome: RequestOutcome, spec: RequestSpec, kind: str) -> None:
         client = self.config.client
-        if outcome.retries >= client.max_retries:
+        tries = len(outcome.tries)
+        if tries >= client.max_attempts or (
+            client.max_retries is not None and outcome.retries >= client.max_retries
+        ):
             outcome.status = f"gave_up_{kind}"
             return
         outcome.retries += 1
-        delay = 0.0
-        if client.backoff == "exponential":
-            delay = min(client.backoff_max_s, client.backoff_base_s * 2 ** (outcome.retries - 1))
-            delay *= 0.5 + 0.5 * self._rng.random()
-        self._push(now + delay, _ATTEMPT, (outcome, spec))
+        self._push(now + client.retry_delay(tries, self._rng), _ATTEMPT, (outcome, spec))
 
     def _on_timeout(self, now: float, attempt: _Attempt | None) -> None:
         if attempt is not None:
@@ -389,25 +511,37 @@ class VirtualCluster:
     def _check_timeout(self, now: float, attempt: _Attempt) -> None:
         if not attempt.active:
             return
-        timeout = self.config.client.timeout_s
+        client = self.config.client
+        timeout = client.timeout_s
         engine = self.engines[attempt.node]
-        if attempt.outcome.stream:
+        if attempt.outcome.stream and client.deadline == "token":
             last = engine.last_token_at(attempt.rid)
             last = attempt.started if last is None else max(last, attempt.started)
             if now - last < timeout * (1 - 1e-9):
                 self._push(last + timeout, _TIMEOUT, attempt)
                 return
-        self._deactivate(attempt, Outcome.CLIENT_CANCEL)
+        record = attempt.record
+        record.end = now
+        record.outcome = TIMEOUT
+        record.output_tokens = engine.output_tokens(attempt.rid)
+        if engine.config.abort_on_disconnect:
+            self._deactivate(attempt, Outcome.CLIENT_CANCEL)
+        else:
+            # No cascading cancellation: the replica's upstream call runs on to the end.
+            self._deactivate(attempt, None)
+            attempt.held = True
         engine.disconnect(attempt.rid)
         self._wake(attempt.node, now)
         attempt.outcome.timeouts += 1
         self._counts["timeouts"] += 1
         self._retry(now, attempt.outcome, attempt.spec, "timeout")
 
-    def _deactivate(self, attempt: _Attempt, how: Outcome) -> None:
+    def _deactivate(self, attempt: _Attempt, how: Outcome | None) -> None:
+        """The client stops waiting; `how=None` keeps the ticket (released when it ends)."""
         attempt.active = False
         self._streaming[attempt.gateway][attempt.node].pop(attempt.rid, None)
-        self.policies[attempt.gateway].release(attempt.ticket, how)
+        if how is not None:
+            self.policies[attempt.gateway].release(attempt.ticket, how)
 
     # ------------------------------------------------------------------ engines
     def _wake(self, node: int, now: float) -> None:
@@ -430,7 +564,7 @@ class VirtualCluster:
         for rid in result.first_tokens:
             attempt = attempts.get(rid)
             if attempt is not None and attempt.active:
-                attempt.first_token_at = now
+                attempt.record.first_token_at = now
                 self.policies[attempt.gateway].on_first_token(attempt.ticket)
                 if attempt.outcome.stream:
                     self._streaming[attempt.gateway][attempt.node][rid] = attempt
@@ -442,15 +576,25 @@ class VirtualCluster:
             outcome.preemptions += done.preemptions
             if not attempt.active:
                 outcome.zombie_tokens += done.zombie_tokens
+                if attempt.held:
+                    self.policies[attempt.gateway].release(attempt.ticket, Outcome.CLIENT_CANCEL)
                 continue
             self._deactivate(attempt, Outcome.DONE)
+            record = attempt.record
+            record.end = now
+            record.outcome = OK
+            record.output_tokens = done.output_tokens
+            if record.first_token_at is None:
+                record.first_token_at = done.first_token_at
             outcome.status = "ok"
-            outcome.first_token_at = attempt.first_token_at
+            outcome.first_token_at = record.first_token_at
             outcome.completed_at = now
             outcome.output_tokens = done.output_tokens
             self._counts["completions"] += 1
         for rid in result.aborted:
-            attempts.pop(rid, None)
+            attempt = attempts.pop(rid, None)
+            if attempt is not None and attempt.held:
+                self.policies[attempt.gateway].release(attempt.ticket, Outcome.CLIENT_CANCEL)
 
     # ------------------------------------------------------------------ gateways
     def _on_scrape(self, now: float, g: int) -> None:
@@ -528,11 +672,16 @@ class VirtualCluster:
         total: dict[str, float] = {}
         for policy in self.policies:
             controller = policy.snapshot().get("controller") or {}
-            for name, p in (controller.get("shed_probability") or {}).items():
+            shed = controller.get("shed_probability") or {}
+            if isinstance(shed, (int, float)):  # one figure for all: say it of "standard"
+                shed = {"standard": shed}
+            for name, p in shed.items():
                 total[name] = total.get(name, 0.0) + float(p) / len(self.policies)
         return total
 
 
-def run_virtual(config: VirtualConfig) -> VirtualResult:
-    """Run one virtual-time experiment."""
-    return VirtualCluster(config).run()
+def run_virtual(
+    config: VirtualConfig, arrivals: Iterable[RequestSpec] | None = None
+) -> VirtualResult:
+    """Run one virtual-time experiment (on `arrivals` if given, else `config.workload`)."""
+    return VirtualCluster(config, arrivals).run()

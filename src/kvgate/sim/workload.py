@@ -63,6 +63,8 @@ class RequestSpec:
     ignore_eos: bool
     priority: Priority
     stream: bool
+    id: str = ""  # the caller's name for it ("" = "r{index}")
+    kind: str = ""  # the caller's class of request (the benchmark's "chat" / "long")
 
 
 def _lognormal_mu(mean: float, sigma: float) -> float:
