@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.bench.metrics import OK, SHED, TIMEOUT, Slo, summarize
+from kvgate.bench.profiles import get_profile
 from kvgate.bench.report import ReportMeta, write_report
 from kvgate.bench.suite import RunSpec
 from kvgate.bench.virtual import run_virtual
@@ -87,3 +88,22 @@ def test_a_token_bucket_sheds_with_retry_after_and_the_client_waits(tmp_path: Pa
     meta = ReportMeta("tiny", "pytest", [1], {}, {}, {"goodput_tok_s": 6.0}, focus_load=1.0)
     report = write_report([run, replace(run, policy="adaptive")], meta, tmp_path)
     assert "| 1x | `static-qps` |" in report.read_text()
+
+
+def test_a_scenario_run_is_deterministic_for_its_seed() -> None:
+    prof = get_profile("cpu-tiny")
+    spec = _spec(shape=prof.shape, nodes=2, load=3.0, duration_s=8.0, client=prof.client,
+                 label="adaptive", policy="adaptive")  # fmt: skip
+
+    def records(seed: int) -> list[tuple]:
+        run = run_virtual(replace(spec, seed=seed))
+        return [
+            (u.id, u.arrival, a.outcome, a.start, a.end, a.output_tokens, a.node)
+            for u in run.requests
+            for a in u.attempts
+        ]
+
+    first = records(1)
+    assert len(first) > 50
+    assert first == records(1)
+    assert first != records(2)
