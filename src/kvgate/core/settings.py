@@ -133,6 +133,49 @@ class AdmissionSettings(BaseModel):
         gt=0,
         description="Half-life of the EWMA of freed tokens per second (drives Retry-After).",
     )
+    large_request_fraction: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description=(
+            "`adaptive`: a request needing at least this fraction of a node's KV is *large*:"
+            " its refusals get spread Retry-Afters and (with `claims`) leave claims."
+        ),
+    )
+    large_retry_spread: bool = Field(
+        True,
+        description=(
+            "`adaptive`: refused large requests get Retry-Afters spread over the time their"
+            " backlog takes to drain, so a burst of them does not retry in lock-step."
+        ),
+    )
+    claims: bool = Field(
+        False,
+        description=(
+            "`adaptive`: a large request refused for lack of room leaves a time-limited claim"
+            " on the node closest to fitting it; smaller requests must leave that room free,"
+            " so freed KV accumulates for the large request instead of being taken by chats."
+        ),
+    )
+    claim_use_fraction: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="A request at least this fraction of a claim's size may use (and ends) it.",
+    )
+    claim_lead_s: float = Field(
+        0.5,
+        ge=0,
+        description=(
+            "A claim binds smaller requests only from this long before its request is due"
+            " back (its Retry-After); until then short requests, done by then, may use the room."
+        ),
+    )
+    claim_grace_s: float = Field(
+        1.0,
+        ge=0,
+        description="A claim expires this long after the Retry-After given to its request.",
+    )
     p2c_min_nodes: int = Field(
         8, ge=2, description="From this many candidates on, route by power of two choices."
     )

@@ -24,11 +24,35 @@ Two layers, so that safety never depends on a control loop that runs at sample r
    causes shedding of traffic a calm node can take. Draws come from a seeded
    `random.Random`: simultaneous requests are independent and runs reproducible.
 
+3. **Large requests are not starved by lock-step retries** (`large_retry_spread`, on).
+   There is no queue: a refused request retries after its Retry-After. A request needing
+   at least `large_request_fraction` of a node (a long prompt on a small KV cache) that is
+   refused for lack of room is usually one of a burst of such requests; all of them used
+   to be told the same 1-2 s, came back together, and most used up their tries before
+   room for them was freed. Their Retry-After is now drawn uniformly between the normal
+   value and the time the cluster needs, at its measured freeing rate, to free the large
+   tokens refused over the last second or so (each waiter retries about once a second,
+   so that is the backlog). A lone large request is told little more than before.
+
+4. **Claims** (`claims`, off by default: in the virtual benchmark they cost short
+   requests more than they gave long ones; see `benchmarks/long_request_fairness/`).
+   A large request refused for lack of room (`kv_high_watermark`, `budget`, `claimed`,
+   or `kv_panic` as far as some node is not at panic; never thrashing or staleness)
+   leaves a *claim* for its size on the usable node with the most room, at most one
+   claim per node, binding from `claim_lead_s` before its Retry-After ends and expiring
+   `claim_grace_s` after. While a claim binds, a smaller request (below
+   `claim_use_fraction` of it, of the same or a lower priority) must leave the claimed
+   tokens free on that node; a request at least that large may use the room and ends
+   the claim when admitted there. Claims only ever make admission stricter: they are not
+   reservations, never enter predicted usage, and the large request itself still passes
+   the normal ceiling check, so the panic guarantee is untouched.
+
 Refusals (`Reject.reason`, also the `X-Kvgate-Reason` header):
   * 429 `kv_high_watermark` - shed by the controller's draw, or no node fits under the
     priority's ceiling while none is at panic;
   * 429 `budget` - it would fit under the static ceiling, but the controller has lowered
     the node's ceiling (its token budget);
+  * 429 `claimed` - the request would fit, but only in room claimed by a larger one;
   * 429 `kv_panic` - every node is at (or would pass) the panic watermark;
   * 429 `thrashing` - every fresh candidate is thrashing;
   * 503 `no_fresh_node` - no candidate is fresh (fail-closed);
@@ -51,6 +75,7 @@ they rank behind any node with measurable headroom.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +84,7 @@ from kvgate.core.clock import Clock
 from kvgate.core.limits import GradientLimit, LimitMeasurement, PidLimit, TokenLimit
 from kvgate.core.nodes import LEVEL_PANIC, NodeState
 from kvgate.core.policies.base import BasePolicy
+from kvgate.core.rates import DecayingRate
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.reservations import ReservationStore
 from kvgate.core.settings import AdmissionSettings
@@ -67,6 +93,18 @@ from kvgate.core.settings import AdmissionSettings
 _UNKNOWN_HEADROOM = -1.0
 # Candidate lists whose last scan is remembered (one per model and priority in practice).
 _SCAN_CACHE_SIZE = 256
+
+
+class _Claim:
+    """Room on one node held free for a request class of about `tokens` (see "Claims")."""
+
+    __slots__ = ("binds_at", "expires", "priority", "tokens")
+
+    def __init__(self, tokens: int, binds_at: float, expires: float, priority: Priority) -> None:
+        self.tokens = tokens
+        self.binds_at = binds_at
+        self.expires = expires
+        self.priority = priority
 
 
 class _Scan:
@@ -83,6 +121,7 @@ class _Scan:
         "fresh",
         "generation",
         "max_capacity",
+        "max_free",
         "max_room",
         "max_static_room",
         "min_panic_room",
@@ -98,7 +137,8 @@ class _Scan:
         self.usable = 0
         self.unknown_capacity = 0
         self.max_capacity = 0
-        self.max_room = float("-inf")
+        self.max_room = float("-inf")  # ignoring claims: an upper bound for any request
+        self.max_free = float("-inf")  # after the claims that bind this scan's request
         self.max_static_room = float("-inf")
         self.min_panic_room = float("inf")
         self.at_panic = False
@@ -122,6 +162,8 @@ class AdaptivePolicy(BasePolicy):
         self.limits: dict[str, TokenLimit] = {}
         self._controlled_at: dict[str, float] = {}
         self._scans: dict[tuple[Priority, tuple[str, ...]], _Scan] = {}
+        self._claims: dict[str, _Claim] = {}
+        self._large_refused = DecayingRate(1.0)
         self._ceilings = {
             Priority.SHEDDABLE: settings.high_watermark,
             Priority.STANDARD: settings.standard_ceiling_value,
@@ -157,7 +199,7 @@ class AdaptivePolicy(BasePolicy):
             scan is not None
             and scan.generation == self.generation
             and now < scan.valid_until
-            and need > scan.max_room
+            and need > scan.max_room  # claims cannot make it fit: max_room ignores them
         ):
             return self._refuse(now, candidates, scan, need, priority)  # nothing changed
         scan = self._scan(now, candidates, need, priority)
@@ -210,7 +252,10 @@ class AdaptivePolicy(BasePolicy):
             if node is None:
                 continue
             room = self._room(node, now, priority)
-            if room is None or room < need:
+            if room is None:
+                continue
+            room -= self._held_from(node_id, now, need, priority)
+            if room < need:
                 continue
             score = self._score(node, room, need)
             if score > best_score:
@@ -232,10 +277,12 @@ class AdaptivePolicy(BasePolicy):
         critical = priority is Priority.CRITICAL
         nodes_get = self.nodes.get
         reserved = self.store.reserved
+        claims_get = self._claims.get
+        use_fraction = settings.claim_use_fraction
         inf = float("inf")
         fresh = usable = unknown = max_capacity = 0
         valid_until = min_panic_room = inf
-        max_room = max_static_room = best_score = -inf
+        max_room = max_free = max_static_room = best_score = -inf
         at_panic = False
         best: NodeState | None = None
         for node_id in candidates:
@@ -260,7 +307,8 @@ class AdaptivePolicy(BasePolicy):
                 unknown += 1
                 if in_panic or sample.waiting:
                     continue
-                room, score = inf, _UNKNOWN_HEADROOM
+                room = free = inf
+                score = _UNKNOWN_HEADROOM
             else:
                 if cap > max_capacity:
                     max_capacity = cap
@@ -273,16 +321,26 @@ class AdaptivePolicy(BasePolicy):
                 ceiling = node.dynamic_ceiling
                 if critical or ceiling > static:
                     ceiling = static
-                room = ceiling * cap - predicted
-                score = (room - need) / cap
+                room = free = ceiling * cap - predicted
+                claim = claims_get(node_id)
+                if (
+                    claim is not None
+                    and claim.binds_at <= now < claim.expires
+                    and need < use_fraction * claim.tokens
+                    and priority >= claim.priority
+                ):
+                    free -= claim.tokens
+                score = (free - need) / cap
             if room > max_room:
                 max_room = room
-            if room >= need and score > best_score:
+            if free > max_free:
+                max_free = free
+            if free >= need and score > best_score:
                 best, best_score = node, score
         scan.best = best
         scan.fresh, scan.usable, scan.unknown_capacity = fresh, usable, unknown
         scan.max_capacity, scan.valid_until, scan.at_panic = max_capacity, valid_until, at_panic
-        scan.max_room, scan.max_static_room = max_room, max_static_room
+        scan.max_room, scan.max_free, scan.max_static_room = max_room, max_free, max_static_room
         scan.min_panic_room = min_panic_room
         return scan
 
@@ -290,7 +348,12 @@ class AdaptivePolicy(BasePolicy):
         self, now: float, node: NodeState, priority: Priority, need: int
     ) -> str | Reject:
         shed = self._shed_by_controller(now, node, priority, need)
-        return shed if shed is not None else node.node_id
+        if shed is not None:
+            return shed
+        claim = self._claims.get(node.node_id)
+        if claim is not None and need >= self.settings.claim_use_fraction * claim.tokens:
+            del self._claims[node.node_id]  # the class it held room for got in
+        return node.node_id
 
     def _refuse(
         self, now: float, candidates: Sequence[str], scan: _Scan, need: int, priority: Priority
@@ -313,26 +376,135 @@ class AdaptivePolicy(BasePolicy):
                 now,
                 retry_s=self.settings.retry_after_max_s,
             )
+        if need <= scan.max_room:  # it fits somewhere, but only in room claimed by a larger one
+            reject = self.reject_shed(
+                "claimed",
+                "The free KV room is held for a larger request that was refused earlier;"
+                " retry later.",
+                now,
+                max(need - scan.max_free, 0.0),
+            )
+            return self._wait_large(now, candidates, scan, need, priority, reject)
         excess = need - scan.max_room if scan.max_room > float("-inf") else float(need)
         if priority is Priority.CRITICAL or scan.at_panic or need > scan.min_panic_room:
             reason, what = "kv_panic", "at its panic watermark"
         elif need <= scan.max_static_room:
-            return self.reject_shed(
+            reject = self.reject_shed(
                 "budget",
                 "The KV cache is above its target and the controller has lowered the token"
                 f" budget for {priority.name.lower()} requests; retry later.",
                 now,
                 max(excess, 0.0),
             )
+            return self._wait_large(now, candidates, scan, need, priority, reject)
         else:
             reason, what = "kv_high_watermark", "above its high watermark"
-        return self.reject_shed(
+        reject = self.reject_shed(
             reason,
             f"The KV cache of every backend for this model is {what}"
             f" for {priority.name.lower()} requests; retry later.",
             now,
             max(excess, 0.0),
         )
+        # Also after `kv_panic`: that reason only says the request would pass panic on *some*
+        # node; `_stake` itself skips nodes that are at panic, thrashing or stale.
+        return self._wait_large(now, candidates, scan, need, priority, reject)
+
+    # --- claims -------------------------------------------------------------------------------
+
+    def _held_from(self, node_id: str, now: float, need: int, priority: Priority) -> int:
+        """Tokens a request of `need` must leave free on `node_id` for an active claim."""
+        claim = self._claims.get(node_id)
+        if (
+            claim is None
+            or not claim.binds_at <= now < claim.expires
+            or need >= self.settings.claim_use_fraction * claim.tokens
+            or priority < claim.priority
+        ):
+            return 0
+        return claim.tokens
+
+    def _wait_large(
+        self,
+        now: float,
+        candidates: Sequence[str],
+        scan: _Scan,
+        need: int,
+        priority: Priority,
+        reject: Reject,
+    ) -> Reject:
+        """A large request refused for lack of room: spread its retry, maybe stake a claim."""
+        settings = self.settings
+        if scan.max_capacity == 0 or need < settings.large_request_fraction * scan.max_capacity:
+            return reject
+        if settings.large_retry_spread:
+            reject = self._spread(now, need, reject)
+        if settings.claims:
+            self._stake(now, candidates, need, priority, reject.retry_after_s)
+        return reject
+
+    def _stake(
+        self,
+        now: float,
+        candidates: Sequence[str],
+        need: int,
+        priority: Priority,
+        retry_after_s: float,
+    ) -> None:
+        """After a refusal for lack of room, claim `need` tokens where it came closest.
+
+        A claim this request may use (same size class) is renewed rather than a second one
+        made; otherwise the unclaimed usable node with the most room gets a new claim. Nodes
+        whose claim belongs to another size class are left alone (one claim per node).
+        """
+        settings = self.settings
+        renew: str | None = None
+        fresh: str | None = None
+        renew_room = fresh_room = float("-inf")
+        large = settings.large_request_fraction
+        for node_id in candidates:
+            node = self.nodes.get(node_id)
+            if node is None or node.cap is None or need < large * node.cap:
+                continue
+            room = self._room(node, now, priority)
+            if room is None:
+                continue  # stale, thrashing or at panic: not a place to wait for
+            claim = self._claims.get(node_id)
+            if claim is None or now >= claim.expires:
+                if room > fresh_room:
+                    fresh, fresh_room = node_id, room
+            elif need >= settings.claim_use_fraction * claim.tokens and room > renew_room:
+                renew, renew_room = node_id, room
+        expires = now + retry_after_s + settings.claim_grace_s
+        binds_at = now + max(0.0, retry_after_s - settings.claim_lead_s)
+        if renew is not None:
+            claim = self._claims[renew]
+            claim.tokens = max(claim.tokens, need)
+            claim.binds_at = min(claim.binds_at, binds_at)
+            claim.expires = max(claim.expires, expires)
+            claim.priority = min(claim.priority, priority)
+        elif fresh is not None:
+            self._claims[fresh] = _Claim(need, binds_at, expires, priority)
+
+    def _spread(self, now: float, need: int, reject: Reject) -> Reject:
+        """Spread the retries of large requests over the time their backlog takes to drain.
+
+        Every large request refused in a burst would otherwise be told about the same 1-2 s
+        and come back together, so most of them use up their tries before the node has freed
+        room for them. The backlog is estimated from the large tokens refused over the last
+        ~second (each waiter retries about once a second); each refusal draws its delay
+        uniformly between the normal Retry-After and the backlog's drain time.
+        """
+        self._large_refused.add(now, need)
+        freed = self.freed_tokens_per_s(now)
+        if freed <= 0:
+            return reject
+        drain = self._large_refused.value(now) / freed
+        low = reject.retry_after_s
+        high = min(self.settings.retry_after_max_s, max(low, drain))
+        if high <= low:
+            return reject
+        return dataclasses.replace(reject, retry_after_s=self.rng.uniform(low, high))
 
     def _no_fresh(self, now: float, candidates: Sequence[str]) -> str | Reject:
         if self.settings.fail_mode == "open":
@@ -411,6 +583,7 @@ class AdaptivePolicy(BasePolicy):
         super().remove_node(node_id)
         self.limits.pop(node_id, None)
         self._controlled_at.pop(node_id, None)
+        self._claims.pop(node_id, None)
 
     def _controller_snapshot(self, now: float) -> dict[str, Any]:
         """Cluster view: budgets summed over fresh nodes; the shedding probabilities a request
@@ -442,4 +615,8 @@ class AdaptivePolicy(BasePolicy):
         limit = self.limits.get(node.node_id)
         entry["pressure"] = 0.0 if limit is None else limit.pressure
         entry["budget_tokens"] = None if limit is None else limit.budget_tokens
+        claim = self._claims.get(node.node_id)
+        active = claim is not None and now < claim.expires
+        entry["claimed_tokens"] = claim.tokens if active else 0
+        entry["claim_expires_in_s"] = claim.expires - now if active else None
         return entry
