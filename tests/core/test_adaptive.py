@@ -380,3 +380,17 @@ def test_lowered_budget_is_reported_as_the_reason() -> None:
     # Under the static standard ceiling (0.86) it would fit: the budget refused it,
     # unless the shedding draw did first.
     assert reasons <= {"budget", "kv_high_watermark"} and "budget" in reasons
+
+
+def test_a_refusal_names_panic_only_when_every_node_is_there() -> None:
+    """One hot node beside a calm one is a routing matter: the refusal of a request too big
+    for the calm node's room says so, instead of blaming a panic the cluster is not in."""
+    policy, clock = make()
+    policy.observe("hot", sample(clock, usage=0.99))
+    policy.observe("calm", sample(clock, usage=0.45))
+    too_big = admit(policy, "big", cost(3_500, 1_000), Priority.STANDARD, ("hot", "calm"))
+    assert isinstance(too_big, Reject) and too_big.reason != "kv_panic"
+    policy.observe("calm", sample(clock, usage=0.99))
+    clock.advance(0.05)
+    at_panic = admit(policy, "big2", cost(3_500, 1_000), Priority.STANDARD, ("hot", "calm"))
+    assert isinstance(at_panic, Reject) and at_panic.reason == "kv_panic"

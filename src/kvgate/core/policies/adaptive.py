@@ -122,9 +122,9 @@ class _Scan:
         "generation",
         "max_capacity",
         "max_free",
+        "max_panic_room",
         "max_room",
         "max_static_room",
-        "min_panic_room",
         "unknown_capacity",
         "usable",
         "valid_until",
@@ -140,7 +140,7 @@ class _Scan:
         self.max_room = float("-inf")  # ignoring claims: an upper bound for any request
         self.max_free = float("-inf")  # after the claims that bind this scan's request
         self.max_static_room = float("-inf")
-        self.min_panic_room = float("inf")
+        self.max_panic_room = float("-inf")
         self.at_panic = False
         self.valid_until = float("inf")
 
@@ -281,9 +281,10 @@ class AdaptivePolicy(BasePolicy):
         use_fraction = settings.claim_use_fraction
         inf = float("inf")
         fresh = usable = unknown = max_capacity = 0
-        valid_until = min_panic_room = inf
+        valid_until = inf
+        max_panic_room = -inf
         max_room = max_free = max_static_room = best_score = -inf
-        at_panic = False
+        measured = in_panic_count = 0
         best: NodeState | None = None
         for node_id in candidates:
             node = nodes_get(node_id)
@@ -313,9 +314,10 @@ class AdaptivePolicy(BasePolicy):
                 if cap > max_capacity:
                     max_capacity = cap
                 predicted = node.used + reserved(node_id)
-                min_panic_room = min(min_panic_room, panic * cap - predicted)
+                max_panic_room = max(max_panic_room, panic * cap - predicted)
+                measured += 1
                 if in_panic:
-                    at_panic = True
+                    in_panic_count += 1
                     continue
                 max_static_room = max(max_static_room, static * cap - predicted)
                 ceiling = node.dynamic_ceiling
@@ -339,9 +341,12 @@ class AdaptivePolicy(BasePolicy):
                 best, best_score = node, score
         scan.best = best
         scan.fresh, scan.usable, scan.unknown_capacity = fresh, usable, unknown
+        # "At panic" describes the cluster only when every measured node is there: one hot
+        # node among calm ones is a routing matter, not a panic.
+        at_panic = measured > 0 and in_panic_count == measured
         scan.max_capacity, scan.valid_until, scan.at_panic = max_capacity, valid_until, at_panic
         scan.max_room, scan.max_free, scan.max_static_room = max_room, max_free, max_static_room
-        scan.min_panic_room = min_panic_room
+        scan.max_panic_room = max_panic_room
         return scan
 
     def _admit_or_shed(
@@ -386,7 +391,7 @@ class AdaptivePolicy(BasePolicy):
             )
             return self._wait_large(now, candidates, scan, need, priority, reject)
         excess = need - scan.max_room if scan.max_room > float("-inf") else float(need)
-        if priority is Priority.CRITICAL or scan.at_panic or need > scan.min_panic_room:
+        if priority is Priority.CRITICAL or scan.at_panic or need > scan.max_panic_room:
             reason, what = "kv_panic", "at its panic watermark"
         elif need <= scan.max_static_room:
             reject = self.reject_shed(
