@@ -54,6 +54,9 @@ KEYS = {
 }
 #: Statuses a well-formed request may get under chaos (each with an OpenAI error body).
 ALLOWED_ERRORS = frozenset({429, 502, 503, 504})
+#: An engine's own 500 (e.g. "aborted by the engine" when the chaos monkey restarts it
+#: under a waiting request) is relayed as the engine sent it; kvgate's own 500 is a bug.
+GATEWAY_BUG_CODE = "internal_error"
 _LISTEN_RE = re.compile(r"kvgate listening on http://127\.0\.0\.1:(\d+)")
 
 #: Kinds of client behaviour and their weights.
@@ -218,6 +221,16 @@ class GatewayProcess:
 # ---- clients ---------------------------------------------------------------------------------
 
 
+def _relayed_engine_error(status: int, body: bytes) -> bool:
+    """A 500 that the engine itself answered (and kvgate relayed), not one kvgate made."""
+    if status != 500:
+        return False
+    try:
+        return orjson.loads(body)["error"]["code"] != GATEWAY_BUG_CODE
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return False
+
+
 def _headers(rng: random.Random) -> dict[str, str]:
     tenant = rng.choice(list(KEYS))
     headers = {"Authorization": f"Bearer {KEYS[tenant][0]}"}
@@ -323,7 +336,7 @@ class Clients:
                 parsed = orjson.loads(data)
                 if not parsed.get("choices") or "usage" not in parsed:
                     self.report.violation(f"complete: 200 without choices/usage: {data[:200]!r}")
-            elif resp.status in ALLOWED_ERRORS:
+            elif resp.status in ALLOWED_ERRORS or _relayed_engine_error(resp.status, data):
                 await self._check_error("complete", resp, data)
             else:
                 self.report.violation(f"complete: unexpected status {resp.status}: {data[:200]!r}")
@@ -338,7 +351,7 @@ class Clients:
             self._status(resp.status, resp)
             if resp.status == 200:
                 self._check_stream(data)
-            elif resp.status in ALLOWED_ERRORS:
+            elif resp.status in ALLOWED_ERRORS or _relayed_engine_error(resp.status, data):
                 await self._check_error("stream", resp, data)
             else:
                 self.report.violation(f"stream: unexpected status {resp.status}: {data[:200]!r}")
