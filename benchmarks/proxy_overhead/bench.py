@@ -4,9 +4,11 @@ Side by side, in one run, on one fast fake engine:
 
 - `direct`: the client talks to the engine (the TTFT baseline; no proxy CPU).
 - `nginx`: `proxy_buffering off`, HTTP/1.1 keep-alive upstream, access log off.
-- `kvgate-uvicorn`: `kvgate serve` as shipped (uvloop + httptools, aiohttp upstream, policy
-  `none` unless `--policy`, access log on, written to a file), the scraper polling the engine.
-- `kvgate-uvicorn-native`: the same with `upstream.client: native` (kvgate's lean client).
+- `kvgate-uvicorn-aiohttp`: `kvgate serve` (uvloop + httptools) with `upstream.client:
+  aiohttp`, policy `none` unless `--policy`, access log on (written to a file), the scraper
+  polling the engine.
+- `kvgate-uvicorn-native`: the same with `upstream.client: native` (the default since the
+  numbers below were taken: kvgate's keep-alive pool on httptools).
 - `kvgate-hypercorn-native`: the same app under hypercorn (the HTTP/2 server), HTTP/1.1.
 - `kvgate-granian-native`: the same app under granian's ASGI interface (if installed).
 
@@ -350,6 +352,8 @@ def start_stack(
     )
     if name.endswith("-native"):
         env["KVGATE_UPSTREAM__CLIENT"] = "native"
+    elif name.endswith("-aiohttp"):
+        env["KVGATE_UPSTREAM__CLIENT"] = "aiohttp"
     log = open(workdir / f"{name}.log", "wb")
     if name == "nginx":
         command = ["nginx", "-c", str(_nginx_conf(workdir, port, engine_port)), "-p", str(workdir)]
@@ -442,7 +446,7 @@ def run(args: argparse.Namespace) -> int:
     stacks = [
         "direct",
         "nginx",
-        "kvgate-uvicorn",
+        "kvgate-uvicorn-aiohttp",
         "kvgate-uvicorn-native",
         "kvgate-hypercorn-native",
         "kvgate-granian-native",
