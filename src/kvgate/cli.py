@@ -46,8 +46,7 @@ def _missing_extra(command: str, package: str) -> Callable[[argparse.Namespace],
     def run(args: argparse.Namespace) -> int:
         extra = EXTRAS.get(command, command)
         print(
-            f"kvgate {command} needs the Python package {package!r}: "
-            f"pip install 'kvgate[{extra}]'",
+            f"kvgate {command} needs the Python package {package!r}: pip install 'kvgate[{extra}]'",
             file=sys.stderr,
         )
         return 2
