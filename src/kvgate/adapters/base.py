@@ -11,6 +11,7 @@ per node that is the difference between ~3 nodes per core and hundreds.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -20,6 +21,8 @@ from typing import Protocol, runtime_checkable
 import aiohttp
 
 from kvgate.core.signals import NodeSample
+
+log = logging.getLogger(__name__)
 
 _LABEL_RE = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\\n]|\\.)*)"')
 
@@ -324,6 +327,39 @@ class NoAbortAPI:
         headers: Mapping[str, str] | None = None,
     ) -> bool:
         return False
+
+
+class AbortAPI:
+    """Mixin for engines with an HTTP abort endpoint that may be disabled on the server.
+
+    The first refusal (403/404/405) is remembered, so a node without the API costs one
+    call, not one per cancelled request; closing the connection stays the abort there.
+    """
+
+    abort_supported: bool = True
+
+    async def _post_abort(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        payload: Mapping[str, object],
+        headers: Mapping[str, str] | None,
+    ) -> bool:
+        if not self.abort_supported:
+            return False
+        try:
+            async with session.post(url, json=payload, headers=dict(headers or {})) as resp:
+                await resp.read()
+                if resp.status in (403, 404, 405):
+                    self.abort_supported = False
+                    log.info(
+                        "%s has no abort API (HTTP %d); relying on disconnect", url, resp.status
+                    )
+                    return False
+                return 200 <= resp.status < 300
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.debug("abort %s at %s failed: %r", payload, url, exc)
+            return False
 
 
 def grouped(series: Iterable[Series], label: str) -> dict[str, list[Series]]:

@@ -8,12 +8,12 @@ ranks (`dp_rank`) are separate pools: counts are summed and usage is capacity-we
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import aiohttp
 
 from kvgate.adapters.base import (
+    AbortAPI,
     HistogramDelta,
     MetricScanner,
     Series,
@@ -28,8 +28,6 @@ from kvgate.adapters.base import (
     total,
 )
 from kvgate.core.signals import NodeSample
-
-log = logging.getLogger(__name__)
 
 USAGE = "sglang:token_usage"
 RUNNING = "sglang:num_running_reqs"
@@ -52,14 +50,13 @@ def _max_per_rank(series: list[Series]) -> dict[str, float]:
     return {rank: max(s.value for s in group) for rank, group in grouped(series, _RANK).items()}
 
 
-class SglangAdapter:
+class SglangAdapter(AbortAPI):
     """One SGLang server (possibly several DP ranks)."""
 
     kind = "sglang"
 
     def __init__(self) -> None:
         self._itl = HistogramDelta()
-        self.abort_supported: bool = True
 
     def parse(self, page: bytes, now: float) -> NodeSample:
         found = _SCANNER.scan(page)
@@ -110,19 +107,5 @@ class SglangAdapter:
     ) -> bool:
         """`POST /abort_request {"rid": request_id}`; the request must have been sent with
         that `rid` in its body (SGLang's OpenAI server accepts a `rid` field)."""
-        if not self.abort_supported:
-            return False
         url = base_url.rstrip("/") + ABORT_PATH
-        try:
-            async with session.post(
-                url, json={"rid": request_id}, headers=dict(headers or {})
-            ) as resp:
-                await resp.read()
-                if resp.status in (403, 404, 405):
-                    self.abort_supported = False
-                    log.info("SGLang at %s refused aborts (HTTP %d)", base_url, resp.status)
-                    return False
-                return 200 <= resp.status < 300
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            log.debug("SGLang abort of %s at %s failed: %r", request_id, base_url, exc)
-            return False
+        return await self._post_abort(session, url, {"rid": request_id}, headers)

@@ -7,13 +7,13 @@ mean (see `capacity_weighted_usage`), histogram totals are summed before the del
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Mapping
 
 import aiohttp
 
 from kvgate.adapters.base import (
+    AbortAPI,
     HistogramDelta,
     MetricScanner,
     Series,
@@ -27,8 +27,6 @@ from kvgate.adapters.base import (
     total,
 )
 from kvgate.core.signals import NodeSample
-
-log = logging.getLogger(__name__)
 
 USAGE = "vllm:kv_cache_usage_perc"
 USAGE_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM v1 renamed it
@@ -58,7 +56,7 @@ def _by_engine(series: list[Series]) -> dict[str, float]:
     return out
 
 
-class VllmAdapter:
+class VllmAdapter(AbortAPI):
     """One vLLM node (API server, possibly several data-parallel engines)."""
 
     kind = "vllm"
@@ -69,7 +67,6 @@ class VllmAdapter:
         self._capacity_memo: dict[str, int | None] = {}
         #: False once the node answered 403/404 to an abort: it runs without
         #: `--enable-scale-out`, so the connection close is the only abort.
-        self.abort_supported: bool = True
 
     def parse(self, page: bytes, now: float) -> NodeSample:
         found = _SCANNER.scan(page)
@@ -137,27 +134,9 @@ class VllmAdapter:
         Only servers started with `--enable-scale-out` have this API (403 otherwise):
         the first refusal is remembered and later calls return False at once.
         """
-        if not self.abort_supported:
-            return False
-        ids = vllm_engine_ids(request_id, endpoint)
         url = base_url.rstrip("/") + ABORT_PATH
-        try:
-            async with session.post(
-                url, json={"request_ids": ids}, headers=dict(headers or {})
-            ) as resp:
-                await resp.read()
-                if resp.status in (403, 404, 405):
-                    self.abort_supported = False
-                    log.info(
-                        "vLLM at %s has no abort API (HTTP %d); relying on disconnect",
-                        base_url,
-                        resp.status,
-                    )
-                    return False
-                return 200 <= resp.status < 300
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            log.debug("vLLM abort of %s at %s failed: %r", request_id, base_url, exc)
-            return False
+        ids = vllm_engine_ids(request_id, endpoint)
+        return await self._post_abort(session, url, {"request_ids": ids}, headers)
 
 
 def vllm_engine_ids(request_id: str, endpoint: str | None) -> list[str]:
