@@ -325,36 +325,33 @@ class Clients:
             self.report.violation(f"{kind}: {status} without Retry-After")
 
     async def _complete(self, rng: random.Random) -> None:
-        assert self.session is not None
-        body = _body(rng, stream=False)
-        async with self.session.post(
-            self.url + _path(body), json=body, headers=_headers(rng)
-        ) as resp:
-            data = await resp.read()
-            self._status(resp.status, resp)
-            if resp.status == 200:
-                parsed = orjson.loads(data)
-                if not parsed.get("choices") or "usage" not in parsed:
-                    self.report.violation(f"complete: 200 without choices/usage: {data[:200]!r}")
-            elif resp.status in ALLOWED_ERRORS or _relayed_engine_error(resp.status, data):
-                await self._check_error("complete", resp, data)
-            else:
-                self.report.violation(f"complete: unexpected status {resp.status}: {data[:200]!r}")
+        await self._honest("complete", rng, stream=False)
 
     async def _stream(self, rng: random.Random) -> None:
+        await self._honest("stream", rng, stream=True)
+
+    async def _honest(self, kind: str, rng: random.Random, *, stream: bool) -> None:
+        """A well-formed request read to the end: a correct answer or a well-formed error."""
         assert self.session is not None
-        body = _body(rng, stream=True)
+        body = _body(rng, stream=stream)
         async with self.session.post(
             self.url + _path(body), json=body, headers=_headers(rng)
         ) as resp:
             data = await resp.read()
             self._status(resp.status, resp)
-            if resp.status == 200:
+            if resp.status == 200 and stream:
                 self._check_stream(data)
+            elif resp.status == 200:
+                self._check_whole(data)
             elif resp.status in ALLOWED_ERRORS or _relayed_engine_error(resp.status, data):
-                await self._check_error("stream", resp, data)
+                await self._check_error(kind, resp, data)
             else:
-                self.report.violation(f"stream: unexpected status {resp.status}: {data[:200]!r}")
+                self.report.violation(f"{kind}: unexpected status {resp.status}: {data[:200]!r}")
+
+    def _check_whole(self, data: bytes) -> None:
+        parsed = orjson.loads(data)
+        if not parsed.get("choices") or "usage" not in parsed:
+            self.report.violation(f"complete: 200 without choices/usage: {data[:200]!r}")
 
     def _check_stream(self, data: bytes) -> None:
         events = [e for e in data.split(b"\n\n") if e.strip()]
