@@ -285,13 +285,16 @@ class Gateway:
             self.policy.observe(node_id, sample)
         return len(samples)
 
+    def _draining(self) -> bool:
+        """True once shutdown began: dashboard event streams end so they never delay it."""
+        return not self.relay.accepting
+
     def _merge_dashboard(self) -> None:
         try:
             dashboard = importlib.import_module("kvgate.gateway.dashboard")
         except ImportError:
             return
-        closing = lambda: not self.relay.accepting  # noqa: E731 - drains end event streams
-        for key, app in dashboard.routes(self.state, closing=closing).items():
+        for key, app in dashboard.routes(self.state, closing=self._draining).items():
             self.routes.setdefault(key, app)
 
 
