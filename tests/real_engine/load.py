@@ -95,8 +95,11 @@ async def burst(
     """Send `n` identical long requests at once; watch the engine's metrics meanwhile."""
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    # The metrics page is read on its own client: a burst lasts longer than uvicorn's 5 s
+    # keep-alive, so a pooled connection reused afterwards can meet the server's close.
+    async with httpx.AsyncClient(timeout=10.0) as probe:
+        before = await read_metrics(probe, engine_url)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        before = await read_metrics(client, engine_url)
         started = time.monotonic()
         async with MetricsRecorder(engine_url) as recorder:
             outcomes = await asyncio.wait_for(
@@ -104,7 +107,8 @@ async def burst(
                 timeout_s,
             )
         wall = time.monotonic() - started
-        after = await read_metrics(client, engine_url)
+    async with httpx.AsyncClient(timeout=10.0) as probe:
+        after = await read_metrics(probe, engine_url)
     return BurstResult(
         list(outcomes), recorder.samples, after.preemptions_total - before.preemptions_total, wall
     )
