@@ -245,8 +245,16 @@ class StreamResult:
     errors: int = 0
 
 
-async def stream_phase(port: int, streams: int, tokens: int, duration: float) -> StreamResult:
-    """`streams` connections, each running streams back to back for `duration` seconds."""
+async def stream_phase(
+    port: int, streams: int, tokens: int, duration: float, spread_s: float = 0.02
+) -> StreamResult:
+    """`streams` connections, each running streams back to back for `duration` seconds.
+
+    The connections start `spread_s / streams` apart. Over one token period (the default)
+    they start, and then restart, in waves of `streams` requests within 20 ms, which
+    measures how a burst queues behind the proxy's per-request cost; spread over a whole
+    stream's life they arrive evenly, the steady state of `streams` concurrent streams.
+    """
     body = json.dumps(
         {"model": MODEL, "prompt": "hello world", "max_tokens": tokens, "stream": True}
     ).encode()
@@ -255,7 +263,7 @@ async def stream_phase(port: int, streams: int, tokens: int, duration: float) ->
     stop_at = time.perf_counter() + duration
 
     async def worker(offset: float) -> None:
-        await asyncio.sleep(offset)  # spread the starts over one token period
+        await asyncio.sleep(offset)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             while time.perf_counter() < stop_at:
@@ -280,7 +288,7 @@ async def stream_phase(port: int, streams: int, tokens: int, duration: float) ->
         finally:
             writer.close()
 
-    await asyncio.gather(*(worker(i * 0.02 / streams) for i in range(streams)))
+    await asyncio.gather(*(worker(i * spread_s / streams) for i in range(streams)))
     return result
 
 
@@ -415,7 +423,8 @@ def measure(name: str, engine_port: int, args: argparse.Namespace, workdir: Path
         result.requests_per_s = args.requests / wall
         profiler = _start_profiler(pid, name, args, workdir) if args.profile and pid else None
         before = cpu_seconds(pid) if pid else 0.0
-        streamed = asyncio.run(stream_phase(port, args.streams, args.tokens, args.duration))
+        spread = args.token_ms / 1e3 * (args.tokens if args.starts == "even" else 1)
+        streamed = asyncio.run(stream_phase(port, args.streams, args.tokens, args.duration, spread))
         if pid:
             result.cpu_per_1k_chunks_ms = (cpu_seconds(pid) - before) / streamed.chunks * 1e6
         if profiler is not None:
@@ -488,22 +497,20 @@ def run(args: argparse.Namespace) -> int:
     report = render(results, args)
     print(report)
     if not args.only and args.write:
-        _write_results(report)
+        _write_results(report, "bench" if args.starts == "waves" else "bench-even")
     return 0
 
 
-START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-
-
-def _write_results(report: str) -> None:
+def _write_results(report: str, marker: str) -> None:
     """Replace the table between the markers in results.md, keeping the prose around it."""
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     path = HERE / "results.md"
-    text = path.read_text() if path.exists() else f"{START}\n{END}\n"
-    if START not in text or END not in text:
-        text += f"\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{START}\n{report}{END}{tail}")
+    text = path.read_text() if path.exists() else f"{start}\n{end}\n"
+    if start not in text or end not in text:
+        text += f"\n{start}\n{end}\n"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{report}{end}{tail}")
 
 
 def _median(name: str, results: list[StackResult]) -> StackResult:
@@ -523,6 +530,12 @@ def _median(name: str, results: list[StackResult]) -> StackResult:
         default=None,
     )
     return out
+
+
+_STARTS = {
+    "waves": "in waves (all streams within one token period)",
+    "even": "evenly (spread over one stream's life)",
+}
 
 
 def render(results: list[StackResult], args: argparse.Namespace) -> str:
@@ -551,7 +564,8 @@ def render(results: list[StackResult], args: argparse.Namespace) -> str:
     setup = (
         f"{args.requests} non-streaming requests over 16 keep-alive connections; "
         f"{args.streams} concurrent streams x {args.tokens} tokens at {args.token_ms:g} ms/token "
-        f"for {args.duration:g} s; kvgate policy `{args.policy}`, access log on; "
+        f"for {args.duration:g} s, starting {_STARTS[args.starts]}; "
+        f"kvgate policy `{args.policy}`, access log on; "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')};"
         f" median of {args.rounds} interleaved rounds; {args.load}"
     )
@@ -571,6 +585,12 @@ def main() -> int:
     bench.add_argument("--token-ms", type=float, default=20.0)
     bench.add_argument("--duration", type=float, default=8.0)
     bench.add_argument("--policy", default="none")
+    bench.add_argument(
+        "--starts",
+        choices=("waves", "even"),
+        default="waves",
+        help="streams start in waves within one token period, or evenly over a stream's life",
+    )
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
     bench.add_argument("--only", help="comma-separated stacks (direct always runs)")
     bench.add_argument("--profile", action="store_true", help="py-spy the proxy while streaming")
