@@ -36,6 +36,15 @@ its page after that instant, so everything we knew at `sampled_at` is in the pag
 gauges also lag by about one iteration, and a shell that stamps the time the page *arrived*
 adds up to one scrape timeout: `reflect_margin_s` (default 0.1 s) covers both.
 
+Reflection is incremental, with the same result as re-walking every live ticket at every
+sample: a ticket's `reflected` can only change when the sample's cutoff passes one of its
+three instants (first token, the two token-count points kept), so each hold is queued on
+its node under the next such instant (re-queued when `on_first_token`/`on_tokens` change
+it) and a sample recomputes only the holds whose instant its cutoff has reached: O(changed
+tickets) per sample instead of O(live tickets). Consequently the policy learns of a first
+token or a count only through `on_first_token`/`on_tokens` (the contract's way), not from
+a ticket's fields written directly.
+
 Limits, said plainly: a request preempted by the engine loses its blocks and is no longer
 in `reported` while we count it as reflected; that is under-counting, but preemption only
 happens at KV exhaustion, which the thrashing detector turns into "no new requests to this
@@ -49,6 +58,7 @@ such a node is gated by its queue (`waiting > 0` means "full") and thrashing sig
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import random
 from collections.abc import Sequence
@@ -67,12 +77,22 @@ from kvgate.core.signals import NodeSample
 TICKET_KEY = "kvgate.key"
 
 
+_NEG_INF = float("-inf")
+
+
 class _Hold:
-    """The policy's private record of one live ticket."""
+    """The policy's private record of one live ticket.
+
+    `cut` is the cutoff at which `reflected` was last recomputed; `wake_at` the instant
+    under which the hold is queued for its next recomputation (None: not queued, because
+    nothing a later sample can show would change it); `live` is False once released.
+    """
 
     __slots__ = (
+        "cut",
         "full",
         "key",
+        "live",
         "node_id",
         "reflected",
         "ticket",
@@ -80,6 +100,7 @@ class _Hold:
         "tok_cur_at",
         "tok_prev",
         "tok_prev_at",
+        "wake_at",
     )
 
     def __init__(self, key: str, ticket: Ticket, node_id: str, full: int) -> None:
@@ -89,9 +110,12 @@ class _Hold:
         self.full = full
         self.reflected = 0
         self.tok_prev = 0
-        self.tok_prev_at = float("-inf")
+        self.tok_prev_at = _NEG_INF
         self.tok_cur = 0
-        self.tok_cur_at = float("-inf")
+        self.tok_cur_at = _NEG_INF
+        self.cut = _NEG_INF
+        self.wake_at: float | None = None
+        self.live = True
 
     def output_known_by(self, cutoff: float) -> int:
         """A lower bound of the output tokens produced by `cutoff` (two recent points kept)."""
@@ -123,6 +147,10 @@ class BasePolicy:
         self.nodes: dict[str, NodeState] = {}
         self._holds: dict[str, _Hold] = {}
         self._by_node: dict[str, dict[str, _Hold]] = {}
+        # Per node: a heap of (instant, seq, hold) - when a sample's cutoff reaches the
+        # instant, the hold's reflection may change (see "Reflection is incremental").
+        self._wakeups: dict[str, list[tuple[float, int, _Hold]]] = {}
+        self._wake_seq = itertools.count()
         self._seq = itertools.count()
         self._in_flight_tokens = 0
         self._full_by_node: dict[str, int] = {}
@@ -154,17 +182,23 @@ class BasePolicy:
     def on_first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
             ticket.first_token_at = self.clock.now()
+        hold = self._holds.get(ticket.extra.get(TICKET_KEY, ""))
+        if hold is not None:
+            self._schedule(hold, ticket.first_token_at)
 
     def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
         now = self.clock.now()
+        hold = self._holds.get(ticket.extra.get(TICKET_KEY, ""))
         if ticket.first_token_at is None:
             ticket.first_token_at = now
-        hold = self._holds.get(ticket.extra.get(TICKET_KEY, ""))
+            if hold is not None:
+                self._schedule(hold, now)
         if hold is None or output_tokens <= hold.tok_cur:
             return
         ticket.output_tokens = output_tokens
         hold.tok_prev, hold.tok_prev_at = hold.tok_cur, hold.tok_cur_at
         hold.tok_cur, hold.tok_cur_at = output_tokens, now
+        self._schedule(hold, now)
 
     def release(self, ticket: Ticket, outcome: Outcome) -> None:
         if ticket.released:
@@ -173,12 +207,14 @@ class BasePolicy:
         hold = self._holds.pop(ticket.extra.get(TICKET_KEY, ""), None)
         if hold is None:
             return
+        hold.live = False
         self.store.release(hold.node_id, hold.key)
         on_node = self._by_node.get(hold.node_id)
         if on_node is not None:
             on_node.pop(hold.key, None)
             if not on_node:
                 del self._by_node[hold.node_id]
+                self._wakeups.pop(hold.node_id, None)  # only dead holds left in it
         self._in_flight_tokens -= hold.full
         self.generation += 1
         left = self._full_by_node.get(hold.node_id, 0) - hold.full
@@ -350,21 +386,81 @@ class BasePolicy:
         return ticket
 
     def _reflect(self, node_id: str, sample: NodeSample) -> None:
-        """Lower each live ticket's reservation by what this sample already contains."""
-        on_node = self._by_node.get(node_id)
-        if not on_node or sample.kv_usage is None:
+        """Lower each live ticket's reservation by what this sample already contains.
+
+        For each live ticket whose first token came at least `reflect_margin_s` before the
+        sample: reflected = prompt + output known by then, never lowered, at most the full
+        reservation less the overhead. Only the holds queued under an instant this cutoff
+        has reached are recomputed; every other hold would come out unchanged.
+        """
+        heap = self._wakeups.get(node_id)
+        if not heap or sample.kv_usage is None:
             return
         cutoff = sample.sampled_at - self.settings.reflect_margin_s
+        if heap[0][0] > cutoff:
+            return
         overhead = self.settings.reservation_overhead_tokens
-        for hold in on_node.values():
-            first = hold.ticket.first_token_at
-            if first is None or first > cutoff:
-                continue
-            reflected = hold.ticket.cost.prompt_tokens + hold.output_known_by(cutoff)
-            reflected = min(max(reflected, hold.reflected), hold.full - overhead)
-            if reflected != hold.reflected:
-                hold.reflected = reflected
-                self.store.update(node_id, hold.key, hold.full - reflected)
+        update = self.store.update
+        pop = heapq.heappop
+        while heap and heap[0][0] <= cutoff:
+            at, _, hold = pop(heap)
+            if not hold.live or hold.wake_at != at:
+                continue  # released, or queued again under another instant since
+            hold.wake_at = None
+            ticket = hold.ticket
+            first = ticket.first_token_at
+            if first is not None and first <= cutoff:
+                if hold.tok_cur_at <= cutoff:
+                    known = hold.tok_cur
+                elif hold.tok_prev_at <= cutoff:
+                    known = hold.tok_prev
+                else:
+                    known = 0
+                reflected = ticket.cost.prompt_tokens + known
+                if reflected < hold.reflected:
+                    reflected = hold.reflected
+                most = hold.full - overhead
+                if reflected > most:
+                    reflected = most
+                if reflected != hold.reflected:
+                    hold.reflected = reflected
+                    update(node_id, hold.key, hold.full - reflected)
+            hold.cut = cutoff
+            self._schedule(hold)
+
+    def _schedule(self, hold: _Hold, touched_at: float | None = None) -> None:
+        """Queue `hold` under the next instant at which a sample could change its reflection.
+
+        From its last recomputation's cutoff (`cut`) up to the next of its instants (first
+        token, previous and current token-count times) after `cut`, what a sample reflects
+        of it is constant, so no sample before that instant needs to look at it; with no
+        such instant it is settled. `touched_at` is the instant `on_first_token`/`on_tokens`
+        just wrote: if it is not after `cut` (a zero margin, a count taken at the cutoff's
+        very time) the next sample looks. A fully reflected hold never changes again.
+        """
+        if hold.reflected >= hold.full - self.settings.reservation_overhead_tokens:
+            return
+        first = hold.ticket.first_token_at
+        if first is None:
+            return  # nothing to reflect before a first token; on_first_token queues it
+        cut = hold.cut
+        wake: float | None = None
+        if touched_at is not None and touched_at <= cut:
+            wake = cut
+        else:
+            for instant in (first, hold.tok_prev_at, hold.tok_cur_at):
+                if instant > cut and (wake is None or instant < wake):
+                    wake = instant
+            if wake is None:
+                return  # settled until on_tokens changes it
+        queued = hold.wake_at
+        if queued is not None and queued <= wake:
+            return  # already queued no later than needed; that look re-queues it
+        hold.wake_at = wake
+        heap = self._wakeups.get(hold.node_id)
+        if heap is None:
+            heap = self._wakeups[hold.node_id] = []
+        heapq.heappush(heap, (wake, next(self._wake_seq), hold))
 
     def _refresh_level(self, node_id: str) -> None:
         """Move the node's watermark state (with hysteresis) after its usage changed."""
