@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
-from conftest import FakeEngine
+from conftest import FakeEngine, eventually
 
 from gateway.helpers import RawClient
 
@@ -99,3 +100,43 @@ async def test_many_concurrent_disconnects_leave_nothing_behind(
     for i in range(20):
         await fake_engine.wait_closed(f"many-{i}", within=3.0)
     # the gateway fixture asserts in-flight 0 and no unreleased ticket afterwards
+
+
+async def test_sglang_requests_carry_the_id_its_abort_api_names(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    """SGLang aborts by the `rid` a request carried: the gateway puts its id there, and a
+    client that leaves gets exactly that id aborted (besides the closed connection)."""
+    backends = [{"url": fake_engine.url, "engine": "sglang"}]
+    gw = await gateway_factory([], overrides={"backends": backends})
+    rid = "cancel-sglang"
+    client = await RawClient.post(
+        gw.url,
+        "/v1/completions",
+        {"model": "fake-model", "prompt": "p", "stream": True, "rid": "the-clients-own",
+         "fake": {"interval": 0.02, "chunks": 500}},
+        {"x-request-id": rid},
+    )  # fmt: skip
+    await client.read_until(b"data: ", count=3)
+    assert fake_engine.by_id(rid).json["rid"] == rid
+    client.drop()
+    await fake_engine.wait_closed(rid, within=3.0)
+
+    def aborted() -> list[object]:
+        return [r.json for r in fake_engine.requests if r.path == "/abort_request"]
+
+    assert await eventually(lambda: aborted() == [{"rid": rid}], 3.0), aborted()
+
+
+async def test_vllm_requests_are_relayed_without_an_id_field(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            gw.url + "/v1/completions",
+            json={"model": "fake-model", "prompt": "p", "max_tokens": 3},
+            headers={"x-request-id": "plain-vllm"},
+        )
+    assert response.status_code == 200
+    assert "rid" not in fake_engine.by_id("plain-vllm").json

@@ -292,6 +292,10 @@ class EngineAdapter(Protocol):
     """
 
     kind: str
+    #: A body field the engine takes as the request's id, for engines whose abort API can
+    #: only name a request by an id the request itself carried (SGLang's `rid`); None when
+    #: the engine learns the id from the `X-Request-Id` header or needs none.
+    request_id_field: str | None
 
     def parse(self, page: bytes, now: float) -> NodeSample:
         """Raise `MetricsParseError` (and nothing else) on any unusable page."""
@@ -316,6 +320,7 @@ class NoAbortAPI:
     """Mixin for engines whose only abort is closing the upstream connection."""
 
     abort_supported: bool = False
+    request_id_field: str | None = None
 
     async def abort(
         self,
@@ -337,6 +342,7 @@ class AbortAPI:
     """
 
     abort_supported: bool = True
+    request_id_field: str | None = None
 
     async def _post_abort(
         self,

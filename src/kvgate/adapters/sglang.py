@@ -54,6 +54,8 @@ class SglangAdapter(AbortAPI):
     """One SGLang server (possibly several DP ranks)."""
 
     kind = "sglang"
+    # SGLang names requests by the `rid` they were sent with; the proxy puts its id there.
+    request_id_field = "rid"
 
     def __init__(self) -> None:
         self._itl = HistogramDelta()
@@ -105,7 +107,7 @@ class SglangAdapter(AbortAPI):
         endpoint: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> bool:
-        """`POST /abort_request {"rid": request_id}`; the request must have been sent with
-        that `rid` in its body (SGLang's OpenAI server accepts a `rid` field)."""
+        """`POST /abort_request {"rid": request_id}`. The proxy sent the request with that
+        `rid` in its body (`request_id_field`; SGLang's OpenAI server accepts the field)."""
         url = base_url.rstrip("/") + ABORT_PATH
         return await self._post_abort(session, url, {"rid": request_id}, headers)

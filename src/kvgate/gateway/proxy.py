@@ -382,6 +382,9 @@ class Relay:
             "?" + scope["query_string"].decode() if scope["query_string"] else ""
         )
         headers = request_headers(scope["headers"], ex.request_id, _DROP_REQUEST)
+        id_field = backend.adapter.request_id_field
+        if id_field is not None and parsed is not None:
+            body = _with_field(body, id_field, ex.request_id)
         response: UpstreamResponse | None = None
         clean = False
         cscope.deadline(self.upstream.first_byte_timeout_s, "first_byte_timeout")
@@ -654,6 +657,14 @@ def _request_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[str, str | 
             declared = int(value)
     # 128 random bits without the syscall `uuid4()` makes: ids need to be unique, not secret.
     return rid or f"{random.getrandbits(128):032x}", priority, declared
+
+
+def _with_field(body: bytes, name: str, value: str) -> bytes:
+    """The JSON body with `name` set to `value`, e.g. SGLang's `rid`, which its abort API
+    needs: the gateway's id replaces any the client sent, or the abort would miss."""
+    data = orjson.loads(body)
+    data[name] = value
+    return orjson.dumps(data)
 
 
 async def _read_body(receive: Receive, limit: int, declared: int | None) -> bytes:
