@@ -140,3 +140,44 @@ async def test_vllm_requests_are_relayed_without_an_id_field(
         )
     assert response.status_code == 200
     assert "rid" not in fake_engine.by_id("plain-vllm").json
+
+
+async def test_a_client_that_leaves_mid_stream_is_counted_with_what_it_was_sent(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    """The relay's own account of a departed stream: the events it had relayed before the
+    client left (at most what the engine sent), none read from upstream afterwards, and the
+    same numbers on `/metrics`, so a benchmark can tell unread tokens from zombie tokens."""
+    gw = await gateway_factory([fake_engine.url])
+    rid = "gone-mid-stream"
+    client = await RawClient.post(
+        gw.url,
+        "/v1/completions",
+        {"model": "fake-model", "prompt": "p", "stream": True,
+         "fake": {"interval": 0.02, "chunks": 500}},
+        {"x-request-id": rid},
+    )  # fmt: skip
+    await client.read_until(b"data: ", count=5)
+    client.drop()
+    await _propagation(fake_engine, client, rid)
+    sent = fake_engine.by_id(rid).chunks_sent
+    m = gw.gateway.metrics
+    assert await eventually(lambda: m.client_gone_streams == 1)
+    assert 5 <= m.client_gone_events <= sent < 500
+    assert m.events_after_client_gone == 0
+    page = m.render()
+    assert b"kvgate_client_gone_streams_total 1.0" in page
+    assert f"kvgate_client_gone_stream_events_total {m.client_gone_events}.0".encode() in page
+    assert b"kvgate_events_after_client_gone_total 0.0" in page
+
+
+async def test_a_stream_read_to_its_end_is_not_counted_as_gone(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    gw = await gateway_factory([fake_engine.url])
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+        body = {"model": "fake-model", "prompt": "p", "stream": True, "fake": {"chunks": 20}}
+        resp = await http.post("/v1/completions", json=body)
+    assert resp.status_code == 200 and resp.text.count("data: ") >= 20
+    m = gw.gateway.metrics
+    assert (m.client_gone_streams, m.client_gone_events) == (0, 0)

@@ -107,6 +107,10 @@ class Exchange:
     completion_tokens: int | None = None
     retried: bool = False
     estimated_prompt: int = 0
+    # SSE data events relayed so far (a stream's tokens, or more when an engine merges
+    # several into one event), and those received after the client's disconnect was noticed.
+    events: int = 0
+    events_after_disconnect: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,6 +445,12 @@ class Relay:
             ex.ending = "client_cancel"
             if ex.first_byte_at is None:
                 ex.status = 499
+            if ex.streamed:
+                self.metrics.observe_client_gone_stream(
+                    ex.events - ex.events_after_disconnect, ex.events_after_disconnect
+                )
+                if ex.completion_tokens is None:
+                    ex.completion_tokens = ex.events or None
             return
         ex.ending = "shutdown" if reason == "shutdown" else "upstream_error"
         if reason != "shutdown":
@@ -541,7 +551,10 @@ class Relay:
                     events += found
                     if _DONE in chunk:
                         done_marks += chunk.count(_DONE)
-                    policy.on_tokens(ticket, events - done_marks)
+                    ex.events = events - done_marks
+                    if ex.disconnected_at is not None:
+                        ex.events_after_disconnect += found
+                    policy.on_tokens(ticket, ex.events)
                     if _PROMPT_TOKENS in chunk:
                         self._learn_usage(ex, parsed, _usage_from_sse(chunk))
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

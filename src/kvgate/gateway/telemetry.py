@@ -55,6 +55,12 @@ class GatewayMetrics:
         self.cancellations: defaultdict[str, int] = defaultdict(int)
         self.admissions: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self.retries = 0
+        # Streams whose client left mid-stream: the SSE data events relayed to those clients
+        # before they left (they may not have read them all), and any received from the
+        # upstream after the disconnect was noticed (the relay stops reading at once: 0).
+        self.client_gone_streams = 0
+        self.client_gone_events = 0
+        self.events_after_client_gone = 0
         self._ttfb = Histogram(
             "kvgate_time_to_first_byte_seconds",
             "From request arrival to the first response byte sent to the client.",
@@ -109,6 +115,12 @@ class GatewayMetrics:
         self.cancellations[stage] += 1
         self._cancel.observe(seconds)
 
+    def observe_client_gone_stream(self, relayed: int, after_disconnect: int) -> None:
+        """A stream ended by its client's disconnect, after `relayed` data events."""
+        self.client_gone_streams += 1
+        self.client_gone_events += relayed
+        self.events_after_client_gone += after_disconnect
+
     def observe_retry_after(self, seconds: float) -> None:
         self.retry_after_count += 1
         self.retry_after_sum_s += seconds
@@ -126,6 +138,9 @@ class GatewayMetrics:
             "cancellations": dict(self.cancellations),
             "admissions": {"|".join(k): v for k, v in self.admissions.items()},
             "retries": self.retries,
+            "client_gone_streams": self.client_gone_streams,
+            "client_gone_events": self.client_gone_events,
+            "events_after_client_gone": self.events_after_client_gone,
             "retry_after_count": self.retry_after_count,
             "retry_after_sum_s": round(self.retry_after_sum_s, 3),
         }
@@ -169,6 +184,7 @@ class _SnapshotCollector(Collector):
         )
         retries.add_metric([], m.retries)
         yield retries
+        yield from _client_gone_metrics(m)
         if m.policy_snapshot is not None:
             yield from _policy_metrics(_safe(m.policy_snapshot))
         if m.scraper_stats is not None:
@@ -198,6 +214,31 @@ class _SnapshotCollector(Collector):
                 buckets.append(("+Inf" if bound == math.inf else str(bound), cumulative))
             family.add_metric([node_id], buckets, sum_value=float(node.latency_sum_s))
         return family
+
+
+def _client_gone_metrics(m: GatewayMetrics) -> Iterator[Metric]:
+    """What the relay saw of streams whose client left: the measure behind zombie tokens."""
+    for name, doc, value in (
+        (
+            "kvgate_client_gone_streams",
+            "Streams whose client disconnected before the end.",
+            m.client_gone_streams,
+        ),
+        (
+            "kvgate_client_gone_stream_events",
+            "SSE data events relayed to clients before they disconnected mid-stream.",
+            m.client_gone_events,
+        ),
+        (
+            "kvgate_events_after_client_gone",
+            "SSE data events received from the upstream after a client disconnect was"
+            " noticed (the relay stops reading at once: expected 0).",
+            m.events_after_client_gone,
+        ),
+    ):
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], value)
+        yield family
 
 
 def _safe(fn: SnapshotFn) -> Mapping[str, Any]:
