@@ -365,6 +365,13 @@ def start_stack(
     log = open(workdir / f"{name}.log", "wb")
     if name == "nginx":
         command = ["nginx", "-c", str(_nginx_conf(workdir, port, engine_port)), "-p", str(workdir)]
+    elif name == "floor-uvicorn-h1pool":
+        env["FLOOR_UPSTREAM"] = f"http://127.0.0.1:{engine_port}"
+        command = [
+            sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "floor_app:app",
+            "--port", str(port), "--loop", "uvloop", "--http", "httptools",
+            "--no-access-log", "--log-level", "warning",
+        ]  # fmt: skip
     elif name.startswith("kvgate-granian"):
         env["KVGATE_BENCH_ACCESS_LOG"] = str(workdir / f"{name}.access.log")
         command = [
@@ -459,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
         "kvgate-uvicorn-native",
         "kvgate-hypercorn-native",
         "kvgate-granian-native",
+        "floor-uvicorn-h1pool",
     ]
     if shutil.which("nginx") is None:
         stacks.remove("nginx")
