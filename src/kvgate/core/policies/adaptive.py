@@ -93,6 +93,10 @@ from kvgate.core.settings import AdmissionSettings
 _UNKNOWN_HEADROOM = -1.0
 # Candidate lists whose last scan is remembered (one per model and priority in practice).
 _SCAN_CACHE_SIZE = 256
+_SHED_MESSAGES = {
+    q: f"The KV cache is above its target; {q.name.lower()} requests are being shed. Retry later."
+    for q in Priority
+}
 
 
 class _Claim:
@@ -188,8 +192,9 @@ class AdaptivePolicy(BasePolicy):
     def _decide(
         self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
     ) -> str | Reject:
-        need = self.reservation_for(cost)
-        if len(candidates) >= self.settings.p2c_min_nodes:
+        settings = self.settings
+        need = cost.prompt_tokens + cost.max_output_tokens + settings.reservation_overhead_tokens
+        if len(candidates) >= settings.p2c_min_nodes:
             node = self._two_choices(now, candidates, need, priority)
             if node is not None:
                 return self._admit_or_shed(now, node, priority, need)
@@ -242,22 +247,49 @@ class AdaptivePolicy(BasePolicy):
     def _two_choices(
         self, now: float, candidates: Sequence[str], need: int, priority: Priority
     ) -> NodeState | None:
+        """The better of two random candidates that fit (`_room`, `_held_from`, `_score`
+        inlined: this runs for nearly every request)."""
         n = len(candidates)
-        i = self.rng.randrange(n)
-        j = self.rng.randrange(n - 1)
+        randrange = self.rng.randrange
+        i = randrange(n)
+        j = randrange(n - 1)
+        settings = self.settings
+        stale_after = settings.stale_after_s
+        failures_to_stale = settings.failures_to_stale
+        static = self._ceilings[priority]
+        critical = priority is Priority.CRITICAL
+        nodes_get = self.nodes.get
+        claims = self._claims
         best: NodeState | None = None
         best_score = float("-inf")
         for node_id in (candidates[i], candidates[j + (j >= i)]):
-            node = self.nodes.get(node_id)
+            node = nodes_get(node_id)
             if node is None:
                 continue
-            room = self._room(node, now, priority)
-            if room is None:
+            sample = node.sample
+            if (
+                sample is None
+                or node.thrashing
+                or node.level == LEVEL_PANIC
+                or now - sample.sampled_at > stale_after
+                or node.consecutive_failures >= failures_to_stale
+            ):
                 continue
-            room -= self._held_from(node_id, now, need, priority)
+            cap = node.cap
+            if cap is None:
+                if sample.waiting != 0:
+                    continue
+                room = float("inf")
+            else:
+                ceiling = static
+                if not critical and node.dynamic_ceiling < ceiling:
+                    ceiling = node.dynamic_ceiling
+                room = ceiling * cap - node.used - self.store.reserved(node_id)
+            if claims:
+                room -= self._held_from(node_id, now, need, priority)
             if room < need:
                 continue
-            score = self._score(node, room, need)
+            score = _UNKNOWN_HEADROOM if cap is None else (room - need) / cap
             if score > best_score:
                 best, best_score = node, score
         return best
@@ -277,7 +309,7 @@ class AdaptivePolicy(BasePolicy):
         critical = priority is Priority.CRITICAL
         nodes_get = self.nodes.get
         reserved = self.store.reserved
-        claims_get = self._claims.get
+        claims = self._claims
         use_fraction = settings.claim_use_fraction
         inf = float("inf")
         fresh = usable = unknown = max_capacity = 0
@@ -314,17 +346,21 @@ class AdaptivePolicy(BasePolicy):
                 if cap > max_capacity:
                     max_capacity = cap
                 predicted = node.used + reserved(node_id)
-                max_panic_room = max(max_panic_room, panic * cap - predicted)
+                panic_room = panic * cap - predicted
+                if panic_room > max_panic_room:
+                    max_panic_room = panic_room
                 measured += 1
                 if in_panic:
                     in_panic_count += 1
                     continue
-                max_static_room = max(max_static_room, static * cap - predicted)
+                static_room = static * cap - predicted
+                if static_room > max_static_room:
+                    max_static_room = static_room
                 ceiling = node.dynamic_ceiling
                 if critical or ceiling > static:
                     ceiling = static
                 room = free = ceiling * cap - predicted
-                claim = claims_get(node_id)
+                claim = claims.get(node_id) if claims else None
                 if (
                     claim is not None
                     and claim.binds_at <= now < claim.expires
@@ -352,13 +388,23 @@ class AdaptivePolicy(BasePolicy):
     def _admit_or_shed(
         self, now: float, node: NodeState, priority: Priority, need: int
     ) -> str | Reject:
-        shed = self._shed_by_controller(now, node, priority, need)
-        if shed is not None:
-            return shed
-        claim = self._claims.get(node.node_id)
-        if claim is not None and need >= self.settings.claim_use_fraction * claim.tokens:
-            del self._claims[node.node_id]  # the class it held room for got in
-        return node.node_id
+        node_id = node.node_id
+        if priority is not Priority.CRITICAL:  # `_shed_probability`, inlined
+            limit = self.limits.get(node_id)
+            if limit is not None:
+                pressure = limit.pressure
+                if priority is Priority.SHEDDABLE:
+                    probability = min(1.0, 2.0 * pressure)
+                else:
+                    probability = max(0.0, 2.0 * pressure - 1.0)
+                if probability > 0 and self.rng.random() < probability:
+                    return self._controller_shed(now, node, limit, priority, need)
+        claims = self._claims
+        if claims:
+            claim = claims.get(node_id)
+            if claim is not None and need >= self.settings.claim_use_fraction * claim.tokens:
+                del claims[node_id]  # the class it held room for got in
+        return node_id
 
     def _refuse(
         self, now: float, candidates: Sequence[str], scan: _Scan, need: int, priority: Priority
@@ -530,21 +576,20 @@ class AdaptivePolicy(BasePolicy):
     def _shed_by_controller(
         self, now: float, node: NodeState, priority: Priority, need: int
     ) -> Reject | None:
+        """The controller's draw for a request routed to `node`: a refusal, or None."""
         probability = self._shed_probability(node.node_id, priority)
         if probability > 0 and self.rng.random() < probability:
-            limit = self.limits[node.node_id]
-            excess = need
-            predicted = self.predicted_tokens(node)
-            if node.cap is not None and predicted is not None:
-                excess += max(0.0, predicted - limit.setpoint * node.cap)
-            return self.reject_shed(
-                "kv_high_watermark",
-                f"The KV cache is above its target; {priority.name.lower()}"
-                " requests are being shed. Retry later.",
-                now,
-                excess,
-            )
+            return self._controller_shed(now, node, self.limits[node.node_id], priority, need)
         return None
+
+    def _controller_shed(
+        self, now: float, node: NodeState, limit: TokenLimit, priority: Priority, need: int
+    ) -> Reject:
+        excess = need
+        predicted = self.predicted_tokens(node)
+        if node.cap is not None and predicted is not None:
+            excess += max(0.0, predicted - limit.setpoint * node.cap)
+        return self.reject_shed("kv_high_watermark", _SHED_MESSAGES[priority], now, excess)
 
     def pressure(self, node_id: str) -> float:
         limit = self.limits.get(node_id)
