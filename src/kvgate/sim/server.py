@@ -60,15 +60,26 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
 
 
 class _Stream:
-    """Where the engine loop leaves a request's progress for its handler."""
+    """Where the engine loop leaves a request's progress for its handler.
 
-    __slots__ = ("aborted", "event", "finish_reason", "tokens")
+    `orphaned`: the handler is gone but the engine has not yet reported the request's end
+    (its abort is applied when a step begins and reported when that step ends; a zombie
+    runs to its finish). The stream keeps its engine id taken until that report.
+    """
+
+    __slots__ = ("aborted", "event", "finish_reason", "orphaned", "tokens")
 
     def __init__(self) -> None:
         self.tokens = 0
         self.finish_reason: str | None = None
         self.aborted = False
+        self.orphaned = False
         self.event = asyncio.Event()
+
+    @property
+    def ended(self) -> bool:
+        """The engine reported this request's end (finished or aborted)."""
+        return self.finish_reason is not None or self.aborted
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +112,7 @@ class SimServer:
         self.chars_per_token = chars_per_token
         self.time_scale = time_scale
         self.metrics = MetricsPage(engine, model_name, engine_label, preset)
+        # Engine id -> its stream, from `add_request` until the engine *reported* the end.
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -145,6 +157,11 @@ class SimServer:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    @property
+    def open_requests(self) -> int:
+        """Requests whose end the engine has not reported yet, with or without a handler."""
+        return len(self._streams)
+
     def now(self) -> float:
         """Engine time: seconds since start, divided by the time scale."""
         return (time.monotonic() - self._t0) / self.time_scale
@@ -161,6 +178,7 @@ class SimServer:
             for stream in self._streams.values():
                 stream.aborted = True
                 stream.event.set()
+            self._streams = {k: s for k, s in self._streams.items() if not s.orphaned}
 
     async def _run_engine(self) -> None:
         engine = self.engine
@@ -188,15 +206,22 @@ class SimServer:
                 stream.tokens += 1
                 stream.event.set()
         for done in result.finished:
-            stream = streams.get(done.request_id)
-            if stream is not None:
-                stream.finish_reason = done.reason
-                stream.event.set()
+            self._end(done.request_id, done.reason)
         for rid in result.aborted:
-            stream = streams.get(rid)
-            if stream is not None:
-                stream.aborted = True
-                stream.event.set()
+            self._end(rid, None)
+
+    def _end(self, engine_id: str, finish_reason: str | None) -> None:
+        """The engine reported a request's end: wake its handler, or free an orphan's id."""
+        stream = self._streams.get(engine_id)
+        if stream is None:
+            return
+        if finish_reason is None:
+            stream.aborted = True
+        else:
+            stream.finish_reason = finish_reason
+        stream.event.set()
+        if stream.orphaned:
+            del self._streams[engine_id]
 
     # ------------------------------------------------------------------ middleware
     @web.middleware
@@ -333,10 +358,7 @@ class SimServer:
     ) -> web.StreamResponse:
         if self.failure is not None:
             return error_response(500, f"the simulated engine failed: {self.failure!r}")
-        if engine_id in self.engine:
-            # A reused X-Request-Id (e.g. a retry racing its aborted predecessor).
-            self._id_counter += 1
-            engine_id = f"{engine_id}-dup{self._id_counter}"
+        engine_id = self._unused(engine_id)
         try:
             self.engine.add_request(
                 engine_id,
@@ -352,19 +374,36 @@ class SimServer:
         stream = _Stream()
         self._streams[engine_id] = stream
         self._wake.set()
-        finished = False
         try:
             if p.stream:
-                response = await self._stream_out(request, p, stream, public_id, chat)
-            else:
-                response = await self._whole(p, stream, public_id, chat)
-            finished = stream.finish_reason is not None
-            return response
+                return await self._stream_out(request, p, stream, public_id, chat)
+            return await self._whole(p, stream, public_id, chat)
         finally:
+            self._leave(engine_id, stream)
+
+    def _unused(self, engine_id: str) -> str:
+        """`engine_id`, or a `-dupN` variant while a namesake's end is not yet reported.
+
+        A reused X-Request-Id is normal: kvgate resends a request with the same id on a
+        fresh connection when the first was reset before any answer. The predecessor's
+        abort is applied when a step begins (the engine forgets the id) but reported when
+        that step ends; a successor that took the bare id in between would be handed the
+        predecessor's abort, so the id stays taken until the report (`_end`).
+        """
+        if engine_id in self.engine or engine_id in self._streams:
+            self._id_counter += 1
+            return f"{engine_id}-dup{self._id_counter}"
+        return engine_id
+
+    def _leave(self, engine_id: str, stream: _Stream) -> None:
+        """The handler is done: free the id if the engine reported the end, else disconnect
+        (the engine aborts at its next step) and leave the stream as an orphan until then."""
+        if stream.ended:
             del self._streams[engine_id]
-            if not finished and engine_id in self.engine:
-                self.engine.disconnect(engine_id)
-                self._wake.set()
+            return
+        stream.orphaned = True
+        self.engine.disconnect(engine_id)
+        self._wake.set()
 
     async def _whole(self, p: _Parsed, stream: _Stream, public_id: str, chat: bool) -> web.Response:
         while stream.finish_reason is None and not stream.aborted:
