@@ -628,10 +628,12 @@ class VirtualCluster:
             # What the replica has learned from its streams since the last update. Done
             # every `token_update_interval_s`, not per token: O(streams) per update.
             self._next_token_update[g] = now + self.config.token_update_interval_s
+            on_tokens = policy.on_tokens
             for i, live in enumerate(self._streaming[g]):
-                engine = self.engines[i]
-                for rid, attempt in live.items():
-                    policy.on_tokens(attempt.ticket, engine.output_tokens(rid))
+                if live:
+                    output_tokens = self.engines[i].output_tokens
+                    for rid, attempt in live.items():
+                        on_tokens(attempt.ticket, output_tokens(rid))
         for i, sample in enumerate(samples):
             policy.observe(self.node_ids[i], sample)
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,6 +127,20 @@ class _Hold:
         return 0
 
 
+class _Wakeups:
+    """One node's holds queued under instants: a FIFO for instants that arrive in order
+    (the common case: a count taken now) and a heap for the rest. Both O(1)-ish to pop."""
+
+    __slots__ = ("fifo", "heap")
+
+    def __init__(self) -> None:
+        self.fifo: deque[tuple[float, _Hold]] = deque()
+        self.heap: list[tuple[float, int, _Hold]] = []
+
+    def __len__(self) -> int:
+        return len(self.fifo) + len(self.heap)
+
+
 class BasePolicy:
     """Shared machinery; subclasses implement `_decide` (and optionally the hooks)."""
 
@@ -147,9 +162,9 @@ class BasePolicy:
         self.nodes: dict[str, NodeState] = {}
         self._holds: dict[str, _Hold] = {}
         self._by_node: dict[str, dict[str, _Hold]] = {}
-        # Per node: a heap of (instant, seq, hold) - when a sample's cutoff reaches the
-        # instant, the hold's reflection may change (see "Reflection is incremental").
-        self._wakeups: dict[str, list[tuple[float, int, _Hold]]] = {}
+        # Per node: holds queued under an instant - when a sample's cutoff reaches it, the
+        # hold's reflection may change (see "Reflection is incremental").
+        self._wakeups: dict[str, _Wakeups] = {}
         self._wake_seq = itertools.count()
         self._seq = itertools.count()
         self._in_flight_tokens = 0
@@ -196,8 +211,10 @@ class BasePolicy:
         if hold is None or output_tokens <= hold.tok_cur:
             return
         ticket.output_tokens = output_tokens
-        hold.tok_prev, hold.tok_prev_at = hold.tok_cur, hold.tok_cur_at
-        hold.tok_cur, hold.tok_cur_at = output_tokens, now
+        hold.tok_prev = hold.tok_cur
+        hold.tok_prev_at = hold.tok_cur_at
+        hold.tok_cur = output_tokens
+        hold.tok_cur_at = now
         self._schedule(hold, now)
 
     def release(self, ticket: Ticket, outcome: Outcome) -> None:
@@ -393,40 +410,44 @@ class BasePolicy:
         reservation less the overhead. Only the holds queued under an instant this cutoff
         has reached are recomputed; every other hold would come out unchanged.
         """
-        heap = self._wakeups.get(node_id)
-        if not heap or sample.kv_usage is None:
+        queued = self._wakeups.get(node_id)
+        if queued is None or sample.kv_usage is None:
             return
         cutoff = sample.sampled_at - self.settings.reflect_margin_s
-        if heap[0][0] > cutoff:
-            return
-        overhead = self.settings.reservation_overhead_tokens
-        update = self.store.update
-        pop = heapq.heappop
+        fifo, heap = queued.fifo, queued.heap
+        while fifo and fifo[0][0] <= cutoff:
+            at, hold = fifo.popleft()
+            if hold.live and hold.wake_at == at:  # else released, or queued again since
+                self._recompute(node_id, hold, cutoff)
         while heap and heap[0][0] <= cutoff:
-            at, _, hold = pop(heap)
-            if not hold.live or hold.wake_at != at:
-                continue  # released, or queued again under another instant since
-            hold.wake_at = None
-            ticket = hold.ticket
-            first = ticket.first_token_at
-            if first is not None and first <= cutoff:
-                if hold.tok_cur_at <= cutoff:
-                    known = hold.tok_cur
-                elif hold.tok_prev_at <= cutoff:
-                    known = hold.tok_prev
-                else:
-                    known = 0
-                reflected = ticket.cost.prompt_tokens + known
-                if reflected < hold.reflected:
-                    reflected = hold.reflected
-                most = hold.full - overhead
-                if reflected > most:
-                    reflected = most
-                if reflected != hold.reflected:
-                    hold.reflected = reflected
-                    update(node_id, hold.key, hold.full - reflected)
-            hold.cut = cutoff
-            self._schedule(hold)
+            at, _, hold = heapq.heappop(heap)
+            if hold.live and hold.wake_at == at:
+                self._recompute(node_id, hold, cutoff)
+
+    def _recompute(self, node_id: str, hold: _Hold, cutoff: float) -> None:
+        """The walk's formula for one hold at one cutoff; re-queue it unless settled."""
+        hold.wake_at = None
+        ticket = hold.ticket
+        first = ticket.first_token_at
+        if first is not None and first <= cutoff:
+            if hold.tok_cur_at <= cutoff:
+                known = hold.tok_cur
+            elif hold.tok_prev_at <= cutoff:
+                known = hold.tok_prev
+            else:
+                known = 0
+            reflected = ticket.cost.prompt_tokens + known
+            if reflected < hold.reflected:
+                reflected = hold.reflected
+            most = hold.full - self.settings.reservation_overhead_tokens
+            if reflected > most:
+                reflected = most
+            if reflected != hold.reflected:
+                hold.reflected = reflected
+                self.store.update(node_id, hold.key, hold.full - reflected)
+        hold.cut = cutoff
+        if first is None or first > cutoff or hold.tok_cur_at > cutoff:
+            self._schedule(hold)  # else settled: every instant is at or before the cutoff
 
     def _schedule(self, hold: _Hold, touched_at: float | None = None) -> None:
         """Queue `hold` under the next instant at which a sample could change its reflection.
@@ -444,23 +465,31 @@ class BasePolicy:
         if first is None:
             return  # nothing to reflect before a first token; on_first_token queues it
         cut = hold.cut
-        wake: float | None = None
+        wake: float | None
         if touched_at is not None and touched_at <= cut:
             wake = cut
         else:
-            for instant in (first, hold.tok_prev_at, hold.tok_cur_at):
-                if instant > cut and (wake is None or instant < wake):
-                    wake = instant
+            wake = hold.tok_prev_at  # the earliest instant after `cut` (prev_at <= cur_at)
+            if wake <= cut:
+                wake = hold.tok_cur_at
+                if wake <= cut:
+                    wake = None
+            if first > cut and (wake is None or first < wake):
+                wake = first
             if wake is None:
                 return  # settled until on_tokens changes it
         queued = hold.wake_at
         if queued is not None and queued <= wake:
             return  # already queued no later than needed; that look re-queues it
         hold.wake_at = wake
-        heap = self._wakeups.get(hold.node_id)
-        if heap is None:
-            heap = self._wakeups[hold.node_id] = []
-        heapq.heappush(heap, (wake, next(self._wake_seq), hold))
+        queue = self._wakeups.get(hold.node_id)
+        if queue is None:
+            queue = self._wakeups[hold.node_id] = _Wakeups()
+        fifo = queue.fifo
+        if not fifo or fifo[-1][0] <= wake:
+            fifo.append((wake, hold))
+        else:
+            heapq.heappush(queue.heap, (wake, next(self._wake_seq), hold))
 
     def _refresh_level(self, node_id: str) -> None:
         """Move the node's watermark state (with hysteresis) after its usage changed."""
