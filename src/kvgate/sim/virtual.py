@@ -259,22 +259,25 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+# A client request as its tries see it: its outcome record, its spec and its cost.
+_Request = tuple[RequestOutcome, RequestSpec, RequestCost]
+
+
 class _Attempt:
-    __slots__ = ("active", "gateway", "held", "node", "outcome", "record", "rid", "spec",
-                 "started", "ticket")  # fmt: skip
+    __slots__ = ("active", "gateway", "held", "node", "outcome", "record", "request", "rid",
+                 "spec", "started", "ticket")  # fmt: skip
 
     def __init__(
         self,
-        outcome: RequestOutcome,
-        spec: RequestSpec,
+        request: _Request,
         rid: str,
         node: int,
         gateway: int,
         ticket: Ticket,
         record: Attempt,
     ) -> None:
-        self.outcome = outcome
-        self.spec = spec
+        self.request = request
+        self.outcome, self.spec, _ = request
         self.rid = rid
         self.node = node
         self.gateway = gateway
@@ -421,27 +424,27 @@ class VirtualCluster:
         )
         self.outcomes.append(outcome)
         self._counts["arrivals"] += 1
-        self._on_attempt(now, (outcome, spec))
+        # One cost object per request, reused by all its tries.
+        self._on_attempt(now, (outcome, spec, RequestCost(spec.prompt_tokens, spec.max_tokens)))
         self._push_next_arrival()
 
-    def _on_attempt(self, now: float, payload: tuple[RequestOutcome, RequestSpec]) -> None:
-        outcome, spec = payload
+    def _on_attempt(self, now: float, payload: _Request) -> None:
+        outcome, spec, cost = payload
         g = self._next_gateway
         self._next_gateway = (g + 1) % self.config.gateways
         policy = self.policies[g]
         rid = f"{outcome.id}#{len(outcome.tries) + 1}"
-        cost = RequestCost(spec.prompt_tokens, spec.max_tokens)
         decision = policy.admit(rid, cost, spec.priority, self.node_ids)
         if isinstance(decision, Reject):
             self._counts["rejections"] += 1
             if decision.status == 429:
-                self._on_429(now, outcome, spec, decision.retry_after_s)
+                self._on_429(now, payload, decision.retry_after_s)
             else:
                 outcome.tries.append(
                     Attempt(now, now, UNAVAILABLE, retry_after_s=decision.retry_after_s)
                 )
                 outcome.rejections_5xx += 1
-                self._retry(now, outcome, spec, "5xx")
+                self._retry(now, payload, "5xx")
             return
         ticket = decision.ticket
         node = self._node_index[ticket.node_id]
@@ -459,7 +462,7 @@ class VirtualCluster:
         outcome.node = ticket.node_id
         record = Attempt(now, math.nan, "", node=ticket.node_id)
         outcome.tries.append(record)
-        attempt = _Attempt(outcome, spec, rid, node, g, ticket, record)
+        attempt = _Attempt(payload, rid, node, g, ticket, record)
         self._attempts[rid] = attempt
         deadline = now + self.config.client.timeout_s
         self._deadlines.append((deadline, attempt))
@@ -468,13 +471,13 @@ class VirtualCluster:
             self._push(deadline, _TIMEOUT, None)
         self._wake(node, now)
 
-    def _on_429(
-        self, now: float, outcome: RequestOutcome, spec: RequestSpec, retry_after: float | None
-    ) -> None:
+    def _on_429(self, now: float, payload: _Request, retry_after: float | None) -> None:
+        outcome = payload[0]
         client = self.config.client
-        outcome.tries.append(Attempt(now, now, SHED, retry_after_s=retry_after))
+        tries = outcome.tries
+        tries.append(Attempt(now, now, SHED, None, 0, retry_after))
         outcome.rejections_429 += 1
-        if len(outcome.tries) >= client.max_attempts or (
+        if len(tries) >= client.max_attempts or (
             client.max_429_tries is not None and outcome.rejections_429 >= client.max_429_tries
         ):
             outcome.status = "gave_up_429"
@@ -482,10 +485,11 @@ class VirtualCluster:
         if client.honor_retry_after and retry_after is not None:
             delay = retry_after
         else:
-            delay = client.retry_delay(len(outcome.tries), self._rng)
-        self._push(now + delay, _ATTEMPT, (outcome, spec))
+            delay = client.retry_delay(len(tries), self._rng)
+        heapq.heappush(self._heap, (now + delay, next(self._seq), _ATTEMPT, payload))
 
-    def _retry(self, now: float, outcome: RequestOutcome, spec: RequestSpec, kind: str) -> None:
+    def _retry(self, now: float, payload: _Request, kind: str) -> None:
+        outcome = payload[0]
         client = self.config.client
         tries = len(outcome.tries)
         if tries >= client.max_attempts or (
@@ -494,7 +498,7 @@ class VirtualCluster:
             outcome.status = f"gave_up_{kind}"
             return
         outcome.retries += 1
-        self._push(now + client.retry_delay(tries, self._rng), _ATTEMPT, (outcome, spec))
+        self._push(now + client.retry_delay(tries, self._rng), _ATTEMPT, payload)
 
     def _on_timeout(self, now: float, attempt: _Attempt | None) -> None:
         if attempt is not None:
@@ -534,7 +538,7 @@ class VirtualCluster:
         self._wake(attempt.node, now)
         attempt.outcome.timeouts += 1
         self._counts["timeouts"] += 1
-        self._retry(now, attempt.outcome, attempt.spec, "timeout")
+        self._retry(now, attempt.request, "timeout")
 
     def _deactivate(self, attempt: _Attempt, how: Outcome | None) -> None:
         """The client stops waiting; `how=None` keeps the ticket (released when it ends)."""
