@@ -1,10 +1,10 @@
-"""Engine ids of the live simulator: a reused X-Request-Id never inherits its predecessor's end.
+"""Engine ids of the live simulator: a reused X-Request-Id never inherits a namesake's end.
 
-kvgate retries a request on a fresh connection with the same X-Request-Id when the first
-connection was reset before any answer came (the engine may have seen it). The
-predecessor's abort is applied when a step begins and reported when it ends; a successor
-that arrived in between must not be told "aborted by the engine" (seen in the chaos soak).
-Steps are slowed 50x (`time_scale`) so the window is ~150 ms wide and the tests deterministic.
+kvgate resends a request on a fresh connection with the same X-Request-Id when the first
+connection was reset before any answer came (the engine may have seen it). The dropped
+predecessor's abort is applied when a step begins and reported when that step ends; a
+successor that arrived in between must not be told "aborted by the engine" (seen in the
+chaos soak). Steps are slowed 50x (`time_scale`) so that window is ~150 ms wide.
 """
 
 from __future__ import annotations
@@ -12,46 +12,62 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import orjson
 import pytest
 
-from kvgate.sim.engine import Engine
+from kvgate.sim.engine import Engine, EngineConfig
 from kvgate.sim.presets import CPU_TINY
 from kvgate.sim.server import SimServer
 
 pytestmark = pytest.mark.timeout(30)
 
 SLOW = 50.0  # real seconds per engine second: a cpu-tiny step takes ~150 ms
+Spawn = Callable[[str, dict[str, object]], "asyncio.Task[httpx.Response]"]
 
 
-@pytest.fixture
-async def slow() -> AsyncIterator[SimServer]:
-    sim = SimServer(Engine(CPU_TINY, seed=0), model_name="sim-llama", time_scale=SLOW)
+@contextlib.asynccontextmanager
+async def _server(
+    config: EngineConfig = CPU_TINY, time_scale: float = 1.0
+) -> AsyncIterator[tuple[SimServer, httpx.AsyncClient, Spawn]]:
+    """A started simulator, a client for it, and a way to send completions in the
+    background; whatever is still running at the end is cancelled, then the server closed."""
+    sim = SimServer(Engine(config, seed=0), model_name="sim-llama", time_scale=time_scale)
     await sim.start("127.0.0.1", 0)
+    tasks: list[asyncio.Task[httpx.Response]] = []
     try:
-        yield sim
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sim.port}", timeout=20) as http:
+
+            def spawn(request_id: str, body: dict[str, object]) -> asyncio.Task[httpx.Response]:
+                headers = {"X-Request-Id": request_id}
+                tasks.append(
+                    asyncio.create_task(http.post("/v1/completions", json=body, headers=headers))
+                )
+                return tasks[-1]
+
+            try:
+                yield sim, http, spawn
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         await sim.close()
 
 
-def _url(sim: SimServer) -> str:
-    return f"http://127.0.0.1:{sim.port}"
-
-
-async def _until(check: object, within_s: float = 10.0) -> None:
+async def _until(check: Callable[[], bool], within_s: float = 10.0) -> None:
     """Poll `check()` every millisecond until it is true (fails the test after `within_s`)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + within_s
-    while not check():  # type: ignore[operator]
+    while not check():
         assert loop.time() < end, "condition not reached in time"
         await asyncio.sleep(0.001)
 
 
 async def _raw_post(port: int, request_id: str, body: dict[str, object]) -> asyncio.StreamWriter:
-    """Send a non-streamed completion on a connection of our own (so we can drop it)."""
+    """Send a non-streamed completion on a connection of our own (so we can reset it)."""
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     data = orjson.dumps(body)
     writer.write(
@@ -75,74 +91,61 @@ async def _successor_during_the_abort_step(
     )
 
 
-async def _background(http: httpx.AsyncClient) -> asyncio.Task[httpx.Response]:
-    """A long request that keeps every step non-empty (an abort-only step takes no time)."""
-    body = {"prompt": "bg", "max_tokens": 400, "ignore_eos": True}
-    return asyncio.create_task(
-        http.post("/v1/completions", json=body, headers={"X-Request-Id": "bg"})
-    )
+LONG = {"prompt": "x", "max_tokens": 400, "ignore_eos": True}
 
 
-async def test_retry_after_a_dropped_connection_is_not_aborted_by_the_predecessor(
-    slow: SimServer,
-) -> None:
-    async with httpx.AsyncClient(base_url=_url(slow), timeout=20) as http:
-        background = await _background(http)
-        assert slow.port is not None
-        first = await _raw_post(slow.port, "same", {"prompt": "x", "max_tokens": 400})
-        await _until(lambda: slow.engine.output_tokens("cmpl-same-0") > 0)
+async def test_retry_after_a_reset_connection_is_not_aborted_by_the_predecessor() -> None:
+    async with _server(time_scale=SLOW) as (sim, http, spawn):
+        spawn("bg", LONG)  # keeps every step non-empty (an abort-only step takes no time)
+        assert sim.port is not None
+        first = await _raw_post(sim.port, "same", LONG)
+        await _until(lambda: sim.engine.output_tokens("cmpl-same-0") > 0)
         first.transport.abort()  # the connection reset: the engine aborts at the next step
-        retry = await _successor_during_the_abort_step(slow, http, "cmpl-same-0")
+        retry = await _successor_during_the_abort_step(sim, http, "cmpl-same-0")
         assert retry.status_code == 200, retry.text
         assert retry.json()["usage"]["completion_tokens"] == 3
-        background.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await background
-    await _until(lambda: slow.open_requests == 0 and not slow.engine.in_flight)
-    assert slow.engine.used_blocks == 0
+        assert sim.open_requests == 1  # the background request: both namesakes were freed
 
 
-async def test_abort_api_answer_goes_to_its_request_not_to_a_namesake(slow: SimServer) -> None:
-    async with httpx.AsyncClient(base_url=_url(slow), timeout=20) as http:
-        background = await _background(http)
-        body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True}
-        first = asyncio.create_task(
-            http.post("/v1/completions", json=body, headers={"X-Request-Id": "same"})
-        )
-        await _until(lambda: slow.engine.output_tokens("cmpl-same-0") > 0)
+async def test_abort_api_answer_goes_to_its_request_not_to_a_namesake() -> None:
+    async with _server(time_scale=SLOW) as (sim, http, spawn):
+        spawn("bg", LONG)
+        first = spawn("same", LONG)
+        await _until(lambda: sim.engine.output_tokens("cmpl-same-0") > 0)
         r = await http.post("/inference/v1/abort_requests", json={"request_ids": ["cmpl-same-0"]})
         assert r.json() == {"aborted": ["cmpl-same-0"]}
-        retry = await _successor_during_the_abort_step(slow, http, "cmpl-same-0")
+        retry = await _successor_during_the_abort_step(sim, http, "cmpl-same-0")
         assert retry.status_code == 200, retry.text
         assert retry.json()["usage"]["completion_tokens"] == 3
         aborted = await first
         assert aborted.status_code == 500
         assert aborted.json()["error"]["message"] == "the request was aborted by the engine"
-        background.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await background
-    await _until(lambda: slow.open_requests == 0 and not slow.engine.in_flight)
 
 
 async def test_a_zombie_keeps_its_name_until_it_finishes() -> None:
-    cfg = dataclasses.replace(CPU_TINY, abort_on_disconnect=False)
-    sim = SimServer(Engine(cfg, seed=0))
-    await sim.start("127.0.0.1", 0)
-    try:
+    zombies = dataclasses.replace(CPU_TINY, abort_on_disconnect=False)
+    async with _server(zombies) as (sim, http, _):
         assert sim.port is not None
         gone = await _raw_post(sim.port, "z", {"prompt": "x", "max_tokens": 60, "ignore_eos": True})
         await _until(lambda: sim.engine.output_tokens("cmpl-z-0") > 0)
         gone.transport.abort()
-        async with httpx.AsyncClient(base_url=_url(sim), timeout=20) as http:
-            await _until(lambda: sim.engine.zombie_tokens_total > 0)  # the disconnect is known
-            assert sim.open_requests == 1 and "cmpl-z-0" in sim.engine
-            r = await http.post(
-                "/v1/completions",
-                json={"prompt": "y", "max_tokens": 2, "ignore_eos": True},
-                headers={"X-Request-Id": "z"},
-            )
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        await _until(lambda: sim.engine.zombie_tokens_total > 0)  # the disconnect is known
+        assert sim.open_requests == 1 and "cmpl-z-0" in sim.engine
+        body = {"prompt": "y", "max_tokens": 2, "ignore_eos": True}
+        r = await http.post("/v1/completions", json=body, headers={"X-Request-Id": "z"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         await _until(lambda: sim.open_requests == 0)
         assert sim.engine.success_total["length"] == 2 and sim.engine.used_blocks == 0
-    finally:
-        await sim.close()
+
+
+async def test_abort_api_reaches_every_request_given_that_id() -> None:
+    """vLLM suffixes its internal ids and aborts all of them for the id a client gave."""
+    async with _server() as (sim, http, spawn):
+        body = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True}
+        twins = [spawn("twin", body), spawn("twin", body)]
+        await _until(lambda: sim.open_requests == 2 and "cmpl-twin-0" in sim.engine)
+        r = await http.post("/inference/v1/abort_requests", json={"request_ids": ["cmpl-twin-0"]})
+        aborted = r.json()["aborted"]
+        assert len(aborted) == 2 and aborted[0] == "cmpl-twin-0"
+        assert all(answer.status_code == 500 for answer in await asyncio.gather(*twins))
+        await _until(lambda: sim.open_requests == 0 and sim.engine.used_blocks == 0)

@@ -263,10 +263,16 @@ class SimServer:
         ids = body.get("request_ids")
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise BadRequest("request_ids must be a list of strings", "request_ids")
-        aborted = [rid for rid in ids if self.engine.abort(rid)]
+        aborted = [eid for rid in ids for eid in self._namesakes(rid) if self.engine.abort(eid)]
         if aborted:
             self._wake.set()
         return _json({"aborted": aborted})
+
+    def _namesakes(self, engine_id: str) -> list[str]:
+        """`engine_id` and its live `-dupN` variants (see `_unused`), as vLLM's abort by the
+        id a client gave reaches every request given that id (its own ids add a suffix)."""
+        prefix = engine_id + "-dup"
+        return [engine_id, *(k for k in self._streams if k.startswith(prefix))]
 
     # ------------------------------------------------------------------ generation
     async def _completions(self, request: web.Request) -> web.StreamResponse:

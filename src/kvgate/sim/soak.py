@@ -484,6 +484,9 @@ def _books(state: dict[str, Any], metrics: str, nodes: list[ChaosNode]) -> dict[
         "engine_queues": {i: (n.sim.engine.num_running, n.sim.engine.num_waiting)
                           for i, n in enumerate(nodes)
                           if n.sim.engine.num_running or n.sim.engine.num_waiting},
+        # The simulator's own books: an id whose end the engine never reported stays taken.
+        "engine_open_requests": {i: n.sim.open_requests for i, n in enumerate(nodes)
+                                 if n.sim.open_requests},
     }  # fmt: skip
 
 
