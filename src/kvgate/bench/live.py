@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +49,13 @@ GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_req
 COUNTERS = (
     "vllm:num_preemptions_total",
     "vllm:generation_tokens_total",
+    "vllm:request_generation_tokens_sum",
+    "vllm:request_success_total",
     "sim:zombie_tokens_total",
     "sim:recomputed_tokens_total",
 )
+# The gateway's own view, polled beside the engines' (see `_gateway_view`).
+GATEWAY_SERIES = ("gw_blocked", "gw_thrashing", "gw_reserved", "gw_budget", "gw_iter_s")
 
 
 @dataclass
@@ -66,10 +71,17 @@ class LiveTarget:
 
 @dataclass
 class _Shared:
-    """State the tasks of one run share: the clock origin and the delivered-token count."""
+    """State the tasks of one run share: the clock origin and what clients got."""
 
     t0: float
-    delivered: int = 0
+    delivered: int = 0  # output tokens clients read, whole answers and cut-off ones
+    delivered_whole: int = 0  # `usage.completion_tokens` of the answers read to the end
+    departures: int = 0  # attempts the client left (timeout) or lost (error) before the end
+    departed_midstream: int = 0  # ... of which after reading at least one token
+    departed_events: int = 0  # SSE events with tokens those clients read before leaving
+    departed_tokens: int = 0  # tokens in those events (`token_ids`)
+    log: list[dict[str, object]] = field(default_factory=list)
+    refusals: Counter[str] = field(default_factory=Counter)
     rr: int = 0
     retry_rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
@@ -110,7 +122,7 @@ async def _one_attempt(
 ) -> Attempt:
     """Send once; stream the answer until done, refusal, error or the client's deadline."""
     first: float | None = None
-    tokens = 0
+    read = _Read()
     try:
         async with asyncio.timeout(deadline_s):
             async with session.post(
@@ -122,36 +134,102 @@ async def _one_attempt(
                     ra = _retry_after(resp.headers)
                     outcome = SHED if resp.status == 429 else UNAVAILABLE
                     await resp.read()
+                    shared.refusals[resp.headers.get("x-kvgate-reason", str(resp.status))] += 1
+                    shared.log.append(
+                        {
+                            "id": req_id,
+                            "outcome": outcome,
+                            "start": round(start, 3),
+                            "reason": resp.headers.get("x-kvgate-reason"),
+                            "retry_after": ra,
+                        }
+                    )
                     return Attempt(start, shared.now(), outcome, retry_after_s=ra)
                 if resp.status >= 300:
                     await resp.read()
                     return Attempt(start, shared.now(), ERROR)
-                usage = None
                 async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
+                    if read.feed(raw) and first is None:
+                        first = shared.now()
+                    if read.done:
                         break
-                    chunk = orjson.loads(data)
-                    if chunk.get("choices"):
-                        if first is None:
-                            first = shared.now()
-                        tokens += 1
-                    if chunk.get("usage"):
-                        usage = chunk["usage"].get("completion_tokens")
-                if usage is not None:
-                    tokens = int(usage)
-                shared.delivered += tokens
-                return Attempt(start, shared.now(), OK, first, tokens)
+                outcome = OK if read.done and read.usage is not None else ERROR
+                tokens = read.usage if read.usage is not None else read.tokens
+                return _end(shared, req_id, start, outcome, first, tokens, read)
     except TimeoutError:
         # Leaving the `async with` closed the connection: the server sees a disconnect.
-        shared.delivered += tokens
-        return Attempt(start, shared.now(), TIMEOUT, first, tokens)
+        return _end(shared, req_id, start, TIMEOUT, first, read.tokens, read)
     except (aiohttp.ClientError, OSError, ValueError):
-        shared.delivered += tokens
-        return Attempt(start, shared.now(), ERROR, first, tokens)
+        return _end(shared, req_id, start, ERROR, first, read.tokens, read)
+
+
+@dataclass
+class _Read:
+    """What a client read of one streamed answer: events, tokens in them, usage, the end."""
+
+    chunks: int = 0
+    tokens: int = 0
+    usage: int | None = None
+    done: bool = False
+    error: bool = False
+
+    def feed(self, raw: bytes) -> bool:
+        """Take one line of the stream; True when it carried output tokens."""
+        line = raw.strip()
+        if line.startswith(b"event:") and b"error" in line:
+            self.error = True
+        if not line.startswith(b"data:"):
+            return False
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return False
+        chunk = orjson.loads(data)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"].get("completion_tokens")
+        choices = chunk.get("choices")
+        if not choices:
+            return False
+        self.chunks += 1
+        # An event may carry several tokens when the engine's server lags behind its
+        # engine (vLLM merges queued outputs): `token_ids` says how many, when asked for.
+        ids = choices[0].get("token_ids")
+        self.tokens += len(ids) if isinstance(ids, list) else 1
+        return True
+
+
+def _end(
+    shared: _Shared,
+    req_id: str,
+    start: float,
+    outcome: str,
+    first: float | None,
+    tokens: int,
+    read: _Read,
+) -> Attempt:
+    """Count what the client got and note every attempt that got less than a whole answer."""
+    end = shared.now()
+    shared.delivered += tokens
+    if outcome == OK:
+        shared.delivered_whole += tokens
+    else:
+        shared.departures += 1
+        shared.departed_midstream += read.tokens > 0
+        shared.departed_events += read.chunks
+        shared.departed_tokens += read.tokens
+        shared.log.append(
+            {
+                "id": req_id,
+                "outcome": outcome,
+                "start": round(start, 3),
+                "end": round(end, 3),
+                "first_token": None if first is None else round(first, 3),
+                "chunks": read.chunks,
+                "tokens_read": read.tokens,
+                "error_event": read.error,
+            }
+        )
+    return Attempt(start, end, outcome, first, tokens)
 
 
 def _retry_after(headers: aiohttp.typedefs.LooseHeaders) -> float | None:  # type: ignore[name-defined]
@@ -192,6 +270,7 @@ async def _user(
         "max_tokens": arrival.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # vLLM: each event lists its tokens (exact count on leaving)
         "ignore_eos": True,
         "temperature": 0.0,
     }
@@ -239,26 +318,44 @@ async def _poll_engines(
         series["running"].append(sum(p.get("vllm:num_requests_running", 0.0) for p in pages))
         series["waiting"].append(sum(p.get("vllm:num_requests_waiting", 0.0) for p in pages))
         series["preemptions"].append(0.0 if last_pre is None else pre - last_pre)
-        series["shed_prob"].append(await _shed_prob(session, target.gateway))
+        view = await _gateway_view(session, target.gateway)
+        series["shed_prob"].append(view.get("shed_prob", 0.0))
+        for key in GATEWAY_SERIES:
+            series.setdefault(key, []).append(view.get(key, math.nan))
         last_pre = pre
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), max(0.0, step_s - (shared.now() - tick)))
 
 
-async def _shed_prob(session: aiohttp.ClientSession, gateway: str | None) -> float:
-    """The gateway's shed probability for standard traffic (0 without a gateway)."""
+async def _gateway_view(session: aiohttp.ClientSession, gateway: str | None) -> dict[str, float]:
+    """The gateway's view: shed probability for standard traffic, and its busiest node's
+    predicted KV usage, controller budget and state (1 = refusing everything: thrashing,
+    stale or at panic). Empty without a gateway; NaN when the gateway did not answer."""
     if gateway is None:
-        return 0.0
+        return {}
     try:
         async with session.get(
             gateway + "/admin/state", timeout=aiohttp.ClientTimeout(total=2.0)
         ) as resp:
             state = orjson.loads(await resp.read())
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-        return math.nan
-    ctrl = (state.get("policy") or {}).get("controller") or {}
+        return {"shed_prob": math.nan}
+    policy = state.get("policy") or {}
+    ctrl = policy.get("controller") or {}
     prob = ctrl.get("shed_probability")
-    return float(prob.get("standard") or 0.0) if isinstance(prob, dict) else 0.0
+    out = {"shed_prob": float(prob.get("standard") or 0.0) if isinstance(prob, dict) else 0.0}
+    nodes = [n for n in (policy.get("nodes") or {}).values() if isinstance(n, dict)]
+    if nodes:
+        out["gw_blocked"] = float(
+            any(n.get("state") in ("thrashing", "stale", "unknown", "panic") for n in nodes)
+        )
+        out["gw_thrashing"] = float(any(n.get("state") == "thrashing" for n in nodes))
+        out["gw_reserved"] = float(sum(n.get("reserved_tokens") or 0.0 for n in nodes))
+        budgets = [n.get("budget_tokens") for n in nodes if n.get("budget_tokens") is not None]
+        out["gw_budget"] = float(sum(budgets)) if budgets else math.nan
+        iters = [(n.get("sample") or {}).get("iteration_latency_s") for n in nodes]
+        out["gw_iter_s"] = max((float(x) for x in iters if x is not None), default=math.nan)
+    return out
 
 
 async def _scrape(session: aiohttp.ClientSession, engine: str) -> dict[str, float]:
@@ -320,7 +417,12 @@ async def run_live(
         await poller
         await asyncio.sleep(1.0)  # let aborted requests leave the engines' counters
         after = await asyncio.gather(*(_scrape(session, e) for e in target.engines))
-    totals = _totals(before, after, shared.delivered, target.zombie_from_counter)
+        relay = await _relay_counters(session, target.gateway)
+    deltas = {
+        n: sum(a.get(n, 0.0) - b.get(n, 0.0) for a, b in zip(after, before, strict=True))
+        for n in COUNTERS
+    }
+    account = None if target.zombie_from_counter else zombie_account(deltas, shared, relay)
     return RunResult(
         policy=policy,
         load=load,
@@ -331,39 +433,115 @@ async def run_live(
         warmup_s=warmup_s,
         slo=slo,
         requests=list(requests),
-        totals=totals,
+        totals=_totals(deltas, account),
         series=series,
         bursts=list(bursts),
         extra={
             "delivered_tokens": shared.delivered,
+            "engine_counters": deltas,
+            "refusals_by_reason": dict(shared.refusals),
+            **({} if account is None else {"zombie_account": account}),
             "notes": [
                 f"{policy} @ {load:g}x: machine load average {load_before:.1f} before, "
-                f"{os.getloadavg()[0]:.1f} after (2 cores shared with other work)"
+                f"{os.getloadavg()[0]:.1f} after (2 cores shared with other work)",
+                *([] if account is None else [zombie_note(policy, load, account)]),
             ],
+            "_attempt_log": shared.log,  # not in results.json: every try that fell short
         },
     )
 
 
-def _totals(
-    before: Sequence[dict[str, float]],
-    after: Sequence[dict[str, float]],
-    delivered: int,
-    zombie_from_counter: bool,
-) -> EngineTotals:
-    def delta(name: str) -> float:
-        return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True))
+async def _relay_counters(session: aiohttp.ClientSession, gateway: str | None) -> dict[str, int]:
+    """The gateway's count of streams whose client left (`kvgate_client_gone_*`), if any."""
+    if gateway is None:
+        return {}
+    try:
+        async with session.get(
+            gateway + "/admin/state", timeout=aiohttp.ClientTimeout(total=5.0)
+        ) as resp:
+            counters = (orjson.loads(await resp.read()).get("gateway")) or {}
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return {}
+    keys = ("client_gone_streams", "client_gone_events", "events_after_client_gone")
+    return {k: int(counters[k]) for k in keys if isinstance(counters.get(k), int)}
 
-    generated = int(delta("vllm:generation_tokens_total"))
+
+def zombie_account(
+    deltas: dict[str, float], shared: _Shared, relay: dict[str, int]
+) -> dict[str, float]:
+    """Split the tokens a real engine generated that no client read, as far as observable.
+
+    A real engine has no zombie counter; vLLM counts a token when its API server takes it
+    from the engine core, and stops counting a request when it aborts it. So
+
+        undelivered = generated - whole answers read - tokens read by clients that left
+
+    holds, besides zombie tokens (made after the client left, before the abort landed),
+    tokens made *before* the client left that it never read: still in the engine's server,
+    in the relay, or in socket buffers of a client that lagged. The relay counts the events
+    it had passed on to clients that then left; those beyond what the clients read were
+    made before they left, so they are not zombies. Converted to tokens at the departed
+    clients' own tokens per event, they are subtracted to give `zombie_bound`, an upper
+    bound of zombie tokens (the tokens made just before a client left that were still in
+    the engine's server are in it too). Without a relay (`direct`) the bound is `undelivered`.
+    """
+    generated = deltas.get("vllm:generation_tokens_total", 0.0)
+    finished = deltas.get("vllm:request_generation_tokens_sum", math.nan)
+    undelivered = max(0.0, generated - shared.delivered_whole - shared.departed_tokens)
+    per_event = shared.departed_tokens / shared.departed_events if shared.departed_events else 1.0
+    unread_events = math.nan
+    unread_tokens = 0.0
+    if "client_gone_events" in relay:
+        unread_events = float(max(0, relay["client_gone_events"] - shared.departed_events))
+        unread_tokens = min(undelivered, unread_events * per_event)
+    bound = undelivered - unread_tokens
+    return {
+        "generated": generated,
+        "in_finished_requests": finished,
+        "in_aborted_requests": generated - finished,
+        "read_whole": float(shared.delivered_whole),
+        "departures": float(shared.departures),
+        "departed_midstream": float(shared.departed_midstream),
+        "read_by_departed": float(shared.departed_tokens),
+        "undelivered": undelivered,
+        "relayed_unread_events": unread_events,
+        "relayed_unread_tokens": unread_tokens,
+        "events_after_client_gone": float(relay.get("events_after_client_gone", math.nan)),
+        "zombie_bound": bound,
+        "zombie_bound_per_departure": bound / shared.departures if shared.departures else 0.0,
+    }
+
+
+def zombie_note(policy: str, load: float, a: dict[str, float]) -> str:
+    """One line of the report: where the tokens nobody read went."""
+    text = (
+        f"{policy} @ {load:g}x, zombie accounting: engine generated {a['generated']:,.0f} "
+        f"tokens, whole answers read {a['read_whole']:,.0f}, {a['departures']:,.0f} tries "
+        f"ended before their answer ({a['departed_midstream']:,.0f} mid-stream; they had read "
+        f"{a['read_by_departed']:,.0f} tokens); nobody read {a['undelivered']:,.0f}"
+    )
+    if not math.isnan(a["relayed_unread_events"]):
+        text += (
+            f", of which ~{a['relayed_unread_tokens']:,.0f} in {a['relayed_unread_events']:,.0f} "
+            f"events kvgate had relayed to clients still connected (made before they left); "
+            f"events kvgate read after a client left: {a['events_after_client_gone']:,.0f}"
+        )
+    return (
+        text + f"; zombie tokens at most {a['zombie_bound']:,.0f} "
+        f"({a['zombie_bound_per_departure']:.1f} per try that ended early)"
+    )
+
+
+def _totals(deltas: dict[str, float], account: dict[str, float] | None) -> EngineTotals:
+    """Engine totals; zombies from the engine's counter, or the bound of `zombie_account`."""
     zombies = (
-        int(delta("sim:zombie_tokens_total"))
-        if zombie_from_counter
-        else max(0, generated - delivered)
+        deltas.get("sim:zombie_tokens_total", 0.0) if account is None else account["zombie_bound"]
     )
     return EngineTotals(
-        preemptions=int(delta("vllm:num_preemptions_total")),
-        recomputed_tokens=int(delta("sim:recomputed_tokens_total")),
-        zombie_tokens=zombies,
-        generated_tokens=generated,
+        preemptions=int(deltas.get("vllm:num_preemptions_total", 0.0)),
+        recomputed_tokens=int(deltas.get("sim:recomputed_tokens_total", 0.0)),
+        zombie_tokens=round(zombies),
+        generated_tokens=int(deltas.get("vllm:generation_tokens_total", 0.0)),
     )
 
 

@@ -4,6 +4,7 @@ Each live-sim run gets fresh engines and a fresh gateway, so no run inherits ano
 queues or counters. The real vLLM engine takes 30-60 s to start, so it is started once
 for all the runs of a report, under the machine-wide lock, and the runner waits until it
 is idle between runs. Every process started here is stopped here, by its own pid.
+`KVGATE_BENCH_ACCESS_LOG=true` turns on the gateways' access log (in `LOGS`), for diagnosis.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -43,7 +45,7 @@ def _gateway_env(spec: RunSpec, engines: list[str], port: int, scrape_s: float) 
         "KVGATE_ADMISSION__SEED": str(spec.seed),
         "KVGATE_SERVER__PORT": str(port),
         "KVGATE_SERVER__HOST": "127.0.0.1",
-        "KVGATE_SERVER__ACCESS_LOG": "false",
+        "KVGATE_SERVER__ACCESS_LOG": os.environ.get("KVGATE_BENCH_ACCESS_LOG", "false"),
         "KVGATE_SERVER__LOG_LEVEL": "warning",
     }
     for key, value in spec.policy_overrides.items():
@@ -167,10 +169,13 @@ def live_runner(opts: object) -> Iterator[Callable[[RunSpec], RunResult]]:
             result = _with_gateway(replace(spec), engines, False, scrape_s)
             result.extra.setdefault("notes", []).insert(
                 0,
-                "real vLLM: zombie tokens are estimated as tokens the engine generated minus "
-                "tokens delivered to clients (it includes tokens made in the step during "
-                "which a disconnect was noticed); preemptions are vLLM's own counter, "
-                "which counts a preemption only when the request runs again",
+                "real vLLM: it has no zombie counter, so `zombie tok` is an upper bound: "
+                "tokens the engine generated that no client read, less those kvgate had "
+                "already relayed to clients that were still connected (made before they "
+                "left); see the zombie accounting lines. Clients count tokens exactly "
+                "(`return_token_ids`: vLLM merges tokens into one event when its server "
+                "lags). Preemptions are vLLM's own counter, which counts a preemption "
+                "only when the request runs again",
             )
             return result
 

@@ -330,7 +330,11 @@ def write_report(
     dump = {
         "meta": meta.__dict__,
         "rows": rows,
-        "runs": [summarize(r) | {"extra": r.extra} for r in runs],
+        # `_`-keys of `extra` are raw records kept for the pickle, not for the JSON.
+        "runs": [
+            summarize(r) | {"extra": {k: v for k, v in r.extra.items() if k[:1] != "_"}}
+            for r in runs
+        ],
     }
     (out_dir / "results.json").write_text(json.dumps(dump, indent=1, default=str), "utf-8")
     return report
