@@ -11,8 +11,10 @@ capacity, clients with a 30 s timeout, 2 retries, up to 5 tries on 429):
 - `adaptive`: kvgate's policy, 50 ms scrapes: the real use.
 
 Both wall and CPU time of this process are recorded: on a shared machine the CPU time is
-what "on one core" means. A profiled run of each (shorter) splits the time between the
-simulator (`kvgate.sim`) and the admission core (`kvgate.core`). Results: results.md.
+what "on one core" means. A profiled run of each (shorter; `--profile-seconds 0` skips it)
+splits the time between the simulator (`kvgate.sim`) and the admission core (`kvgate.core`).
+Each row carries a fingerprint of every try's record, so runs of two versions of the code
+can be shown to have simulated exactly the same thing (`compare.py`). Results: results.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import hashlib
+import json
+import math
 import os
 import pstats
 import time
@@ -27,7 +32,7 @@ from pathlib import Path
 
 from kvgate.core.settings import AdmissionSettings
 from kvgate.sim.presets import GPU_8B
-from kvgate.sim.virtual import VirtualConfig, read_timeout_client, run_virtual
+from kvgate.sim.virtual import VirtualConfig, VirtualResult, read_timeout_client, run_virtual
 from kvgate.sim.workload import WorkloadSpec, estimate_capacity_rps
 
 HERE = Path(__file__).resolve().parent
@@ -49,6 +54,18 @@ def scenario(
         client=read_timeout_client(timeout_s=30.0),
         seed=1,
     )
+
+
+def fingerprint(result: VirtualResult) -> str:
+    """A digest of every try of every request (times, outcome, node, tokens, Retry-After)."""
+    digest = hashlib.sha256()
+    for o in result.outcomes:
+        tries = [
+            (a.start, a.end, a.outcome, a.node, a.retry_after_s, a.output_tokens, a.first_token_at)
+            for a in o.tries
+        ]
+        digest.update(repr((o.status, o.output_tokens, o.completed_at, tries)).encode())
+    return digest.hexdigest()[:16]
 
 
 def split(profile: cProfile.Profile) -> dict[str, float]:
@@ -75,6 +92,7 @@ def main() -> None:
     parser.add_argument("--overload", type=float, default=3.0, help="load / capacity")
     parser.add_argument("--scrape-interval", type=float, default=0.05, help="seconds (0.05)")
     parser.add_argument("--out", default=str(HERE / "results.md.table"))
+    parser.add_argument("--json", help="also append each row as a JSON line to this file")
     args = parser.parse_args()
     rows = []
     for name in args.scenario:
@@ -84,11 +102,16 @@ def main() -> None:
         wall = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
         summary = result.summary()
-        profile = cProfile.Profile()
-        profile.runcall(
-            run_virtual,
-            scenario(name, args.profile_seconds, args.nodes, args.overload, args.scrape_interval),
-        )
+        shares = {"kvgate.sim": math.nan, "kvgate.core": math.nan, "other": math.nan}
+        if args.profile_seconds > 0:
+            profile = cProfile.Profile()
+            profile.runcall(
+                run_virtual,
+                scenario(
+                    name, args.profile_seconds, args.nodes, args.overload, args.scrape_interval
+                ),
+            )
+            shares = split(profile)
         row = {
             "scenario": f"{name} at {args.overload:g}x, scrape {args.scrape_interval:g} s",
             "sim_s": args.sim_seconds,
@@ -101,10 +124,14 @@ def main() -> None:
             "ok": summary["by_status"].get("ok", 0),
             "engine_steps": summary["engine_steps"],
             "load": os.getloadavg()[0],
-            **{f"share_{k}": v for k, v in split(profile).items()},
+            "fingerprint": fingerprint(result),
+            **{f"share_{k}": v for k, v in shares.items()},
         }
         print(row, flush=True)
         rows.append(row)
+        if args.json:
+            with open(args.json, "a") as out:
+                out.write(json.dumps({"name": name, **row}) + "\n")
     lines = [
         "| scenario | simulated | wall | CPU | CPU per simulated hour | events | "
         "requests (ok) | engine steps | time in kvgate.sim / kvgate.core / other | load avg |",

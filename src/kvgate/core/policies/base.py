@@ -414,17 +414,20 @@ class BasePolicy:
         if queued is None or sample.kv_usage is None:
             return
         cutoff = sample.sampled_at - self.settings.reflect_margin_s
+        overhead = self.settings.reservation_overhead_tokens
+        recompute = self._recompute
         fifo, heap = queued.fifo, queued.heap
+        popleft = fifo.popleft
         while fifo and fifo[0][0] <= cutoff:
-            at, hold = fifo.popleft()
+            at, hold = popleft()
             if hold.live and hold.wake_at == at:  # else released, or queued again since
-                self._recompute(node_id, hold, cutoff)
+                recompute(node_id, hold, cutoff, overhead)
         while heap and heap[0][0] <= cutoff:
             at, _, hold = heapq.heappop(heap)
             if hold.live and hold.wake_at == at:
-                self._recompute(node_id, hold, cutoff)
+                recompute(node_id, hold, cutoff, overhead)
 
-    def _recompute(self, node_id: str, hold: _Hold, cutoff: float) -> None:
+    def _recompute(self, node_id: str, hold: _Hold, cutoff: float, overhead: int) -> None:
         """The walk's formula for one hold at one cutoff; re-queue it unless settled."""
         hold.wake_at = None
         ticket = hold.ticket
@@ -439,7 +442,7 @@ class BasePolicy:
             reflected = ticket.cost.prompt_tokens + known
             if reflected < hold.reflected:
                 reflected = hold.reflected
-            most = hold.full - self.settings.reservation_overhead_tokens
+            most = hold.full - overhead
             if reflected > most:
                 reflected = most
             if reflected != hold.reflected:
