@@ -14,7 +14,8 @@ import pytest
 
 from kvgate.core.admission import Admit, Outcome, Ticket
 from kvgate.core.clock import ManualClock
-from kvgate.core.policies.base import _Hold
+from kvgate.core.policies import _REGISTRY, build_policy
+from kvgate.core.policies.base import BasePolicy, _Hold
 from kvgate.core.policies.none import NonePolicy
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
@@ -145,3 +146,24 @@ def test_settled_holds_are_not_looked_at_again() -> None:
     assert not policy._wakeups.get("a")  # everything is settled
     policy.on_tokens(tickets[0], 20)
     assert len(policy._wakeups["a"]) == 1
+
+
+@pytest.mark.parametrize("name", sorted(_REGISTRY))
+def test_every_policy_reflects_what_a_sample_shows(name: str) -> None:
+    """Every policy (their own helper methods included) lowers a reservation the same way."""
+    clock = ManualClock(0.0)
+    settings = AdmissionSettings(policy=name, reservation_overhead_tokens=16)  # type: ignore[arg-type]
+    policy = build_policy(settings, clock, rng_seed=1)
+    assert isinstance(policy, BasePolicy)
+    policy.observe("a", NodeSample(0.1, 100_000, 0, 0, 0.02, sampled_at=clock.now()))
+    decision = policy.admit("r", RequestCost(300, 200), Priority.CRITICAL, ("a",))
+    assert isinstance(decision, Admit)
+    assert policy.store.reserved("a") == 516
+    policy.on_first_token(decision.ticket)
+    clock.advance(0.3)
+    policy.on_tokens(decision.ticket, 50)
+    clock.advance(0.3)
+    policy.observe("a", NodeSample(0.1, 100_000, 1, 0, 0.02, sampled_at=clock.now()))
+    assert policy.store.reserved("a") == 516 - 300 - 50
+    policy.release(decision.ticket, Outcome.DONE)
+    assert policy.store.reserved("a") == 0

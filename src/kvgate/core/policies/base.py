@@ -415,7 +415,7 @@ class BasePolicy:
             return
         cutoff = sample.sampled_at - self.settings.reflect_margin_s
         overhead = self.settings.reservation_overhead_tokens
-        recompute = self._recompute
+        recompute = self._reflect_hold
         fifo, heap = queued.fifo, queued.heap
         popleft = fifo.popleft
         while fifo and fifo[0][0] <= cutoff:
@@ -427,7 +427,7 @@ class BasePolicy:
             if hold.live and hold.wake_at == at:
                 recompute(node_id, hold, cutoff, overhead)
 
-    def _recompute(self, node_id: str, hold: _Hold, cutoff: float, overhead: int) -> None:
+    def _reflect_hold(self, node_id: str, hold: _Hold, cutoff: float, overhead: int) -> None:
         """The walk's formula for one hold at one cutoff; re-queue it unless settled."""
         hold.wake_at = None
         ticket = hold.ticket
