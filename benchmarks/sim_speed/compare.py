@@ -57,12 +57,15 @@ def main() -> None:
     parser.add_argument("--scrape-interval", type=float, default=0.05)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default=str(HERE / "compare.md.table"))
+    parser.add_argument("--rows", help="also write every run's row (JSON) to this file")
     args = parser.parse_args()
     lines = [
         "| scenario | simulated | CPU before | CPU after | speed-up | CPU per simulated hour"
-        " before / after | client requests | same runs (fingerprint) | load avg |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        " before / after | client requests (tries) | CPU per try before / after"
+        " | same runs (fingerprint) | load avg |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
+    rows: list[dict[str, Any]] = []
     for name in args.scenario:
         before: list[dict[str, Any]] = []
         after: list[dict[str, Any]] = []
@@ -70,6 +73,7 @@ def main() -> None:
             before.append(run_side(args.before_src, name, args))
             after.append(run_side(args.after_src, name, args))
             print(name, before[-1]["cpu_s"], after[-1]["cpu_s"], flush=True)
+        rows += [{"side": "before", **r} for r in before] + [{"side": "after", **r} for r in after]
         b = min(before, key=lambda r: r["cpu_s"])
         a = min(after, key=lambda r: r["cpu_s"])
         same = {r["fingerprint"] for r in before + after}
@@ -77,9 +81,12 @@ def main() -> None:
         lines.append(
             f"| {a['scenario']} | {a['sim_s']:.0f} s | {b['cpu_s']:.1f} s | {a['cpu_s']:.1f} s"
             f" | {b['cpu_s'] / a['cpu_s']:.2f}x | {b['cpu_per_sim_hour_s']:.0f} s /"
-            f" {a['cpu_per_sim_hour_s']:.0f} s | {a['requests']:,} |"
+            f" {a['cpu_per_sim_hour_s']:.0f} s | {a['requests']:,} ({a['tries']:,}) |"
+            f" {1e6 * b['cpu_s'] / b['tries']:.0f} us / {1e6 * a['cpu_s'] / a['tries']:.0f} us |"
             f" {'yes' if len(same) == 1 else 'NO: ' + ', '.join(sorted(same))} | {load:.1f} |"
         )
+    if args.rows:
+        Path(args.rows).write_text(json.dumps(rows, indent=1) + "\n")
     table = "\n".join(lines)
     print(table)
     Path(args.out).write_text(table + "\n")

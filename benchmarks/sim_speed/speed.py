@@ -121,6 +121,7 @@ def main() -> None:
             "cpu_per_sim_hour_s": cpu * 3600.0 / args.sim_seconds,
             "events": result.events,
             "requests": summary["requests"],
+            "tries": sum(len(o.tries) for o in result.outcomes),
             "ok": summary["by_status"].get("ok", 0),
             "engine_steps": summary["engine_steps"],
             "load": os.getloadavg()[0],
