@@ -167,3 +167,21 @@ def test_every_policy_reflects_what_a_sample_shows(name: str) -> None:
     assert policy.store.reserved("a") == 516 - 300 - 50
     policy.release(decision.ticket, Outcome.DONE)
     assert policy.store.reserved("a") == 0
+
+
+def test_queue_stays_bounded_on_a_node_without_kv_gauge() -> None:
+    """Nothing is ever reflected without a KV gauge; the queue must not grow per request."""
+    clock = ManualClock(0.0)
+    policy = NonePolicy(AdmissionSettings(policy="none"), clock, rng_seed=1)
+    live = []
+    for i in range(2000):
+        decision = policy.admit(f"r{i}", RequestCost(100, 100), Priority.STANDARD, ("a",))
+        assert isinstance(decision, Admit)
+        live.append(decision.ticket)
+        policy.on_tokens(decision.ticket, 1)
+        if len(live) > 10:
+            policy.release(live.pop(0), Outcome.DONE)
+        clock.advance(0.01)
+        policy.observe("a", NodeSample(None, None, 10, 0, 0.02, sampled_at=clock.now()))
+    assert len(policy._wakeups["a"]) <= 2 * 10 + 64 + 1
+    assert policy.store.reserved("a") == 10 * 216

@@ -129,7 +129,11 @@ class _Hold:
 
 class _Wakeups:
     """One node's holds queued under instants: a FIFO for instants that arrive in order
-    (the common case: a count taken now) and a heap for the rest. Both O(1)-ish to pop."""
+    (the common case: a count taken now) and a heap for the rest. Both O(1)-ish to pop.
+
+    Entries of released or re-queued holds are dropped when popped; a node whose samples
+    never pop anything (no KV gauge) is compacted instead, so the queue stays O(live holds).
+    """
 
     __slots__ = ("fifo", "heap")
 
@@ -139,6 +143,12 @@ class _Wakeups:
 
     def __len__(self) -> int:
         return len(self.fifo) + len(self.heap)
+
+    def compact(self) -> None:
+        """Keep only the entries a sample would still act on."""
+        self.fifo = deque(e for e in self.fifo if e[1].live and e[1].wake_at == e[0])
+        self.heap = [e for e in self.heap if e[2].live and e[2].wake_at == e[0]]
+        heapq.heapify(self.heap)
 
 
 class BasePolicy:
@@ -493,6 +503,8 @@ class BasePolicy:
             fifo.append((wake, hold))
         else:
             heapq.heappush(queue.heap, (wake, next(self._wake_seq), hold))
+        if len(fifo) + len(queue.heap) > 2 * len(self._by_node[hold.node_id]) + 64:
+            queue.compact()  # amortised O(1): at least half of it was dead
 
     def _refresh_level(self, node_id: str) -> None:
         """Move the node's watermark state (with hysteresis) after its usage changed."""
