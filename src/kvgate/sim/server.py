@@ -7,7 +7,9 @@ request at the next step unless the engine runs with `abort_on_disconnect=False`
 
 What a client sees follows vLLM: `cmpl-<X-Request-Id>` / `chatcmpl-<X-Request-Id>` ids
 (engine ids `cmpl-<id>-0` and `chatcmpl-<id>`, the ones `POST /inference/v1/abort_requests`
-takes), `usage` and `stream_options.include_usage`, `ignore_eos` and `priority` extensions,
+takes; a reused X-Request-Id gets a `-dupN` engine id until its namesake's end was reported,
+and an abort reaches both, as vLLM's random id suffixes make it), `usage` and
+`stream_options.include_usage`, `ignore_eos` and `priority` extensions,
 OpenAI-style JSON errors. Prompt length comes from the request: token ids count one each,
 text counts `len(text) / chars_per_token`, so a 32k-token prompt is cheap to send. The
 generated text is filler; one token is one short word.
