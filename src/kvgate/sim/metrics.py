@@ -177,8 +177,9 @@ class MetricsPage:
             scalar(
                 "sim:step_lag_seconds_total",
                 "counter",
-                "How much later than modelled the live simulator ended its steps; "
-                "a growing value means the process cannot keep up (simulator only).",
+                "Sum of how late the live simulator ended its steps against the model's "
+                "back-to-back timeline; growing fast means the process cannot keep up "
+                "(simulator only).",
                 self.lag_source(),
             )
         out.append("")

@@ -61,6 +61,32 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
+class StepTimeline:
+    """When each step of the live engine is due to end: back to back on the model's clock.
+
+    Waking handlers and writing their chunks after a step is the API server's work, which
+    runs beside a real engine's loop (vLLM's API server is its own process), not inside it.
+    So the time the loop spends between two steps is paid back from the next step's sleep:
+    each step is due `duration` after the previous one was due, and steps end late only
+    when the process cannot keep up. After an idle spell (`reset`), or once more than
+    `max_behind_s` behind, the timeline restarts from the step's own start.
+    """
+
+    def __init__(self, max_behind_s: float = 0.05) -> None:
+        self.max_behind_s = max_behind_s
+        self._due: float | None = None
+
+    def reset(self) -> None:
+        self._due = None
+
+    def schedule(self, start: float, duration: float) -> float:
+        """The engine time at which the step that began at `start` is due to end."""
+        if self._due is None or start - self._due > self.max_behind_s:
+            self._due = start
+        self._due += duration
+        return self._due
+
+
 class _Stream:
     """Where the engine loop leaves a request's progress for its handler.
 
@@ -184,20 +210,23 @@ class SimServer:
 
     async def _run_engine(self) -> None:
         engine = self.engine
+        timeline = StepTimeline()
         while True:
             if not engine.has_work:
                 self._wake.clear()
                 await self._wake.wait()
+                timeline.reset()
             start = self.now()
             duration = engine.begin_step(start)
             if duration is None:
                 continue
-            delay = (start + duration - self.now()) * self.time_scale
+            due = timeline.schedule(start, duration)
+            delay = (due - self.now()) * self.time_scale
             if delay > 0:
                 await asyncio.sleep(delay)
             else:
                 await asyncio.sleep(0)  # let handlers run even when we lag
-            self.lag_seconds_total += max(0.0, self.now() - start - duration)
+            self.lag_seconds_total += max(0.0, self.now() - due)
             self._deliver(engine.finish_step())
 
     def _deliver(self, result: StepResult) -> None:
