@@ -11,6 +11,7 @@ import asyncio
 
 import httpx
 import pytest
+from aiohttp import web
 from conftest import FakeEngine, eventually
 
 from gateway.helpers import RawClient
@@ -181,3 +182,45 @@ async def test_a_stream_read_to_its_end_is_not_counted_as_gone(
     assert resp.status_code == 200 and resp.text.count("data: ") >= 20
     m = gw.gateway.metrics
     assert (m.client_gone_streams, m.client_gone_events) == (0, 0)
+
+
+async def _engine_slow_to_end(request: web.Request) -> web.StreamResponse:
+    """An engine that sends `[DONE]` and only ends the response a while later."""
+    if request.path == "/v1/models":
+        return web.json_response({"object": "list", "data": [{"id": "slow-end"}]})
+    if request.path == "/metrics":
+        return web.Response(text="")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(3):
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "t%d"}]}\n\n' % i)
+    await resp.write(b"data: [DONE]\n\n")
+    await asyncio.sleep(1.0)
+    return resp
+
+
+async def test_a_client_that_closes_right_after_done_is_not_counted_as_gone(
+    gateway_factory,
+) -> None:
+    """Clients often close as soon as they read `[DONE]`, before the relay has ended the
+    response: they lost nothing, so they are not counted as departed streams."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", _engine_slow_to_end)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        engine = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        gw = await gateway_factory([engine])
+        client = await RawClient.post(
+            gw.url, "/v1/completions", {"model": "slow-end", "prompt": "p", "stream": True}, {}
+        )
+        await client.read_until(b"[DONE]")
+        client.drop()
+        m = gw.gateway.metrics
+        assert await eventually(lambda: m.in_flight == 0)
+        assert m.cancellations == {"streaming": 1}  # the relay did see the client leave
+        assert (m.client_gone_streams, m.client_gone_events) == (0, 0)
+    finally:
+        await runner.cleanup()

@@ -111,6 +111,7 @@ class Exchange:
     # several into one event), and those received after the client's disconnect was noticed.
     events: int = 0
     events_after_disconnect: int = 0
+    saw_done: bool = False  # the stream's `data: [DONE]` was relayed
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,12 +446,12 @@ class Relay:
             ex.ending = "client_cancel"
             if ex.first_byte_at is None:
                 ex.status = 499
-            if ex.streamed:
+            if ex.streamed and ex.completion_tokens is None:
+                ex.completion_tokens = ex.events or None
+            if ex.streamed and not ex.saw_done:  # leaving after `[DONE]` loses nothing
                 self.metrics.observe_client_gone_stream(
                     ex.events - ex.events_after_disconnect, ex.events_after_disconnect
                 )
-                if ex.completion_tokens is None:
-                    ex.completion_tokens = ex.events or None
             return
         ex.ending = "shutdown" if reason == "shutdown" else "upstream_error"
         if reason != "shutdown":
@@ -551,6 +552,7 @@ class Relay:
                     events += found
                     if _DONE in chunk:
                         done_marks += chunk.count(_DONE)
+                        ex.saw_done = True
                     ex.events = events - done_marks
                     if ex.disconnected_at is not None:
                         ex.events_after_disconnect += found
