@@ -6,6 +6,12 @@ whatever the engine. The client behaves as in the virtual runs (`ClientModel`): 
 deadline passes it closes the connection (a real disconnect the engine or gateway sees);
 a timeout or 5xx is retried; a 429 waits out `Retry-After`; after N tries it gives up.
 While the run goes, every engine's `/metrics` is polled to record the time series.
+
+Clients count the tokens they read exactly (`return_token_ids`, a vLLM extension other
+engines ignore): vLLM merges several tokens into one event when its server lags, so
+counting events undercounts what a client that leaves early had read. On an engine without
+a zombie counter the zombie figure is an upper bound, split as far as observable by
+`zombie_account` with kvgate's own count of what it relayed to clients that left.
 """
 
 from __future__ import annotations
@@ -131,20 +137,8 @@ async def _one_attempt(
                 headers={"Content-Type": "application/json", "X-Request-Id": req_id},
             ) as resp:
                 if resp.status in (429, 503):
-                    ra = _retry_after(resp.headers)
-                    outcome = SHED if resp.status == 429 else UNAVAILABLE
                     await resp.read()
-                    shared.refusals[resp.headers.get("x-kvgate-reason", str(resp.status))] += 1
-                    shared.log.append(
-                        {
-                            "id": req_id,
-                            "outcome": outcome,
-                            "start": round(start, 3),
-                            "reason": resp.headers.get("x-kvgate-reason"),
-                            "retry_after": ra,
-                        }
-                    )
-                    return Attempt(start, shared.now(), outcome, retry_after_s=ra)
+                    return _refused(shared, req_id, start, resp)
                 if resp.status >= 300:
                     await resp.read()
                     return Attempt(start, shared.now(), ERROR)
@@ -161,6 +155,17 @@ async def _one_attempt(
         return _end(shared, req_id, start, TIMEOUT, first, read.tokens, read)
     except (aiohttp.ClientError, OSError, ValueError):
         return _end(shared, req_id, start, ERROR, first, read.tokens, read)
+
+
+def _refused(shared: _Shared, req_id: str, start: float, resp: aiohttp.ClientResponse) -> Attempt:
+    """A 429/503: note why (`X-Kvgate-Reason`) and when to come back."""
+    ra = _retry_after(resp.headers)
+    outcome = SHED if resp.status == 429 else UNAVAILABLE
+    reason = resp.headers.get("x-kvgate-reason")
+    shared.refusals[reason or str(resp.status)] += 1
+    entry = {"id": req_id, "outcome": outcome, "start": round(start, 3), "reason": reason}
+    shared.log.append({**entry, "retry_after": ra})
+    return Attempt(start, shared.now(), outcome, retry_after_s=ra)
 
 
 @dataclass
