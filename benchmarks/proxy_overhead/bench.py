@@ -381,7 +381,7 @@ def start_stack(
             "granian_app:app",
         ]  # fmt: skip
     else:
-        server = name.removeprefix("kvgate-").removesuffix("-native")
+        server = name.removeprefix("kvgate-").removesuffix("-native").removesuffix("-aiohttp")
         command = [
             sys.executable, "-m", "kvgate", "serve", "--port", str(port), "--server", server,
         ]  # fmt: skip
