@@ -278,6 +278,7 @@ class H1Pool:
 
     def __init__(self, connect_timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
         self._idle: dict[str, collections.deque[H1Connection]] = {}
+        self._origins: dict[str, tuple[str, int, str, str, bool]] = {}
         self._connect_timeout_s = connect_timeout_s
         self._ssl: ssl.SSLContext | None = ssl_context
         self._closed = False
@@ -291,12 +292,9 @@ class H1Pool:
         body: bytes,
     ) -> H1Response:
         """Send one request to `base_url` + `target`; returns once its headers arrived."""
-        parts = urlsplit(base_url)
-        host = parts.hostname or "localhost"
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        prefix = parts.path.rstrip("/")
+        host, port, prefix, netloc, tls = self._origin(base_url)
         head = [
-            f"{method} {prefix}{target} HTTP/1.1\r\nhost: {parts.netloc}\r\n".encode("latin-1"),
+            f"{method} {prefix}{target} HTTP/1.1\r\nhost: {netloc}\r\n".encode("latin-1"),
         ]
         for name, value in headers:
             head.append(name + b": " + value + b"\r\n")
@@ -313,8 +311,25 @@ class H1Pool:
                 return await conn.send(data, body, is_head=method == "HEAD")
             except UpstreamConnectError:
                 break  # closed while idle: once more on a fresh connection
-        conn = await self._connect(base_url, host, port, parts.scheme == "https")
+        conn = await self._connect(base_url, host, port, tls)
         return await conn.send(data, body, is_head=method == "HEAD")
+
+    def _origin(self, base_url: str) -> tuple[str, int, str, str, bool]:
+        """(host, port, path prefix, netloc, TLS?) of a base URL, split once per backend
+        rather than once per request (~1.5 µs of `urlsplit` and its properties each time)."""
+        origin = self._origins.get(base_url)
+        if origin is None:
+            parts = urlsplit(base_url)
+            tls = parts.scheme == "https"
+            origin = (
+                parts.hostname or "localhost",
+                parts.port or (443 if tls else 80),
+                parts.path.rstrip("/"),
+                parts.netloc,
+                tls,
+            )
+            self._origins[base_url] = origin
+        return origin
 
     async def _connect(self, key: str, host: str, port: int, tls: bool) -> H1Connection:
         loop = asyncio.get_running_loop()
