@@ -132,6 +132,10 @@ class Disconnect:
 GoneCondition = Callable[[EngineMetrics], bool]
 
 
+class ResponseEndedFirst(AssertionError):
+    """The answer was complete before the engine showed the state to hang up in."""
+
+
 async def measure_disconnect(
     target_url: str,
     engine_url: str,
@@ -168,7 +172,12 @@ async def measure_disconnect(
                     chunks += 1
                     if chunks >= chunks_first:
                         first_chunks.set()
-        raise AssertionError("the response ended before the client hung up")
+        async with httpx.AsyncClient(timeout=10.0) as probe:
+            page = await read_metrics(probe, engine_url)
+        raise ResponseEndedFirst(
+            f"the response ended before the client hung up ({chunks} SSE lines);"
+            f" the engine's page now: {page}"
+        )
 
     async with httpx.AsyncClient(timeout=10.0) as poller:
         task = asyncio.create_task(client_side())
@@ -223,10 +232,19 @@ async def disconnect_attempts(
     Every attempt is kept for the figures.
     """
     results: list[Disconnect] = []
+    missed: list[str] = []
     for _ in range(attempts):
-        results.append(await measure())
+        try:
+            results.append(await measure())
+        except ResponseEndedFirst as exc:
+            # The engine's page never showed the wanted state before the answer was done
+            # (seen once in CI, not reproduced): no disconnect was measured, so try again.
+            missed.append(str(exc))
+            continue
         if results[-1].gone_after_s < GONE_BOUND_S:
             break
+    if not results:
+        raise AssertionError(f"no attempt reached the point of hanging up: {missed}")
     return results
 
 
