@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -332,18 +333,28 @@ async def _poll_engines(
             await asyncio.wait_for(stop.wait(), max(0.0, step_s - (shared.now() - tick)))
 
 
+async def _admin_state(
+    session: aiohttp.ClientSession, gateway: str, timeout_s: float
+) -> dict[str, Any] | None:
+    """The gateway's `/admin/state` as a dict; None when it did not answer with one."""
+    try:
+        async with session.get(
+            gateway + "/admin/state", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            state = orjson.loads(await resp.read())
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
 async def _gateway_view(session: aiohttp.ClientSession, gateway: str | None) -> dict[str, float]:
     """The gateway's view: shed probability for standard traffic, and its busiest node's
     predicted KV usage, controller budget and state (1 = refusing everything: thrashing,
     stale or at panic). Empty without a gateway; NaN when the gateway did not answer."""
     if gateway is None:
         return {}
-    try:
-        async with session.get(
-            gateway + "/admin/state", timeout=aiohttp.ClientTimeout(total=2.0)
-        ) as resp:
-            state = orjson.loads(await resp.read())
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+    state = await _admin_state(session, gateway, 2.0)
+    if state is None:
         return {"shed_prob": math.nan}
     policy = state.get("policy") or {}
     ctrl = policy.get("controller") or {}
@@ -460,13 +471,10 @@ async def _relay_counters(session: aiohttp.ClientSession, gateway: str | None) -
     """The gateway's count of streams whose client left (`kvgate_client_gone_*`), if any."""
     if gateway is None:
         return {}
-    try:
-        async with session.get(
-            gateway + "/admin/state", timeout=aiohttp.ClientTimeout(total=5.0)
-        ) as resp:
-            counters = (orjson.loads(await resp.read()).get("gateway")) or {}
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+    state = await _admin_state(session, gateway, 5.0)
+    if state is None:
         return {}
+    counters = state.get("gateway") or {}
     keys = ("client_gone_streams", "client_gone_events", "events_after_client_gone")
     return {k: int(counters[k]) for k in keys if isinstance(counters.get(k), int)}
 
