@@ -239,56 +239,29 @@ class AdaptivePolicy(BasePolicy):
             ceiling = node.dynamic_ceiling
         return ceiling * cap - node.used - self.store.reserved(node.node_id)
 
-    def _score(self, node: NodeState, room: float, need: int) -> float:
-        """Headroom fraction left after `need`; queue-gated nodes rank behind measured ones."""
-        cap = node.cap
-        return _UNKNOWN_HEADROOM if cap is None else (room - need) / cap
-
     def _two_choices(
         self, now: float, candidates: Sequence[str], need: int, priority: Priority
     ) -> NodeState | None:
-        """The better of two random candidates that fit (`_room`, `_held_from`, `_score`
-        inlined: this runs for nearly every request)."""
+        """The better of two random candidates that fit: the most headroom fraction left
+        after `need`; queue-gated nodes (no known capacity) rank behind measured ones."""
         n = len(candidates)
         randrange = self.rng.randrange
         i = randrange(n)
         j = randrange(n - 1)
-        settings = self.settings
-        stale_after = settings.stale_after_s
-        failures_to_stale = settings.failures_to_stale
-        static = self._ceilings[priority]
-        critical = priority is Priority.CRITICAL
-        nodes_get = self.nodes.get
-        claims = self._claims
         best: NodeState | None = None
         best_score = float("-inf")
         for node_id in (candidates[i], candidates[j + (j >= i)]):
-            node = nodes_get(node_id)
+            node = self.nodes.get(node_id)
             if node is None:
                 continue
-            sample = node.sample
-            if (
-                sample is None
-                or node.thrashing
-                or node.level == LEVEL_PANIC
-                or now - sample.sampled_at > stale_after
-                or node.consecutive_failures >= failures_to_stale
-            ):
+            room = self._room(node, now, priority)
+            if room is None:
                 continue
-            cap = node.cap
-            if cap is None:
-                if sample.waiting != 0:
-                    continue
-                room = float("inf")
-            else:
-                ceiling = static
-                if not critical and node.dynamic_ceiling < ceiling:
-                    ceiling = node.dynamic_ceiling
-                room = ceiling * cap - node.used - self.store.reserved(node_id)
-            if claims:
+            if self._claims:
                 room -= self._held_from(node_id, now, need, priority)
             if room < need:
                 continue
+            cap = node.cap
             score = _UNKNOWN_HEADROOM if cap is None else (room - need) / cap
             if score > best_score:
                 best, best_score = node, score
