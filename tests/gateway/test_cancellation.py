@@ -25,6 +25,20 @@ async def _propagation(engine: FakeEngine, client: RawClient, rid: str) -> float
     return seen.closed_by_client_at - client.closed_at
 
 
+async def _leave_mid_stream(gateway_url: str, rid: str) -> RawClient:
+    """Start a 500-event stream, read 5 events, and hang up."""
+    client = await RawClient.post(
+        gateway_url,
+        "/v1/completions",
+        {"model": "fake-model", "prompt": "p", "stream": True,
+         "fake": {"interval": 0.02, "chunks": 500}},
+        {"x-request-id": rid},
+    )  # fmt: skip
+    await client.read_until(b"data: ", count=5)
+    client.drop()
+    return client
+
+
 @pytest.mark.parametrize(
     ("stage", "body"),
     [
@@ -63,15 +77,7 @@ async def test_disconnect_mid_stream_stops_the_tokens(
 ) -> None:
     gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
     rid = "cancel-mid-stream"
-    client = await RawClient.post(
-        gw.url,
-        "/v1/completions",
-        {"model": "fake-model", "prompt": "p", "stream": True,
-         "fake": {"interval": 0.02, "chunks": 500}},
-        {"x-request-id": rid},
-    )  # fmt: skip
-    await client.read_until(b"data: ", count=5)
-    client.drop()
+    client = await _leave_mid_stream(gw.url, rid)
     took = await _propagation(fake_engine, client, rid)
     sent_at_close = fake_engine.by_id(rid).chunks_sent
     await asyncio.sleep(0.1)
@@ -151,15 +157,7 @@ async def test_a_client_that_leaves_mid_stream_is_counted_with_what_it_was_sent(
     same numbers on `/metrics`, so a benchmark can tell unread tokens from zombie tokens."""
     gw = await gateway_factory([fake_engine.url])
     rid = "gone-mid-stream"
-    client = await RawClient.post(
-        gw.url,
-        "/v1/completions",
-        {"model": "fake-model", "prompt": "p", "stream": True,
-         "fake": {"interval": 0.02, "chunks": 500}},
-        {"x-request-id": rid},
-    )  # fmt: skip
-    await client.read_until(b"data: ", count=5)
-    client.drop()
+    client = await _leave_mid_stream(gw.url, rid)
     await _propagation(fake_engine, client, rid)
     sent = fake_engine.by_id(rid).chunks_sent
     m = gw.gateway.metrics
