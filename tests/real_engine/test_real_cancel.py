@@ -20,11 +20,9 @@ from real_engine.engine import (
     record_figure,
 )
 from real_engine.load import (
-    ATTEMPTS,
     BLOCKED_PROMPT_TOKENS,
     GONE_BOUND_S,
     Disconnect,
-    ResponseEndedFirst,
     describe,
     disconnect_attempts,
     full_kv_cache,
@@ -91,18 +89,11 @@ async def test_disconnect_before_the_first_token_while_queued(
     gateway = start_gateway("none", **TOLERANT_OF_SLOW_SCRAPES)
     async with httpx.AsyncClient(timeout=60.0) as client:
         victim_prompt = await exact_prompt(client, idle_engine.url, BLOCKED_PROMPT_TOKENS)
-    results: list[Disconnect] = []
-    missed: list[str] = []
-    for _ in range(ATTEMPTS):  # as disconnect_attempts, but each attempt needs its fillers
-        try:
-            result = await _queued_disconnect(gateway.url, idle_engine.url, victim_prompt)
-        except ResponseEndedFirst as exc:  # the fillers left room too soon: not queued
-            missed.append(str(exc))
-            continue
-        results.append(result)
-        if result.gone_after_s < GONE_BOUND_S:
-            break
-    assert results, f"the victim was never seen queued: {missed}"
+    # Each attempt fills the engine anew; one whose victim was never seen queued (the
+    # fillers left room too soon) is retried like a slow page.
+    results = await disconnect_attempts(
+        lambda: _queued_disconnect(gateway.url, idle_engine.url, victim_prompt)
+    )
     record_figure(
         "kvgate, queued (no token yet) disconnect -> engine shows it gone", describe(results)
     )
