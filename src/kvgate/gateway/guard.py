@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from kvgate.gateway.disconnect import EXTENSION, DisconnectSignal, signal_of
 from kvgate.gateway.errors import error_body
 from kvgate.gateway.settings import LimitSettings
 
@@ -83,6 +84,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        # Tell the relay at once (see kvgate.gateway.disconnect): the request in progress
+        # and any pipelined behind it lost their client.
+        cycles = [self.cycle] if self.cycle is not None else []
+        cycles += [cycle for cycle, _ in self.pipeline]
+        for cycle in cycles:
+            if not cycle.response_complete:
+                signal = signal_of(cycle.scope)  # type: ignore[arg-type]
+                if signal is not None:
+                    signal.fire()
 
     # ---- parser callbacks --------------------------------------------------------------
 
@@ -99,6 +109,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value) + 4)
         super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        # Before uvicorn builds the request's cycle around this very scope dict.
+        extensions = self.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
+        extensions[EXTENSION] = DisconnectSignal()
+        super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._disarm()

@@ -35,6 +35,7 @@ import orjson
 from kvgate.adapters.backend import Backend
 from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
 from kvgate.core.request import Priority, RequestCost
+from kvgate.gateway import disconnect
 from kvgate.gateway.errors import GatewayError, send_error, sse_error_event
 from kvgate.gateway.scope import CancelScope, ScopeCancelled
 from kvgate.gateway.settings import LimitSettings, UpstreamSettings
@@ -147,6 +148,7 @@ class Relay:
         self.active: set[CancelScope] = set()
         self.accepting = True
         self._idle: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- entry points ------------------------------------------------------------------------
 
@@ -303,9 +305,16 @@ class Relay:
         nodes: Sequence[str],
         parsed: ParsedRequest | None,
     ) -> None:
-        cscope = CancelScope()
+        loop = self._loop or self._bind_loop()
+        cscope = CancelScope(loop)
         self.active.add(cscope)
-        watcher = asyncio.create_task(_watch_disconnect(receive, cscope, ex))
+
+        def client_gone() -> None:
+            if not ex.response_done:
+                ex.disconnected_at = time.monotonic()
+                cscope.cancel("client_cancel")
+
+        watching = disconnect.watch(scope, receive, client_gone, loop)
         try:
             with cscope:
                 await self._attempts(scope, send, ex, cscope, body, cost, priority, nodes, parsed)
@@ -313,9 +322,12 @@ class Relay:
             await self._after_cancel(send, ex, stop.reason)
         finally:
             self.active.discard(cscope)
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            await disconnect.stop_watching(watching)
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        # Asked once: on Python 3.11 every `get_running_loop()` is a getpid() system call.
+        self._loop = asyncio.get_running_loop()
+        return self._loop
 
     async def _attempts(
         self,
@@ -626,17 +638,6 @@ _OUTCOMES = {
     "first_byte_timeout": Outcome.UPSTREAM_ERROR,
     "read_timeout": Outcome.UPSTREAM_ERROR,
 }
-
-
-async def _watch_disconnect(receive: Receive, cscope: CancelScope, ex: Exchange) -> None:
-    """The request's owner-child: turns the client's `http.disconnect` into a cancel."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not ex.response_done:
-                ex.disconnected_at = time.monotonic()
-                cscope.cancel("client_cancel")
-            return
 
 
 async def _end_stream_with_error(

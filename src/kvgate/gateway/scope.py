@@ -27,9 +27,11 @@ class ScopeCancelled(Exception):
 class CancelScope:
     """Use as `with scope:` around awaits of the current task; `cancel()` from anywhere."""
 
-    __slots__ = ("_cancelling", "_entered", "_task", "_timer", "cancelled_at", "reason")
+    __slots__ = ("_cancelling", "_entered", "_loop", "_task", "_timer", "cancelled_at", "reason")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # Given the loop, the scope never asks for it (a getpid() call each on Python 3.11).
+        self._loop = loop
         self.reason: str | None = None
         self.cancelled_at: float | None = None
         self._task: asyncio.Task[object] | None = None
@@ -38,7 +40,7 @@ class CancelScope:
         self._timer: asyncio.TimerHandle | None = None
 
     def __enter__(self) -> CancelScope:
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         if task is None or self._entered:
             raise RuntimeError("a CancelScope is entered once, inside a task")
         self._task = task
@@ -79,7 +81,7 @@ class CancelScope:
     def deadline(self, seconds: float, reason: str) -> None:
         """Cancel with `reason` after `seconds` unless cleared or replaced first."""
         self.clear_deadline()
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         self._timer = loop.call_later(seconds, self.cancel, reason)
 
     def idle_deadline(self, seconds: float, last_activity: Callable[[], float]) -> None:
@@ -89,7 +91,7 @@ class CancelScope:
         a timestamp, and the timer re-arms itself for the remaining time when it fires early.
         """
         self.clear_deadline()
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
 
         def check() -> None:
             remaining = last_activity() + seconds - time.monotonic()
