@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -43,6 +44,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def _settle_heap() -> None:
+    """Move everything alive at start (modules, config, metric families: ~100k objects)
+    out of the collector's sight before serving.
+
+    They live as long as the process, yet every full collection walked them all again:
+    a pause of 20-70 ms measured in the middle of a stream. Frozen, a collection walks only
+    what the traffic allocated.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 class GatewayServer:
@@ -198,6 +211,7 @@ def run_server(
         server = GatewayServer(gateway)
         if on_ready is not None:
             on_ready()
+        _settle_heap()  # the process is this gateway's: what lives now lives to the end
         await server.serve(sock)
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:

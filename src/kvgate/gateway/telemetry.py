@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import logging
 import math
 import os
@@ -61,19 +62,15 @@ class GatewayMetrics:
         self.client_gone_streams = 0
         self.client_gone_events = 0
         self.events_after_client_gone = 0
-        self._ttfb = Histogram(
+        self._ttfb = RouteHistogram(
             "kvgate_time_to_first_byte_seconds",
             "From request arrival to the first response byte sent to the client.",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self._duration = Histogram(
+        self._duration = RouteHistogram(
             "kvgate_request_duration_seconds",
             "From request arrival to the end of the response, however it ended.",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
         self._cancel = Histogram(
             "kvgate_cancel_propagation_seconds",
@@ -89,7 +86,6 @@ class GatewayMetrics:
         )
         self.retry_after_count = 0
         self.retry_after_sum_s = 0.0
-        self._children: dict[tuple[str, str], Any] = {}
         self.policy_snapshot: SnapshotFn | None = None
         self.scraper_stats: SnapshotFn | None = None
         #: `Scraper.stats()`: per-node latencies drained into a histogram at scrape time.
@@ -97,19 +93,11 @@ class GatewayMetrics:
         self._scrape_hist: dict[str, list[float]] = {}  # node -> cumulative bucket counts
         self.registry.register(_SnapshotCollector(self))
 
-    def _child(self, which: str, route: str) -> Any:
-        key = (which, route)
-        child = self._children.get(key)
-        if child is None:
-            parent = self._ttfb if which == "ttfb" else self._duration
-            child = self._children[key] = parent.labels(route=route)
-        return child
-
     def observe_ttfb(self, route: str, seconds: float) -> None:
-        self._child("ttfb", route).observe(seconds)
+        self._ttfb.observe(route, seconds)
 
     def observe_duration(self, route: str, seconds: float) -> None:
-        self._child("duration", route).observe(seconds)
+        self._duration.observe(route, seconds)
 
     def observe_cancel(self, stage: str, seconds: float) -> None:
         self.cancellations[stage] += 1
@@ -144,6 +132,39 @@ class GatewayMetrics:
             "retry_after_count": self.retry_after_count,
             "retry_after_sum_s": round(self.retry_after_sum_s, 3),
         }
+
+
+class RouteHistogram:
+    """A latency histogram by route, observed on every request.
+
+    Two per request sit on the hot path, so the counts are plain lists (a bisect and two
+    additions: ~0.3 µs, against ~1.3 µs for prometheus_client's `Histogram`, which takes a
+    lock and walks its buckets); the families are built when `/metrics` is scraped.
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.buckets = buckets
+        # route -> [count per bucket (the last is +Inf), sum of the observed values]
+        self._by_route: dict[str, tuple[list[int], list[float]]] = {}
+
+    def observe(self, route: str, seconds: float) -> None:
+        entry = self._by_route.get(route)
+        if entry is None:
+            entry = self._by_route[route] = ([0] * (len(self.buckets) + 1), [0.0])
+        entry[0][bisect.bisect_left(self.buckets, seconds)] += 1
+        entry[1][0] += seconds
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["route"])
+        bounds = [str(b) for b in self.buckets] + ["+Inf"]
+        for route, (counts, total) in sorted(self._by_route.items()):
+            cumulative = list(itertools.accumulate(counts))
+            family.add_metric(
+                [route], list(zip(bounds, cumulative, strict=True)), sum_value=total[0]
+            )
+        return family
 
 
 class _SnapshotCollector(Collector):
@@ -185,6 +206,8 @@ class _SnapshotCollector(Collector):
         retries.add_metric([], m.retries)
         yield retries
         yield from _client_gone_metrics(m)
+        yield m._ttfb.family()
+        yield m._duration.family()
         if m.policy_snapshot is not None:
             yield from _policy_metrics(_safe(m.policy_snapshot))
         if m.scraper_stats is not None:
