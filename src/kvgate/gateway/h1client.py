@@ -81,14 +81,21 @@ class H1Response:
                 await self._waiter
             finally:
                 self._waiter = None
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
+        return self.take()
+
+    def take(self) -> bytes:
+        """The body bytes buffered so far, joined (b"" when none)."""
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
         if self._buffered > HIGH_WATER:
             self._conn.resume_reading()
         self._buffered = 0
         return data
 
     async def read(self) -> bytes:
+        if self._complete and self._error is None:  # all here already: no await, no join
+            return self.take()
         parts = []
         while chunk := await self.readany():
             parts.append(chunk)

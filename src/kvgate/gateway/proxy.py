@@ -777,7 +777,11 @@ def _rejection(decision: Reject, *, after_failure: bool) -> GatewayError:
 def _response_headers(
     raw: Sequence[tuple[bytes, bytes]], request_id: str
 ) -> list[tuple[bytes, bytes]]:
-    out = [(k.lower(), v) for k, v in raw if k.lower() not in _DROP_RESPONSE]
+    out = []
+    for name, value in raw:
+        name = name.lower()
+        if name not in _DROP_RESPONSE:
+            out.append((name, value))
     out.append((b"x-request-id", request_id.encode()))
     return out
 
