@@ -152,13 +152,16 @@ class Relay:
 
     # ---- entry points ------------------------------------------------------------------------
 
-    async def completion(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """POST /v1/completions and /v1/chat/completions."""
-        await self._serve(scope, receive, send, scope["path"], self._completion_plan)
+    # Plain functions that hand back `_serve`'s coroutine: an `async def` wrapper would be
+    # one more frame for every resumption of the request's task, i.e. for every SSE event.
 
-    async def passthrough(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def completion(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """POST /v1/completions and /v1/chat/completions."""
+        return self._serve(scope, receive, send, scope["path"], self._completion_plan)
+
+    def passthrough(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         """Any other /v1/... path: forwarded unchanged to a backend serving its model."""
-        await self._serve(scope, receive, send, "/v1/*", self._passthrough_plan)
+        return self._serve(scope, receive, send, "/v1/*", self._passthrough_plan)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no request is in flight; False when `timeout_s` passed first."""
