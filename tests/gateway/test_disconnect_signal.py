@@ -19,6 +19,18 @@ def _watchers() -> list[asyncio.Task[object]]:
     return [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "watch_disconnect"]
 
 
+async def _streaming(gateway_url: str, rid: str) -> RawClient:
+    """A 500-event stream, 3 events read: the relay is mid-stream, the client still there."""
+    client = await RawClient.post(
+        gateway_url, "/v1/completions",
+        {"model": "fake-model", "prompt": "p", "stream": True,
+         "fake": {"interval": 0.02, "chunks": 500}},
+        {"x-request-id": rid},
+    )  # fmt: skip
+    await client.read_until(b"data: ", count=3)
+    return client
+
+
 def test_signal_fires_once_and_only_for_a_subscriber() -> None:
     calls: list[str] = []
     signal = DisconnectSignal()
@@ -44,13 +56,7 @@ async def test_uvicorn_relay_runs_no_watcher_task_and_still_stops_the_engine(
 ) -> None:
     gw = await gateway_factory([fake_engine.url])
     rid = "signal-mid-stream"
-    client = await RawClient.post(
-        gw.url, "/v1/completions",
-        {"model": "fake-model", "prompt": "p", "stream": True,
-         "fake": {"interval": 0.02, "chunks": 500}},
-        {"x-request-id": rid},
-    )  # fmt: skip
-    await client.read_until(b"data: ", count=3)
+    client = await _streaming(gw.url, rid)
     assert gw.in_flight == 1 and _watchers() == []
     client.drop()
     seen = await fake_engine.wait_closed(rid, within=3.0)
@@ -64,13 +70,7 @@ async def test_hypercorn_relay_watches_with_a_task(
 ) -> None:
     gw = await gateway_factory([fake_engine.url], server="hypercorn")
     rid = "watcher-mid-stream"
-    client = await RawClient.post(
-        gw.url, "/v1/completions",
-        {"model": "fake-model", "prompt": "p", "stream": True,
-         "fake": {"interval": 0.02, "chunks": 500}},
-        {"x-request-id": rid},
-    )  # fmt: skip
-    await client.read_until(b"data: ", count=3)
+    client = await _streaming(gw.url, rid)
     assert len(_watchers()) == 1
     client.drop()
     await fake_engine.wait_closed(rid, within=3.0)
