@@ -57,7 +57,9 @@ class FakeEngine:
     `delay` (before the response headers), `crash_after` (close the socket after that many
     events, abruptly), `hang_after` (stop sending after that many events), `status`
     (answer this error status with an OpenAI error body), `usage` (send a final usage event),
-    `pad` (characters added to each streamed token's text, to make big streams).
+    `pad` (characters added to each streamed token's text, to make big streams), `split`
+    (write each event in two pieces cut after that many bytes, 5 ms apart, so that a
+    reader gets them in separate reads: 2 cuts `data:` itself).
     """
 
     model: str = "fake-model"
@@ -233,7 +235,14 @@ class FakeEngine:
             choice = {"index": 0, "text": f"t{i} " + pad, "finish_reason": None}
             event = {"id": "cmpl-1", "object": "text_completion", "model": self.model,
                      "choices": [choice]}  # fmt: skip
-            _chunk(writer, b"data: " + orjson.dumps(event) + b"\n\n")
+            data = b"data: " + orjson.dumps(event) + b"\n\n"
+            split = int(knobs.get("split", 0))
+            if split:
+                _chunk(writer, data[:split])
+                await writer.drain()
+                await asyncio.sleep(0.005)
+                data = data[split:]
+            _chunk(writer, data)
             req.chunks_sent += 1
             await writer.drain()
         if knobs.get("usage", True):

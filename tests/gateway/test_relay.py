@@ -158,6 +158,25 @@ async def test_one_access_log_line_per_request_with_usage(
     assert lines[1]["status"] == 404 and lines[1]["ending"] == "bad_request"
 
 
+@pytest.mark.parametrize("cut", [1, 2, 4, 5])
+async def test_events_cut_inside_data_are_counted_once(
+    fake_engine: FakeEngine, gateway_factory, caplog: pytest.LogCaptureFixture, cut: int
+) -> None:
+    """The relay counts `data:` without decoding: an event whose `data:` arrives in two
+    reads is still one event (the count is the completion tokens when the engine sends no
+    usage), and the bytes reach the client unchanged."""
+    gw = await gateway_factory([fake_engine.url])
+    caplog.set_level(logging.INFO, logger="kvgate.access")
+    body = {"model": "fake-model", "prompt": "hi", "stream": True,
+            "fake": {"chunks": 6, "usage": False, "split": cut}}  # fmt: skip
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            relayed = await response.aread()
+    assert relayed.count(b"data: ") == 7  # 6 tokens and [DONE]
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "kvgate.access"]
+    assert [line["completion_tokens"] for line in lines] == [6]
+
+
 async def test_a_slow_reader_holds_the_engine_back(
     fake_engine: FakeEngine, gateway_factory, upstream_client
 ) -> None:
