@@ -71,7 +71,6 @@ class NodeStats:
     last_error: str | None = None
     last_sample: NodeSample | None = None
     up: bool | None = None  # None: not scraped yet
-    latency_sum_s: float = 0.0  # over every scrape, for a Prometheus summary/counter pair
     _latency_observations: deque[float] = field(
         default_factory=lambda: deque(maxlen=4096), repr=False
     )
@@ -103,7 +102,6 @@ class NodeStats:
 
     def _observe_latency(self, latency: float) -> None:
         self.last_latency_s = latency
-        self.latency_sum_s += latency
         self._latency_observations.append(latency)
 
 

@@ -62,15 +62,17 @@ class GatewayMetrics:
         self.client_gone_streams = 0
         self.client_gone_events = 0
         self.events_after_client_gone = 0
-        self._ttfb = RouteHistogram(
+        self._ttfb = LabelledHistogram(
             "kvgate_time_to_first_byte_seconds",
             "From request arrival to the first response byte sent to the client.",
             _LATENCY_BUCKETS,
+            "route",
         )
-        self._duration = RouteHistogram(
+        self._duration = LabelledHistogram(
             "kvgate_request_duration_seconds",
             "From request arrival to the end of the response, however it ended.",
             _LATENCY_BUCKETS,
+            "route",
         )
         self._cancel = Histogram(
             "kvgate_cancel_propagation_seconds",
@@ -90,7 +92,12 @@ class GatewayMetrics:
         self.scraper_stats: SnapshotFn | None = None
         #: `Scraper.stats()`: per-node latencies drained into a histogram at scrape time.
         self.scraper_node_stats: Callable[[], Mapping[str, Any]] | None = None
-        self._scrape_hist: dict[str, list[float]] = {}  # node -> cumulative bucket counts
+        self._scrape = LabelledHistogram(
+            "kvgate_scrape_duration_seconds",
+            "Duration of each scrape of an engine's metrics page.",
+            _SCRAPE_BUCKETS,
+            "node",
+        )
         self.registry.register(_SnapshotCollector(self))
 
     def observe_ttfb(self, route: str, seconds: float) -> None:
@@ -134,35 +141,38 @@ class GatewayMetrics:
         }
 
 
-class RouteHistogram:
-    """A latency histogram by route, observed on every request.
+class LabelledHistogram:
+    """A histogram with one label (route, node), its counts kept as plain lists.
 
-    Two per request sit on the hot path, so the counts are plain lists (a bisect and two
-    additions: ~0.3 µs, against ~1.3 µs for prometheus_client's `Histogram`, which takes a
-    lock and walks its buckets); the families are built when `/metrics` is scraped.
+    The route histograms sit on the hot path, two observations per request: a bisect and
+    two additions cost ~0.3 µs, against ~1.3 µs for prometheus_client's `Histogram`, which
+    takes a lock and walks its buckets. The families are built when `/metrics` is scraped.
     """
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+    def __init__(
+        self, name: str, documentation: str, buckets: tuple[float, ...], label: str
+    ) -> None:
         self.name = name
         self.documentation = documentation
         self.buckets = buckets
-        # route -> [count per bucket (the last is +Inf), sum of the observed values]
-        self._by_route: dict[str, tuple[list[int], list[float]]] = {}
+        self.label = label
+        # label value -> [count per bucket (the last is +Inf), sum of the observed values]
+        self._by_value: dict[str, tuple[list[int], list[float]]] = {}
 
-    def observe(self, route: str, seconds: float) -> None:
-        entry = self._by_route.get(route)
+    def observe(self, value: str, seconds: float) -> None:
+        entry = self._by_value.get(value)
         if entry is None:
-            entry = self._by_route[route] = ([0] * (len(self.buckets) + 1), [0.0])
+            entry = self._by_value[value] = ([0] * (len(self.buckets) + 1), [0.0])
         entry[0][bisect.bisect_left(self.buckets, seconds)] += 1
         entry[1][0] += seconds
 
     def family(self) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=["route"])
+        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
         bounds = [str(b) for b in self.buckets] + ["+Inf"]
-        for route, (counts, total) in sorted(self._by_route.items()):
+        for value, (counts, total) in sorted(self._by_value.items()):
             cumulative = list(itertools.accumulate(counts))
             family.add_metric(
-                [route], list(zip(bounds, cumulative, strict=True)), sum_value=total[0]
+                [value], list(zip(bounds, cumulative, strict=True)), sum_value=total[0]
             )
         return family
 
@@ -218,25 +228,14 @@ class _SnapshotCollector(Collector):
     def _scrape_histogram(self) -> Metric:
         """Scrape durations observed since the last collection, added to running buckets."""
         m = self._m
-        family = HistogramMetricFamily(
-            "kvgate_scrape_duration_seconds",
-            "Duration of each scrape of an engine's metrics page.",
-            labels=["node"],
-        )
         try:
             stats = m.scraper_node_stats() if m.scraper_node_stats else {}
         except Exception:
-            return family
+            stats = {}
         for node_id, node in stats.items():
-            counts = m._scrape_hist.setdefault(node_id, [0.0] * (len(_SCRAPE_BUCKETS) + 1))
             for latency in node.drain_latencies():
-                counts[bisect.bisect_left(_SCRAPE_BUCKETS, latency)] += 1
-            cumulative, buckets = 0.0, []
-            for bound, count in zip((*_SCRAPE_BUCKETS, math.inf), counts, strict=True):
-                cumulative += count
-                buckets.append(("+Inf" if bound == math.inf else str(bound), cumulative))
-            family.add_metric([node_id], buckets, sum_value=float(node.latency_sum_s))
-        return family
+                m._scrape.observe(node_id, latency)
+        return m._scrape.family()
 
 
 def _client_gone_metrics(m: GatewayMetrics) -> Iterator[Metric]:
