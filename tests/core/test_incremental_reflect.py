@@ -130,16 +130,23 @@ def test_incremental_reflection_matches_walking_every_ticket(seed: int, margin: 
     assert changed > 20  # the streams do exercise reflection, not just agree on zero
 
 
+def _none_policy() -> tuple[ManualClock, NonePolicy]:
+    clock = ManualClock(0.0)
+    return clock, NonePolicy(AdmissionSettings(policy="none"), clock, rng_seed=1)
+
+
+def _admit_counted(policy: NonePolicy, request_id: str, tokens: int) -> Ticket:
+    """A 100 + 100 token request admitted on node "a" that reported `tokens` streamed."""
+    decision = policy.admit(request_id, RequestCost(100, 100), Priority.STANDARD, ("a",))
+    assert isinstance(decision, Admit)
+    policy.on_tokens(decision.ticket, tokens)
+    return decision.ticket
+
+
 def test_settled_holds_are_not_looked_at_again() -> None:
     """A hold whose counts a sample already shows is off the queue: O(changes) per sample."""
-    clock = ManualClock(0.0)
-    policy = NonePolicy(AdmissionSettings(policy="none"), clock, rng_seed=1)
-    tickets = []
-    for i in range(200):
-        decision = policy.admit(f"r{i}", RequestCost(100, 100), Priority.STANDARD, ("a",))
-        assert isinstance(decision, Admit)
-        tickets.append(decision.ticket)
-        policy.on_tokens(decision.ticket, 10)
+    clock, policy = _none_policy()
+    tickets = [_admit_counted(policy, f"r{i}", 10) for i in range(200)]
     clock.advance(1.0)
     policy.observe("a", NodeSample(0.5, 100_000, 200, 0, 0.02, sampled_at=clock.now()))
     assert policy.store.reserved("a") == 200 * (216 - 110)
@@ -171,14 +178,10 @@ def test_every_policy_reflects_what_a_sample_shows(name: str) -> None:
 
 def test_queue_stays_bounded_on_a_node_without_kv_gauge() -> None:
     """Nothing is ever reflected without a KV gauge; the queue must not grow per request."""
-    clock = ManualClock(0.0)
-    policy = NonePolicy(AdmissionSettings(policy="none"), clock, rng_seed=1)
+    clock, policy = _none_policy()
     live = []
     for i in range(2000):
-        decision = policy.admit(f"r{i}", RequestCost(100, 100), Priority.STANDARD, ("a",))
-        assert isinstance(decision, Admit)
-        live.append(decision.ticket)
-        policy.on_tokens(decision.ticket, 1)
+        live.append(_admit_counted(policy, f"r{i}", 1))
         if len(live) > 10:
             policy.release(live.pop(0), Outcome.DONE)
         clock.advance(0.01)
