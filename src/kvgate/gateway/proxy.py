@@ -634,7 +634,8 @@ class Relay:
 
 
 def _us(seconds: float) -> float:
-    """Seconds to the microsecond, for the log: a truncation, 7x cheaper than `round(x, 6)`."""
+    """Seconds to the microsecond, for the log: a truncation (~0.12 µs) where `round(x, 6)`
+    goes through a decimal conversion (~0.32 µs, timeit, best of 5)."""
     return int(seconds * 1_000_000) / 1_000_000
 
 

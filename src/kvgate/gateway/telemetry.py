@@ -145,8 +145,9 @@ class LabelledHistogram:
     """A histogram with one label (route, node), its counts kept as plain lists.
 
     The route histograms sit on the hot path, two observations per request: a bisect and
-    two additions cost ~0.3 µs, against ~1.3 µs for prometheus_client's `Histogram`, which
-    takes a lock and walks its buckets. The families are built when `/metrics` is scraped.
+    two additions, ~0.5 µs per observation, against 1.5-2.3 µs for a child of
+    prometheus_client's `Histogram`, which takes a lock and walks its buckets (measured side
+    by side, 3 rounds). The families are built when `/metrics` is scraped.
     """
 
     def __init__(
