@@ -70,7 +70,10 @@ def test_overload_burst_straight_to_vllm_preempts(direct_burst: BurstResult) -> 
     assert all(
         o.completion_tokens == direct_burst.extra["max_tokens"] for o in direct_burst.admitted
     )
-    assert max(s.kv_usage for s in direct_burst.samples) > 0.95
+    # The samples are polls, and the instant the cache is full (when a victim is chosen)
+    # lasts one step, so a poll can miss it: one CI run saw a peak of 0.937 (119 of 127
+    # blocks) with two preemptions. The counter below is the proof that it ran out.
+    assert max(s.kv_usage for s in direct_burst.samples) > 0.9
     # The counter lags (a preemption is counted when its victim runs again), but every
     # request has finished by now, so every preemption has been counted.
     assert direct_burst.preemptions > 0
