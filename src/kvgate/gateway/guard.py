@@ -36,6 +36,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from kvgate.gateway.disconnect import EXTENSION, DisconnectSignal, signal_of
 from kvgate.gateway.errors import error_body
 from kvgate.gateway.settings import LimitSettings
+from kvgate.gateway.splice import EXTENSION as SPLICE
+from kvgate.gateway.splice import ClientWriter, Splicer
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_too_large = False
         self._deadline: asyncio.TimerHandle | None = None
+        self.waiting_writers: list[ClientWriter] = []
+        self._splicer = Splicer(self)
 
     @classmethod
     def with_limits(cls, limits: LimitSettings) -> type[GuardedHttpToolsProtocol]:
@@ -111,10 +115,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        # Before uvicorn builds the request's cycle around this very scope dict.
+        # Before uvicorn builds the request's cycle around this very scope dict and starts
+        # its task (see kvgate.gateway.splice for the writer).
         extensions = self.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
         extensions[EXTENSION] = DisconnectSignal()
+        extensions[SPLICE] = self._splicer
         super().on_headers_complete()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        # Spliced streams paused their engine's connection until now (see splice.py).
+        waiting = self.waiting_writers[:]
+        self.waiting_writers.clear()  # in place: the writers hold this very list
+        for writer in waiting:
+            writer.writable()
 
     def on_message_complete(self) -> None:
         self._disarm()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -44,7 +44,9 @@ class H1Response:
         "_chunks",
         "_complete",
         "_conn",
+        "_ended",
         "_error",
+        "_sink",
         "_waiter",
         "delimited",
         "raw_headers",
@@ -61,6 +63,8 @@ class H1Response:
         self._complete = False
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], None] | None = None
+        self._ended: asyncio.Future[Exception | None] | None = None
 
     @property
     def content_type(self) -> str:
@@ -101,6 +105,32 @@ class H1Response:
             parts.append(chunk)
         return b"".join(parts)
 
+    def splice(self, sink: Callable[[bytes], None]) -> asyncio.Future[Exception | None]:
+        """Hand every body read to `sink` from the connection's callback, as it arrives,
+        instead of queueing it for `readany()` (see kvgate.gateway.splice).
+
+        The future ends with the body: None when it was complete, else the error that cut
+        it, including an exception `sink` raised (the connection is then closed).
+        """
+        ended = self._conn.loop.create_future()
+        self._ended = ended
+        if self._chunks:
+            data = self.take()
+            self._sink = sink
+            self._body(data)
+        else:
+            self._sink = sink
+        if self._error is not None or self._complete:
+            self._settle()
+        return ended
+
+    def pause(self) -> None:
+        """Stop reading from the engine (a spliced stream's client is slow)."""
+        self._conn.pause_reading()
+
+    def resume(self) -> None:
+        self._conn.resume_reading()
+
     def release(self) -> None:
         """Give the connection back to the pool if the body was read whole, else close it."""
         self._conn.finished(self)
@@ -116,7 +146,20 @@ class H1Response:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _settle(self) -> None:
+        ended = self._ended
+        if ended is not None and not ended.done():
+            ended.set_result(self._error)
+
     def _body(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            try:
+                sink(data)
+            except Exception as exc:  # a relay fault: end this response, never the parser
+                self._fail(exc)
+                self._conn.abort()
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER:
@@ -126,11 +169,14 @@ class H1Response:
     def _end(self) -> None:
         self._complete = True
         self._wake()
+        self._settle()
 
     def _fail(self, error: Exception) -> None:
         if not self._complete and self._error is None:
             self._error = error
+        self._sink = None  # closed or cut: nothing more is relayed
         self._wake()
+        self._settle()
 
 
 class H1Connection(asyncio.Protocol):

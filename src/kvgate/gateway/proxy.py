@@ -5,10 +5,12 @@ One request's life:
 1. Read the body (413 past the limit), parse it once with orjson (400 on anything
    malformed), resolve the model (404 when no backend serves it), estimate its KV cost and
    ask the admission policy (429/503 with Retry-After on a refusal).
-2. Inside one `CancelScope`, with a watcher task waiting for the client's
-   `http.disconnect`, send the request to the chosen backend and relay its answer: whole
-   for ordinary responses, chunk by chunk for server-sent events (`await send()` before the
-   next read, so a slow client slows the upstream read and memory stays bounded).
+2. Inside one `CancelScope`, listening for the client's departure (`disconnect.py`), send
+   the request to the chosen backend and relay its answer: whole for ordinary responses,
+   chunk by chunk for server-sent events. A stream is spliced when both ends allow it
+   (`splice.py`: each read is written to the client from the upstream socket's callback),
+   else relayed by a loop that awaits `send()` before the next read. Either way a slow
+   client slows the upstream read and memory stays bounded.
 3. Whoever cancels the scope (client gone, first-byte or idle timeout, shutdown drain), the
    upstream response is closed at once, which is how vLLM learns to abort; an engine with
    an abort API is told as well. The ticket is released exactly once in a `finally`.
@@ -35,8 +37,9 @@ import orjson
 from kvgate.adapters.backend import Backend
 from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
 from kvgate.core.request import Priority, RequestCost
-from kvgate.gateway import disconnect
+from kvgate.gateway import disconnect, splice
 from kvgate.gateway.errors import GatewayError, send_error, sse_error_event
+from kvgate.gateway.h1client import H1Response
 from kvgate.gateway.scope import CancelScope, ScopeCancelled
 from kvgate.gateway.settings import LimitSettings, UpstreamSettings
 from kvgate.gateway.telemetry import GatewayMetrics, log_access
@@ -413,7 +416,9 @@ class Relay:
             response = await self.pool.open(backend, scope["method"], path_qs, headers, body)
             content_type = response.content_type
             if response.status == 200 and content_type.startswith("text/event-stream"):
-                outcome = await self._relay_stream(send, ex, cscope, response, ticket, parsed)
+                outcome = await self._relay_stream(
+                    scope, send, ex, cscope, response, ticket, parsed
+                )
             else:
                 head = scope["method"] == "HEAD"
                 outcome = await self._relay_whole(send, ex, response, ticket, parsed, head)
@@ -462,7 +467,7 @@ class Relay:
             if ex.first_byte_at is None:
                 ex.status = 499
             if ex.streamed and ex.completion_tokens is None:
-                ex.completion_tokens = ex.events or None
+                ex.completion_tokens = max(0, ex.events) or None
             if ex.streamed and not ex.saw_done:  # leaving after `[DONE]` loses nothing
                 self.metrics.observe_client_gone_stream(
                     ex.events - ex.events_after_disconnect, ex.events_after_disconnect
@@ -529,6 +534,7 @@ class Relay:
 
     async def _relay_stream(
         self,
+        scope: Scope,
         send: Send,
         ex: Exchange,
         cscope: CancelScope,
@@ -542,39 +548,15 @@ class Relay:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         ex.first_byte_at = time.monotonic()
         ex.stage = "first_token"
-        policy = self.policy
-        events = 0
-        done_marks = 0
-        tail = b""
+        tally = _StreamTally(self, ex, cscope, ticket, parsed)
+        writer = splice.writer_for(scope) if isinstance(response, H1Response) else None
         try:
-            while True:
-                chunk = await response.readany()
-                if not chunk:
-                    break
-                ex.last_chunk_at = time.monotonic()
-                if ex.first_token_at is None:
-                    ex.first_token_at = ex.last_chunk_at
-                    ex.stage = "streaming"
-                    policy.on_first_token(ticket)
-                    cscope.idle_deadline(self.upstream.read_timeout_s, lambda: ex.last_chunk_at)
-                # Count events without decoding them; a `data:` split across two chunks is
-                # caught by looking at the 8 bytes around the boundary.
-                found = chunk.count(_DATA)
-                if tail:
-                    found += (tail + chunk[:4]).count(_DATA)
-                tail = chunk[-4:]
-                if found:
-                    events += found
-                    if _DONE in chunk:
-                        done_marks += chunk.count(_DONE)
-                        ex.saw_done = True
-                    ex.events = events - done_marks
-                    if ex.disconnected_at is not None:
-                        ex.events_after_disconnect += found
-                    policy.on_tokens(ticket, ex.events)
-                    if _PROMPT_TOKENS in chunk:
-                        self._learn_usage(ex, parsed, _usage_from_sse(chunk))
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if writer is not None and isinstance(response, H1Response):
+                await _splice(writer, response, tally)
+            else:
+                while chunk := await response.readany():
+                    tally.feed(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (UpstreamError, OSError):
             self.metrics.upstream_errors[ex.backend, "reset"] += 1
             await _end_stream_with_error(
@@ -582,7 +564,7 @@ class Relay:
             )
             return Outcome.UPSTREAM_ERROR
         if ex.completion_tokens is None:
-            ex.completion_tokens = max(0, events - done_marks) or None
+            ex.completion_tokens = max(0, ex.events) or None
         ex.response_done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return Outcome.DONE
@@ -631,6 +613,85 @@ class Relay:
                 "retried": ex.retried,
             }
         )
+
+
+class _StreamTally:
+    """Counts a stream's SSE events as its bytes pass, without decoding them.
+
+    Fed every read from the engine, by the relay loop or from the upstream socket's callback
+    (`_splice`): it stamps the first token (which starts the idle deadline), keeps the
+    policy's token count current and learns from the final `usage`.
+    """
+
+    __slots__ = ("_cscope", "_done_marks", "_ex", "_found", "_parsed", "_relay", "_tail", "_ticket")
+
+    def __init__(
+        self,
+        relay: Relay,
+        ex: Exchange,
+        cscope: CancelScope,
+        ticket: Ticket,
+        parsed: ParsedRequest | None,
+    ) -> None:
+        self._relay = relay
+        self._ex = ex
+        self._cscope = cscope
+        self._ticket = ticket
+        self._parsed = parsed
+        self._found = 0  # `data:` fields, `[DONE]` included
+        self._done_marks = 0
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        ex = self._ex
+        ex.last_chunk_at = time.monotonic()
+        if ex.first_token_at is None:
+            self._first_token()
+        # A `data:` split across two reads is caught by looking at the 8 bytes around the
+        # boundary.
+        found = chunk.count(_DATA)
+        if self._tail:
+            found += (self._tail + chunk[:4]).count(_DATA)
+        self._tail = chunk[-4:]
+        if not found:
+            return
+        self._found += found
+        if _DONE in chunk:
+            self._done_marks += chunk.count(_DONE)
+            ex.saw_done = True
+        ex.events = self._found - self._done_marks
+        if ex.disconnected_at is not None:
+            ex.events_after_disconnect += found
+        relay = self._relay
+        relay.policy.on_tokens(self._ticket, ex.events)
+        if _PROMPT_TOKENS in chunk:
+            relay._learn_usage(ex, self._parsed, _usage_from_sse(chunk))
+
+    def _first_token(self) -> None:
+        ex = self._ex
+        ex.first_token_at = ex.last_chunk_at
+        ex.stage = "streaming"
+        relay = self._relay
+        relay.policy.on_first_token(self._ticket)
+        self._cscope.idle_deadline(relay.upstream.read_timeout_s, lambda: ex.last_chunk_at)
+
+
+async def _splice(writer: splice.ClientWriter, response: H1Response, tally: _StreamTally) -> None:
+    """Relay the rest of a stream from the upstream's callback (see kvgate.gateway.splice);
+    returns when it is complete, raises what cut it."""
+
+    def relay(chunk: bytes) -> None:
+        tally.feed(chunk)
+        if not writer.write(chunk):  # the client is slow: stop reading the engine
+            response.pause()
+            writer.when_writable(response.resume)
+
+    try:
+        error = await response.splice(relay)
+    finally:
+        writer.when_writable(None)
+    if error is not None:
+        raise error
 
 
 def _us(seconds: float) -> float:
