@@ -322,6 +322,10 @@ async def stream_phase(
 # ---- the stacks under test ---------------------------------------------------------------------
 
 
+#: `--before-src`: the source tree the `-before` stack imports kvgate from.
+BEFORE_SRC = ""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -385,11 +389,14 @@ def start_stack(
         KVGATE_ADMISSION__POLICY=policy,
         KVGATE_SERVER__LOG_LEVEL="warning",
     )
+    log = open(workdir / f"{name}.log", "wb")
+    if name.endswith("-before"):  # the same stack from another source tree (--before-src)
+        env["PYTHONPATH"] = BEFORE_SRC
+        name = name.removesuffix("-before")
     if name.endswith("-native"):
         env["KVGATE_UPSTREAM__CLIENT"] = "native"
     elif name.endswith("-aiohttp"):
         env["KVGATE_UPSTREAM__CLIENT"] = "aiohttp"
-    log = open(workdir / f"{name}.log", "wb")
     if name == "nginx":
         command = ["nginx", "-c", str(_nginx_conf(workdir, port, engine_port)), "-p", str(workdir)]
     elif name == "floor-uvicorn-h1pool":
@@ -505,6 +512,10 @@ def run(args: argparse.Namespace) -> int:
         "kvgate-granian-native",
         "floor-uvicorn-h1pool",
     ]
+    if args.before_src:
+        global BEFORE_SRC
+        BEFORE_SRC = args.before_src
+        stacks.insert(stacks.index("kvgate-uvicorn-native"), "kvgate-uvicorn-native-before")
     if shutil.which("nginx") is None:
         stacks.remove("nginx")
         print("nginx not installed: skipped", file=sys.stderr)
@@ -645,6 +656,11 @@ def main() -> int:
         help="streams start in waves within one token period, or evenly over a stream's life",
     )
     bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    bench.add_argument(
+        "--before-src",
+        help="also run kvgate-uvicorn-native from this source tree (a git worktree of an "
+        "older commit), as kvgate-uvicorn-native-before: an A/B in the same rounds",
+    )
     bench.add_argument("--only", help="comma-separated stacks (direct always runs)")
     bench.add_argument("--profile", action="store_true", help="py-spy the proxy while streaming")
     bench.add_argument("--no-write", dest="write", action="store_false")
