@@ -19,6 +19,7 @@ from conftest import FakeEngine
 
 from gateway.helpers import RawClient
 from kvgate.gateway.h1client import H1Response
+from kvgate.gateway.splice import ClientWriter
 
 NATIVE = {"upstream.client": "native"}
 BODY = {"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"chunks": 50}}
@@ -118,3 +119,26 @@ async def test_a_fault_inside_the_splice_ends_the_response_and_frees_everything(
     assert not received.endswith(b"\r\n0\r\n\r\n")  # cut short, not passed off as complete
     await fake_engine.wait_closed("faulty", within=3.0)
     assert fake_engine.by_id("faulty").chunks_sent < 500
+
+
+async def test_events_that_arrive_together_leave_in_one_write(
+    fake_engine: FakeEngine, gateway_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """httptools reports each HTTP chunk of the engine (one per event) separately; the
+    splice hands the client one write per socket read, as the relay loop's `readany()` did.
+    The fake engine writes its 200 events without pausing, so they arrive in a few reads."""
+    writes: list[int] = []
+    original = ClientWriter.write
+
+    def counted(self: ClientWriter, data: bytes) -> bool:
+        writes.append(data.count(b"data: "))
+        return original(self, data)
+
+    monkeypatch.setattr(ClientWriter, "write", counted)
+    gw = await gateway_factory([fake_engine.url], overrides=NATIVE)
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        body = {**BODY, "fake": {"chunks": 200}}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            relayed = await response.aread()
+    assert relayed.count(b"data: ") == sum(writes) == 202
+    assert len(writes) <= 20

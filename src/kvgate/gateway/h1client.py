@@ -114,12 +114,10 @@ class H1Response:
         """
         ended = self._conn.loop.create_future()
         self._ended = ended
-        if self._chunks:
-            data = self.take()
-            self._sink = sink
-            self._body(data)
-        else:
-            self._sink = sink
+        self._buffered = 0
+        self._sink = sink
+        self._conn.resume_reading()  # in case `readany()` had paused it
+        self._flush()  # what came with the headers
         if self._error is not None or self._complete:
             self._settle()
         return ended
@@ -152,21 +150,31 @@ class H1Response:
             ended.set_result(self._error)
 
     def _body(self, data: bytes) -> None:
-        sink = self._sink
-        if sink is not None:
-            try:
-                sink(data)
-            except Exception as exc:  # a relay fault: end this response, never the parser
-                self._fail(exc)
-                self._conn.abort()
-            return
         self._chunks.append(data)
+        if self._sink is not None:
+            return  # handed over whole when the read is parsed (`_flush`)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER:
             self._conn.pause_reading()
         self._wake()
 
+    def _flush(self) -> None:
+        """Hand a spliced response's parsed bytes to its sink: once per socket read, not
+        once per HTTP chunk (an engine sending fast puts many events in one read)."""
+        sink = self._sink
+        if sink is None or not self._chunks:
+            return
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        try:
+            sink(data)
+        except Exception as exc:  # a relay fault: end this response, never the parser
+            self._fail(exc)
+            self._conn.abort()
+
     def _end(self) -> None:
+        self._flush()
         self._complete = True
         self._wake()
         self._settle()
@@ -210,6 +218,10 @@ class H1Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._broken(UpstreamError("protocol", f"invalid HTTP from {self.key}: {exc}"))
+            return
+        response = self.response
+        if response is not None and response._sink is not None:
+            response._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
