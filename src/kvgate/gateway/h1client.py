@@ -6,7 +6,8 @@ engine, 16 keep-alive connections; `benchmarks/proxy_overhead/results.md`). aioh
 a URL object, multidicts, a request object, a writer task, a payload and a stream reader per
 request; a relay needs none of that. Headers stay the bytes ASGI gave us, the parser is the
 same C parser uvicorn uses, and a response body is a queue of bytes with back-pressure
-(reading from the engine pauses while more than `HIGH_WATER` bytes wait for the client).
+(reading from the engine pauses while more than `HIGH_WATER` bytes wait for the client),
+or, spliced (`H1Response.splice`), handed to a callback once per socket read.
 
 aiohttp remains the client for everything off the hot path (scrapes, model lists, aborts).
 `upstream.client: aiohttp` switches the relay back to it.
