@@ -87,6 +87,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._splicer.detach()  # it refers to this protocol: no cycle left to collect
         super().connection_lost(exc)
         # Tell the relay at once (see kvgate.gateway.disconnect): the request in progress
         # and any pipelined behind it lost their client.

@@ -146,7 +146,10 @@ class H1Response:
             waiter.set_result(None)
 
     def _settle(self) -> None:
-        ended = self._ended
+        # The sink (the relay's callback) holds this response: dropping it here, at the
+        # body's end, keeps each stream's objects free of a reference cycle.
+        self._sink = None
+        ended, self._ended = self._ended, None
         if ended is not None and not ended.done():
             ended.set_result(self._error)
 
@@ -186,6 +189,10 @@ class H1Response:
         self._sink = None  # closed or cut: nothing more is relayed
         self._wake()
         self._settle()
+
+
+class _NoCallbacks:
+    """The callbacks of a closed connection's parser: none."""
 
 
 class H1Connection(asyncio.Protocol):
@@ -228,6 +235,7 @@ class H1Connection(asyncio.Protocol):
         self.closed = True
         response = self.response
         if response is None:
+            self._unlink()
             return
         if self.headers_future is not None and not self.headers_future.done():
             self.headers_future.set_exception(
@@ -237,6 +245,12 @@ class H1Connection(asyncio.Protocol):
             response._end()  # a body delimited by the close itself
         else:
             response._fail(UpstreamError("reset", f"{self.key} closed the connection mid-body"))
+        self._unlink()
+
+    def _unlink(self) -> None:
+        """The parser holds this protocol (its callbacks): a fresh one that does not, so a
+        closed connection is freed by reference counting rather than by the collector."""
+        self.parser = httptools.HttpResponseParser(_NoCallbacks())
 
     # -- httptools callbacks ----------------------------------------------------------------
 
@@ -328,8 +342,10 @@ class H1Connection(asyncio.Protocol):
             self.closed = True
             if self.transport is not None:
                 self.transport.close()
-        if self.response is not None:
-            self.response._fail(UpstreamError("closed", "the upstream response was closed"))
+        response, self.response = self.response, None
+        self.headers_future = None  # its result, the response, would hold this connection
+        if response is not None:  # unlinked both ways: no reference cycle to collect
+            response._fail(UpstreamError("closed", "the upstream response was closed"))
 
     def _broken(self, error: UpstreamError) -> None:
         if self.headers_future is not None and not self.headers_future.done():

@@ -27,7 +27,17 @@ class ScopeCancelled(Exception):
 class CancelScope:
     """Use as `with scope:` around awaits of the current task; `cancel()` from anywhere."""
 
-    __slots__ = ("_cancelling", "_entered", "_loop", "_task", "_timer", "cancelled_at", "reason")
+    __slots__ = (
+        "_activity",
+        "_cancelling",
+        "_entered",
+        "_idle_s",
+        "_loop",
+        "_task",
+        "_timer",
+        "cancelled_at",
+        "reason",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         # Given the loop, the scope never asks for it (a getpid() call each on Python 3.11).
@@ -38,6 +48,8 @@ class CancelScope:
         self._cancelling = 0
         self._entered = False
         self._timer: asyncio.TimerHandle | None = None
+        self._idle_s = 0.0
+        self._activity: Callable[[], float] | None = None
 
     def __enter__(self) -> CancelScope:
         task = asyncio.current_task(self._loop)
@@ -92,18 +104,26 @@ class CancelScope:
         """
         self.clear_deadline()
         loop = self._loop or asyncio.get_running_loop()
+        self._idle_s = seconds
+        self._activity = last_activity
+        self._timer = loop.call_later(seconds, self._check_idle)
 
-        def check() -> None:
-            remaining = last_activity() + seconds - time.monotonic()
-            if remaining <= 0:
-                self._timer = None
-                self.cancel("read_timeout")
-            else:
-                self._timer = loop.call_later(remaining, check)
-
-        self._timer = loop.call_later(seconds, check)
+    def _check_idle(self) -> None:
+        # A method, not a closure that re-arms itself: such a closure refers to its own
+        # cell, a reference cycle that would keep every stream's objects for the collector.
+        activity = self._activity
+        if activity is None:
+            return
+        remaining = activity() + self._idle_s - time.monotonic()
+        if remaining <= 0:
+            self._timer = None
+            self.cancel("read_timeout")
+        else:
+            loop = self._loop or asyncio.get_running_loop()
+            self._timer = loop.call_later(remaining, self._check_idle)
 
     def clear_deadline(self) -> None:
+        self._activity = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -93,15 +93,21 @@ class Splicer:
     __slots__ = ("_server",)
 
     def __init__(self, server: _Server) -> None:
-        self._server = server
+        self._server: _Server | None = server
+
+    def detach(self) -> None:
+        """The connection is gone: hand out no more writers (and let it be freed)."""
+        self._server = None
 
     def writer_for(self, scope: MutableMapping[str, Any]) -> ClientWriter | None:
         """A writer for `scope`'s response, or None when its bytes must go through `send()`:
         the response has not started, is not chunked, is over, lost its client, or another
         request's cycle is current (pipelining)."""
-        cycle = self._server.cycle
+        server = self._server
+        cycle = server.cycle if server is not None else None
         if (
-            cycle is None
+            server is None
+            or cycle is None
             or cycle.scope is not scope
             or not cycle.response_started
             or cycle.response_complete
@@ -109,7 +115,7 @@ class Splicer:
             or cycle.disconnected
         ):
             return None
-        return ClientWriter(cycle, self._server.waiting_writers)
+        return ClientWriter(cycle, server.waiting_writers)
 
 
 def writer_for(scope: MutableMapping[str, Any]) -> ClientWriter | None:
