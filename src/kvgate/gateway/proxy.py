@@ -549,10 +549,11 @@ class Relay:
         ex.first_byte_at = time.monotonic()
         ex.stage = "first_token"
         tally = _StreamTally(self, ex, cscope, ticket, parsed)
-        writer = splice.writer_for(scope) if isinstance(response, H1Response) else None
+        native = response if isinstance(response, H1Response) else None
+        writer = splice.writer_for(scope) if native is not None else None
         try:
-            if writer is not None and isinstance(response, H1Response):
-                await _splice(writer, response, tally)
+            if writer is not None and native is not None:
+                await _splice(writer, native, tally)
             else:
                 while chunk := await response.readany():
                     tally.feed(chunk)
