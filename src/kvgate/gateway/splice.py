@@ -73,6 +73,8 @@ class ClientWriter:
         self._on_writable = callback
         if callback is not None:
             self._waiting.append(self)
+        elif self in self._waiting:  # the stream ended while its client was slow
+            self._waiting.remove(self)
 
     def writable(self) -> None:
         """Called by the server when the connection's write buffer has drained."""
@@ -104,10 +106,11 @@ class Splicer:
         the response has not started, is not chunked, is over, lost its client, or another
         request's cycle is current (pipelining)."""
         server = self._server
-        cycle = server.cycle if server is not None else None
+        if server is None:
+            return None
+        cycle = server.cycle
         if (
-            server is None
-            or cycle is None
+            cycle is None
             or cycle.scope is not scope
             or not cycle.response_started
             or cycle.response_complete
