@@ -322,10 +322,6 @@ async def stream_phase(
 # ---- the stacks under test ---------------------------------------------------------------------
 
 
-#: `--before-src`: the source tree the `-before` stack imports kvgate from.
-BEFORE_SRC = ""
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -374,24 +370,43 @@ http {{
     return conf
 
 
-@contextlib.contextmanager
-def start_stack(
-    name: str, engine_port: int, workdir: Path, policy: str
-) -> Iterator[tuple[int, int | None]]:
-    """Start the proxy `name`; yields (port clients use, pid whose tree is the proxy)."""
-    if name == "direct":
-        yield engine_port, None
-        return
-    port = free_port()
+def stack_env(engine_port: int, policy: str) -> dict[str, str]:
+    """The environment of a `kvgate serve` in front of the fake engine (no KVGATE_* leaks in)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     env.update(
         KVGATE_BACKENDS=json.dumps([{"url": f"http://127.0.0.1:{engine_port}"}]),
         KVGATE_ADMISSION__POLICY=policy,
         KVGATE_SERVER__LOG_LEVEL="warning",
     )
+    return env
+
+
+def floor_command(port: int, engine_port: int, env: dict[str, str]) -> list[str]:
+    """uvicorn serving `floor_app.py` (kvgate's upstream client, none of its logic)."""
+    env["FLOOR_UPSTREAM"] = f"http://127.0.0.1:{engine_port}"
+    return [
+        sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "floor_app:app",
+        "--port", str(port), "--loop", "uvloop", "--http", "httptools",
+        "--no-access-log", "--log-level", "warning",
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def start_stack(
+    name: str, engine_port: int, workdir: Path, policy: str, before_src: str = ""
+) -> Iterator[tuple[int, int | None]]:
+    """Start the proxy `name`; yields (port clients use, pid whose tree is the proxy).
+
+    A name ending in `-before` runs the same stack with kvgate imported from `before_src`.
+    """
+    if name == "direct":
+        yield engine_port, None
+        return
+    port = free_port()
+    env = stack_env(engine_port, policy)
     log = open(workdir / f"{name}.log", "wb")
     if name.endswith("-before"):  # the same stack from another source tree (--before-src)
-        env["PYTHONPATH"] = BEFORE_SRC
+        env["PYTHONPATH"] = before_src
         name = name.removesuffix("-before")
     if name.endswith("-native"):
         env["KVGATE_UPSTREAM__CLIENT"] = "native"
@@ -400,12 +415,7 @@ def start_stack(
     if name == "nginx":
         command = ["nginx", "-c", str(_nginx_conf(workdir, port, engine_port)), "-p", str(workdir)]
     elif name == "floor-uvicorn-h1pool":
-        env["FLOOR_UPSTREAM"] = f"http://127.0.0.1:{engine_port}"
-        command = [
-            sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "floor_app:app",
-            "--port", str(port), "--loop", "uvloop", "--http", "httptools",
-            "--no-access-log", "--log-level", "warning",
-        ]  # fmt: skip
+        command = floor_command(port, engine_port, env)
     elif name.startswith("kvgate-granian"):
         env["KVGATE_BENCH_ACCESS_LOG"] = str(workdir / f"{name}.access.log")
         command = [
@@ -456,7 +466,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def measure(name: str, engine_port: int, args: argparse.Namespace, workdir: Path) -> StackResult:
     result = StackResult(name)
-    with start_stack(name, engine_port, workdir, args.policy) as (port, pid):
+    before = args.before_src or ""
+    with start_stack(name, engine_port, workdir, args.policy, before) as (port, pid):
         asyncio.run(nonstream_phase(port, 200))  # warm-up: connections, caches
         before = cpu_seconds(pid) if pid else 0.0
         wall = asyncio.run(nonstream_phase(port, args.requests))
@@ -513,8 +524,6 @@ def run(args: argparse.Namespace) -> int:
         "floor-uvicorn-h1pool",
     ]
     if args.before_src:
-        global BEFORE_SRC
-        BEFORE_SRC = args.before_src
         stacks.insert(stacks.index("kvgate-uvicorn-native"), "kvgate-uvicorn-native-before")
     if shutil.which("nginx") is None:
         stacks.remove("nginx")

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import contextlib
 import glob
-import json
 import os
 import shutil
 import signal
@@ -51,11 +50,8 @@ import bench  # noqa: E402  (the fake engine, the clients and the port helpers)
 
 
 def _command(stack: str, port: int, engine_port: int) -> tuple[list[str], dict[str, str]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    env = bench.stack_env(engine_port, "none")
     env.update(
-        KVGATE_BACKENDS=json.dumps([{"url": f"http://127.0.0.1:{engine_port}"}]),
-        KVGATE_ADMISSION__POLICY="none",
-        KVGATE_SERVER__LOG_LEVEL="warning",
         KVGATE_UPSTREAM__CLIENT="native",
         # The slowest scrape the config allows: under callgrind a 50 ms period would make
         # the scraper's share larger than the requests' and its subtraction the noise.
@@ -63,12 +59,7 @@ def _command(stack: str, port: int, engine_port: int) -> tuple[list[str], dict[s
         PYTHONMALLOC="malloc",  # valgrind follows malloc; pymalloc's arenas confuse it
     )
     if stack == "floor":
-        env["FLOOR_UPSTREAM"] = f"http://127.0.0.1:{engine_port}"
-        return [
-            sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "floor_app:app",
-            "--port", str(port), "--loop", "uvloop", "--http", "httptools",
-            "--no-access-log", "--log-level", "warning",
-        ], env  # fmt: skip
+        return bench.floor_command(port, engine_port, env), env
     _, _, src = stack.partition("=")
     if src:
         env["PYTHONPATH"] = src
