@@ -68,6 +68,7 @@ async def _lag(
     return state_at - engine_at, metrics, sample
 
 
+@pytest.mark.timeout(300)  # retries may fill the engine several times
 async def test_scraper_reads_the_real_metrics_page(
     start_gateway: GatewayFactory, idle_engine: ServerProcess
 ) -> None:
