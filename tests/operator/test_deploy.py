@@ -34,7 +34,6 @@ ALERTS = DEPLOY / "prometheus" / "kvgate-alerts.yml"
 ALERT_TESTS = DEPLOY / "prometheus" / "kvgate-alerts.test.yml"
 VLLM_PAGES = (
     ROOT.parent / "shared" / "real-vllm" / "metrics_sample.txt",
-    Path("/work/shared/real-vllm/metrics_sample.txt"),
     ROOT / "tests" / "adapters" / "pages" / "vllm.txt",  # a committed copy of that page
 )
 

@@ -10,7 +10,9 @@ from kvgate.sim.engine import Engine
 from kvgate.sim.metrics import MetricsPage
 from kvgate.sim.presets import CPU_TINY
 
-REAL_SAMPLE = Path("/work/shared/real-vllm/metrics_sample.txt")
+# The real vLLM CPU engine's page after an overload (a committed copy of
+# ../shared/real-vllm/metrics_sample.txt, so the test needs nothing outside the repository).
+REAL_SAMPLE = Path(__file__).resolve().parents[1] / "adapters" / "pages" / "vllm.txt"
 REQUIRED = {
     "vllm:kv_cache_usage_perc": "gauge",
     "vllm:num_requests_running": "gauge",

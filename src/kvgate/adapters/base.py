@@ -130,7 +130,8 @@ class ScannedPage(Mapping[str, list[Series]]):
         needle = self._needles.get(name)
         if needle is None:
             raise ValueError(f"{name!r} is not one of this scanner's metrics")
-        page, out, start, size = self._page, [], 0, len(needle) - 1
+        out: list[Series] = []
+        page, start, size = self._page, 0, len(needle) - 1
         end = len(page)
         while (hit := page.find(needle, start, end)) >= 0:
             begin = hit + 1

@@ -55,7 +55,7 @@ class SglangAdapter(AbortAPI):
 
     kind = "sglang"
     # SGLang names requests by the `rid` they were sent with; the proxy puts its id there.
-    request_id_field = "rid"
+    request_id_field: str | None = "rid"
 
     def __init__(self) -> None:
         self._itl = HistogramDelta()

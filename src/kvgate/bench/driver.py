@@ -33,6 +33,7 @@ from kvgate.bench.suite import (
     run_grid,
     tuned_overrides,
 )
+from kvgate.sim.virtual import RetryMode
 
 REPO = Path(__file__).resolve().parents[3]
 RESULTS = REPO / "benchmarks" / "overload" / "results"
@@ -55,7 +56,7 @@ class BenchOptions:
     loads: list[float]
     policies: list[str]
     seeds: list[int]
-    retry: str
+    retry: RetryMode
     max_attempts: int
     timeout_s: float | None
     capacity_scale: float | None
@@ -67,15 +68,16 @@ class BenchOptions:
     @classmethod
     def from_args(cls, a: argparse.Namespace, command: str) -> BenchOptions:
         quick = bool(a.quick)
+        # Each mode's defaults: preset, nodes, duration, warm-up, seeds and policies.
         if a.mode == "virtual":
-            d = dict(preset="gpu-8b", nodes=4 if quick else 16, dur=60.0 if quick else 300.0)
-            d |= dict(warm=10.0 if quick else 30.0, seeds=[1] if quick else [1, 2, 3])
+            preset, nodes, dur = "gpu-8b", 4 if quick else 16, 60.0 if quick else 300.0
+            warm, seeds = (10.0, [1]) if quick else (30.0, [1, 2, 3])
             pol = list(POLICIES)
         elif a.mode == "live-sim":
-            d = dict(preset="cpu-tiny", nodes=2, dur=20.0 if quick else 60.0, warm=5.0, seeds=[1])
+            preset, nodes, dur, warm, seeds = "cpu-tiny", 2, 20.0 if quick else 60.0, 5.0, [1]
             pol = ["direct", "static-qps", "static-concurrency", "seed", "adaptive"]
         else:
-            d = dict(preset="cpu-tiny", nodes=1, dur=20.0 if quick else 60.0, warm=5.0, seeds=[1])
+            preset, nodes, dur, warm, seeds = "cpu-tiny", 1, 20.0 if quick else 60.0, 5.0, [1]
             pol = ["direct", "adaptive"]
         if a.mode == "live-vllm" and (a.nodes or 1) != 1:
             raise ValueError("live-vllm runs one real engine (this machine holds one)")
@@ -83,13 +85,13 @@ class BenchOptions:
         return cls(
             mode=a.mode,
             command=command,
-            preset=a.preset or str(d["preset"]),
-            nodes=a.nodes or int(d["nodes"]),  # type: ignore[call-overload]
-            duration_s=a.duration or float(d["dur"]),  # type: ignore[arg-type]
-            warmup_s=a.warmup if a.warmup is not None else float(d["warm"]),  # type: ignore[arg-type]
+            preset=a.preset or preset,
+            nodes=a.nodes or nodes,
+            duration_s=a.duration or dur,
+            warmup_s=a.warmup if a.warmup is not None else warm,
             loads=a.loads,
             policies=a.policies or pol,
-            seeds=a.seeds or list(d["seeds"]),  # type: ignore[call-overload]
+            seeds=a.seeds or seeds,
             retry=a.retry,
             max_attempts=a.max_attempts,
             timeout_s=a.timeout,
@@ -147,8 +149,8 @@ def _capacity(
         console.print(f"  capacity search: scale {scale:.3f} {'sustained' if ok else 'failed'}")
 
     console.print("[bold]measuring sustainable capacity with `direct`...")
-    scale, run = find_capacity(base, run_virtual, on_step=step)
-    return scale, run, base, how
+    scale, found = find_capacity(base, run_virtual, on_step=step)
+    return scale, found, base, how
 
 
 def _specs(opts: BenchOptions, prof: Profile, scale: float, cap_run: RunResult | None) -> list:

@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
+from multidict import CIMultiDictProxy
 
 from kvgate.bench.metrics import (
     ERROR,
@@ -238,13 +239,13 @@ def _end(
     return Attempt(start, end, outcome, first, tokens)
 
 
-def _retry_after(headers: aiohttp.typedefs.LooseHeaders) -> float | None:  # type: ignore[name-defined]
+def _retry_after(headers: CIMultiDictProxy[str]) -> float | None:
     """`retry-after-ms` if given (finer), else `Retry-After` in seconds."""
-    ms = headers.get("retry-after-ms")  # type: ignore[union-attr]
+    ms = headers.get("retry-after-ms")
     if ms is not None:
         with contextlib.suppress(ValueError):
             return float(ms) / 1000.0
-    sec = headers.get("Retry-After")  # type: ignore[union-attr]
+    sec = headers.get("Retry-After")
     if sec is not None:
         with contextlib.suppress(ValueError):
             return float(sec)
@@ -367,7 +368,7 @@ async def _gateway_view(session: aiohttp.ClientSession, gateway: str | None) -> 
         )
         out["gw_thrashing"] = float(any(n.get("state") == "thrashing" for n in nodes))
         out["gw_reserved"] = float(sum(n.get("reserved_tokens") or 0.0 for n in nodes))
-        budgets = [n.get("budget_tokens") for n in nodes if n.get("budget_tokens") is not None]
+        budgets = [b for n in nodes if (b := n.get("budget_tokens")) is not None]
         out["gw_budget"] = float(sum(budgets)) if budgets else math.nan
         iters = [(n.get("sample") or {}).get("iteration_latency_s") for n in nodes]
         out["gw_iter_s"] = max((float(x) for x in iters if x is not None), default=math.nan)

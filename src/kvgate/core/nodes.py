@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from kvgate.core.rates import Ewma
 from kvgate.core.settings import AdmissionSettings
@@ -161,7 +162,7 @@ def sanitize(sample: NodeSample, now: float) -> NodeSample | None:
         return None
     latency = sample.iteration_latency_s
     capacity = sample.kv_capacity_tokens
-    fixed = {
+    fixed: dict[str, Any] = {
         "kv_usage": None if usage is None else min(1.0, max(0.0, usage)),
         "sampled_at": min(at, now),
         "running": max(0, sample.running),

@@ -364,7 +364,7 @@ class Security:
         """The policy itself without keys; with keys, the tenant-charging wrapper."""
         if self.ledger is None:
             return policy
-        return TenantGate(policy, self.ledger)  # type: ignore[return-value]
+        return TenantGate(policy, self.ledger)
 
 
 def exposure_message(host: str, port: int, keys: int, admin: bool) -> tuple[int, str]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -118,7 +118,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         # Before uvicorn builds the request's cycle around this very scope dict and starts
         # its task (see kvgate.gateway.splice for the writer).
-        extensions = self.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
+        # kvgate's own extensions are objects, not the dicts ASGI's typing declares.
+        extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
         extensions[EXTENSION] = DisconnectSignal()
         extensions[SPLICE] = self._splicer
         super().on_headers_complete()

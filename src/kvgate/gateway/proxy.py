@@ -37,6 +37,7 @@ import orjson
 from kvgate.adapters.backend import Backend
 from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
 from kvgate.core.request import Priority, RequestCost
+from kvgate.core.settings import AdmissionSettings
 from kvgate.gateway import disconnect, splice
 from kvgate.gateway.errors import GatewayError, send_error, sse_error_event
 from kvgate.gateway.h1client import H1Response
@@ -76,8 +77,11 @@ class CostEstimator(Protocol):
     """Turns a parsed request into its KV cost, and learns from the usage engines report.
 
     `kvgate.core.cost.CostEstimator` is the implementation; `estimate` raises a ValueError
-    carrying an optional `param` for a body it cannot cost (answered as a 400).
+    carrying an optional `param` for a body it cannot cost (answered as a 400). Its
+    settings' `default_max_tokens` is the output cap assumed for a body without one.
     """
+
+    settings: AdmissionSettings
 
     def estimate(self, model: str, body: dict[str, Any]) -> RequestCost: ...
 

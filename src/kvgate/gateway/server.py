@@ -169,7 +169,7 @@ class GatewayServer:
             yield
             return
         loop = asyncio.get_running_loop()
-        installed: list[int] = []
+        installed: list[signal.Signals] = []
         handlers = {
             signal.SIGTERM: self.stop,
             signal.SIGINT: lambda: self.stop(force_if_repeated=True),  # Ctrl-C twice: now
@@ -184,8 +184,8 @@ class GatewayServer:
         try:
             yield
         finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
+            for done in installed:
+                loop.remove_signal_handler(done)
 
 
 class _Uvicorn(uvicorn.Server):

@@ -281,8 +281,9 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 def _counter(
-    name: str, doc: str, labels: list[str], values: Mapping[tuple[str, ...], int]
+    name: str, doc: str, labels: list[str], values: Mapping[Any, int]
 ) -> CounterMetricFamily:
+    """`values` maps a tuple of label values (one per label) to the count."""
     family = CounterMetricFamily(name, doc, labels=labels)
     for key, value in list(values.items()):
         family.add_metric(list(key), value)

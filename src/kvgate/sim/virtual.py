@@ -67,6 +67,9 @@ class _Uniform(Protocol):
     def uniform(self, a: float, b: float, /) -> Any: ...
 
 
+RetryMode = Literal["immediate", "backoff"]
+
+
 @dataclass(frozen=True, slots=True)
 class ClientModel:
     """How clients wait, give up and retry: one model for virtual and live runs.
@@ -85,7 +88,7 @@ class ClientModel:
     max_attempts: int = 4
     max_retries: int | None = None
     max_429_tries: int | None = None
-    retry: Literal["immediate", "backoff"] = "immediate"
+    retry: RetryMode = "immediate"
     backoff_base_s: float = 0.5
     backoff_max_s: float = 8.0
     honor_retry_after: bool = True

@@ -558,7 +558,7 @@ class AdaptivePolicy(BasePolicy):
     def _controller_shed(
         self, now: float, node: NodeState, limit: TokenLimit, priority: Priority, need: int
     ) -> Reject:
-        excess = need
+        excess: float = need
         predicted = self.predicted_tokens(node)
         if node.cap is not None and predicted is not None:
             excess += max(0.0, predicted - limit.setpoint * node.cap)
@@ -639,7 +639,10 @@ class AdaptivePolicy(BasePolicy):
         entry["pressure"] = 0.0 if limit is None else limit.pressure
         entry["budget_tokens"] = None if limit is None else limit.budget_tokens
         claim = self._claims.get(node.node_id)
-        active = claim is not None and now < claim.expires
-        entry["claimed_tokens"] = claim.tokens if active else 0
-        entry["claim_expires_in_s"] = claim.expires - now if active else None
+        if claim is not None and now < claim.expires:
+            entry["claimed_tokens"] = claim.tokens
+            entry["claim_expires_in_s"] = claim.expires - now
+        else:
+            entry["claimed_tokens"] = 0
+            entry["claim_expires_in_s"] = None
         return entry
