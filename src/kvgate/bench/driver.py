@@ -37,7 +37,14 @@ from kvgate.sim.virtual import RetryMode
 
 REPO = Path(__file__).resolve().parents[3]
 RESULTS = REPO / "benchmarks" / "overload" / "results"
-REAL_VLLM_LOCK = Path(os.environ.get("KVGATE_REAL_VLLM_LOCK", "/work/notes/real-vllm.lock"))
+# One real engine per machine: measurements that start it take this lock first. The default
+# sits beside the engine's install (scripts/install-real-vllm.sh), so every checkout on the
+# machine shares it.
+_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+REAL_VLLM_LOCK = Path(
+    os.environ.get("KVGATE_REAL_VLLM_LOCK")
+    or Path(os.environ.get("KVGATE_VLLM_ROOT") or _CACHE / "kvgate-vllm") / "engine.lock"
+)
 REAL_VLLM_SERVE = Path(
     os.environ.get("KVGATE_REAL_VLLM_SERVE", str(REPO.parent / "shared/real-vllm/serve.sh"))
 )
