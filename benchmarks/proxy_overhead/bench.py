@@ -391,13 +391,30 @@ def floor_command(port: int, engine_port: int, env: dict[str, str]) -> list[str]
     ]  # fmt: skip
 
 
+# `--pin`: the proxy alone on one core, the client and the engine on the others. This is
+# the deployment kvgate plans (one gateway process per core); it keeps the proxy from
+# waiting for a core the load generator holds. On a 2-core machine the load side then has
+# one core and becomes the bottleneck (see results.md), so it is an option, not the default.
+PROXY_CPU = 1
+
+
+def _on_proxy_cpu() -> None:
+    os.sched_setaffinity(0, {PROXY_CPU})  # in the child, before exec: its tree inherits it
+
+
 @contextlib.contextmanager
 def start_stack(
-    name: str, engine_port: int, workdir: Path, policy: str, before_src: str = ""
+    name: str,
+    engine_port: int,
+    workdir: Path,
+    policy: str,
+    before_src: str = "",
+    pin: bool = False,
 ) -> Iterator[tuple[int, int | None]]:
     """Start the proxy `name`; yields (port clients use, pid whose tree is the proxy).
 
     A name ending in `-before` runs the same stack with kvgate imported from `before_src`.
+    With `pin`, the proxy's process tree runs on `PROXY_CPU` only.
     """
     if name == "direct":
         yield engine_port, None
@@ -429,7 +446,13 @@ def start_stack(
         command = [
             sys.executable, "-m", "kvgate", "serve", "--port", str(port), "--server", server,
         ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        preexec_fn=_on_proxy_cpu if pin else None,  # safe: the bench starts no threads
+    )
     try:
         wait_port(port)
         time.sleep(1.0)  # let the scraper and the model catalog warm up
@@ -467,7 +490,7 @@ def _pct(values: list[float], q: float) -> float:
 def measure(name: str, engine_port: int, args: argparse.Namespace, workdir: Path) -> StackResult:
     result = StackResult(name)
     before = args.before_src or ""
-    with start_stack(name, engine_port, workdir, args.policy, before) as (port, pid):
+    with start_stack(name, engine_port, workdir, args.policy, before, args.pin) as (port, pid):
         asyncio.run(nonstream_phase(port, 200))  # warm-up: connections, caches
         before = cpu_seconds(pid) if pid else 0.0
         wall = asyncio.run(nonstream_phase(port, args.requests))
@@ -534,6 +557,11 @@ def run(args: argparse.Namespace) -> int:
         stacks.remove("kvgate-granian-native")
     if args.only:
         stacks = [s for s in stacks if s in args.only.split(",") or s == "direct"]
+    if args.pin:
+        load_cpus = os.sched_getaffinity(0) - {PROXY_CPU}
+        if not load_cpus:
+            raise SystemExit(f"--pin needs CPU {PROXY_CPU} and at least one other")
+        os.sched_setaffinity(0, load_cpus)  # this client, and the engine started below
     engine_port = free_port()
     engine = subprocess.Popen(
         [sys.executable, __file__, "engine", "--port", str(engine_port),
@@ -635,7 +663,12 @@ def render(results: list[StackResult], args: argparse.Namespace) -> str:
         f"{args.fast_streams} x {args.fast_tokens} tokens at {args.fast_token_ms:g} ms/token "
         f"for {args.fast_duration:g} s; "
         f"kvgate policy `{args.policy}`, access log on; "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')};"
+        + (
+            f"the proxy pinned to CPU {PROXY_CPU}, the client and the engine to the others; "
+            if args.pin
+            else ""
+        )
+        + f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')};"
         f" median of {args.rounds} interleaved rounds; {args.load}"
     )
     return "\n".join([f"Setup: {setup}.", "", *lines, ""])
@@ -671,6 +704,11 @@ def main() -> int:
         "older commit), as kvgate-uvicorn-native-before: an A/B in the same rounds",
     )
     bench.add_argument("--only", help="comma-separated stacks (direct always runs)")
+    bench.add_argument(
+        "--pin",
+        action="store_true",
+        help=f"the proxy alone on CPU {PROXY_CPU}; the client and the engine on the others",
+    )
     bench.add_argument("--profile", action="store_true", help="py-spy the proxy while streaming")
     bench.add_argument("--no-write", dest="write", action="store_false")
     args = parser.parse_args()
