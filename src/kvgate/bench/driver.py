@@ -160,9 +160,11 @@ def _capacity(
     return scale, found, base, how
 
 
-def _specs(opts: BenchOptions, prof: Profile, scale: float, cap_run: RunResult | None) -> list:
+def _specs(
+    opts: BenchOptions, prof: Profile, scale: float, cap_run: RunResult | None
+) -> list[RunSpec]:
     shape = prof.shape.scaled(scale)
-    specs = []
+    specs: list[RunSpec] = []
     for load in opts.loads:
         for label in opts.policies:
             policy, cancel = POLICIES[label]
@@ -187,7 +189,7 @@ def _specs(opts: BenchOptions, prof: Profile, scale: float, cap_run: RunResult |
     return specs
 
 
-def _scenario(opts: BenchOptions, prof: Profile, scale: float) -> dict:
+def _scenario(opts: BenchOptions, prof: Profile, scale: float) -> dict[str, str]:
     s = prof.shape.scaled(scale)
     c = prof.client
     return {
@@ -246,7 +248,7 @@ def _direct_1x_goodput(runs: list[RunResult], fallback: float) -> float:
     return round(sum(vals) / len(vals), 1) if vals else fallback
 
 
-def _slo_dict(prof: Profile) -> dict:
+def _slo_dict(prof: Profile) -> dict[str, str]:
     s = prof.slo
     return {
         "TTFT, chat (from the user's first try)": f"<= {s.ttft_s:g} s",

@@ -116,7 +116,7 @@ def parse_metrics(text: str, names: Sequence[str]) -> dict[str, float]:
 def _prompt_ids(n: int, seed: int) -> list[int]:
     """A deterministic token-id prompt of length n (ids clear of special tokens)."""
     rng = np.random.default_rng(seed)
-    return rng.integers(100, 8000, n).tolist()
+    return [int(i) for i in rng.integers(100, 8000, n)]
 
 
 async def _one_attempt(
@@ -567,7 +567,7 @@ def free_port(count: int = 1) -> int:
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+            base: int = s.getsockname()[1]
         if base + count > 65535:
             continue
         if all(_is_free(base + i) for i in range(count)):

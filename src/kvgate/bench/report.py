@@ -54,7 +54,7 @@ class ReportMeta:
     command: str
     seeds: list[int]
     scenario: dict[str, Any]
-    slo: dict[str, float]
+    slo: dict[str, str]  # criterion -> bound, as the report prints it
     capacity: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     focus_load: float = 3.0

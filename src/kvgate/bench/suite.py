@@ -47,7 +47,7 @@ Runner = Callable[[RunSpec], RunResult]
 def passes_capacity(run: RunResult) -> bool:
     """The capacity criterion: >= 95% of users within SLO and no preemption."""
     s = summarize(run)
-    return s["slo_attainment"] >= 0.95 and s["preemptions"] == 0
+    return bool(s["slo_attainment"] >= 0.95 and s["preemptions"] == 0)
 
 
 def find_capacity(
@@ -82,7 +82,9 @@ def find_capacity(
     return lo, best
 
 
-def tuned_overrides(label: str, shape: Shape, nodes: int, capacity_run: RunResult | None) -> dict:
+def tuned_overrides(
+    label: str, shape: Shape, nodes: int, capacity_run: RunResult | None
+) -> dict[str, float | int]:
     """Settings for the static baselines, tuned to the 1x load as an operator would.
 
     `static-qps`: a token bucket at the 1x mean arrival rate (bursts averaged in), deep

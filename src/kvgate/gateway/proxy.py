@@ -39,7 +39,13 @@ from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.gateway import disconnect, splice
-from kvgate.gateway.errors import GatewayError, send_error, sse_error_event
+from kvgate.gateway.errors import (
+    GatewayError,
+    UpstreamConnectError,
+    UpstreamError,
+    send_error,
+    sse_error_event,
+)
 from kvgate.gateway.h1client import H1Response
 from kvgate.gateway.scope import CancelScope, ScopeCancelled
 from kvgate.gateway.settings import LimitSettings, UpstreamSettings
@@ -47,8 +53,6 @@ from kvgate.gateway.telemetry import GatewayMetrics, log_access
 from kvgate.gateway.upstream import (
     HOP_BY_HOP,
     ModelCatalog,
-    UpstreamConnectError,
-    UpstreamError,
     UpstreamPool,
     UpstreamResponse,
     close_quietly,
@@ -765,7 +769,7 @@ async def _read_body(receive: Receive, limit: int, declared: int | None) -> byte
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
-        chunk = message.get("body", b"")
+        chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)

@@ -456,7 +456,8 @@ class Clients:
 
 async def _admin_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with session.get(url + "/admin/state", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
-        return orjson.loads(await r.read())
+        state: dict[str, Any] = orjson.loads(await r.read())
+        return state
 
 
 def _books(state: dict[str, Any], metrics: str, nodes: list[ChaosNode]) -> dict[str, Any]:
