@@ -20,7 +20,7 @@ from real_engine.engine import (
     read_metrics,
     record_figure,
 )
-from real_engine.load import BLOCKED_PROMPT_TOKENS, full_kv_cache
+from real_engine.load import BLOCKED_PROMPT_TOKENS, ResponseEndedFirst, full_kv_cache
 
 pytestmark = pytest.mark.real_engine
 
@@ -95,42 +95,57 @@ async def test_scraper_reads_the_real_metrics_page(
 
         # Waiting: a request that cannot fit in the engine's full KV cache is queued.
         blocked_prompt = await exact_prompt(client, idle_engine.url, BLOCKED_PROMPT_TOKENS)
-        waiting_lags: list[float] = []
-        for _ in range(3):  # retried only against noise, as above
-            waiting_lags.append(
-                await _one_queued(client, idle_engine.url, gateway.url, blocked_prompt)
-            )
-            if waiting_lags[-1] < STATE_LAG_BOUND_S:
+        waiting_lags: list[float | None] = []
+        for _ in range(4):  # retried only against noise, as above
+            try:
+                lag = await _one_queued(client, idle_engine.url, gateway.url, blocked_prompt)
+            except ResponseEndedFirst:  # no filling was ever seen: a missed attempt
+                lag = None
+            waiting_lags.append(lag)
+            if lag is not None and lag < STATE_LAG_BOUND_S:
                 break
     record_figure(
         "/admin/state behind the engine's own page (a request queued)",
-        ", ".join(f"{lag * 1000:.0f} ms" for lag in waiting_lags),
+        ", ".join("missed" if lag is None else f"{lag * 1000:.0f} ms" for lag in waiting_lags),
     )
-    assert waiting_lags[-1] < STATE_LAG_BOUND_S, waiting_lags
+    last = waiting_lags[-1]
+    assert last is not None and last < STATE_LAG_BOUND_S, waiting_lags
 
 
 async def _one_queued(
     client: httpx.AsyncClient, engine_url: str, gateway_url: str, blocked_prompt: str
-) -> float:
+) -> float | None:
     """Queue one request behind a full KV cache, straight at the engine; returns how far
-    /admin/state lagged the engine's page in showing it waiting."""
+    /admin/state lagged the engine's page in showing it waiting.
+
+    None if the request was answered before any page showed it waiting. On a loaded
+    machine vLLM's API server updates its page late, so a page that shows the fillers
+    early in their run may already be stale, and the request may find room at once.
+    """
     async with full_kv_cache(engine_url) as full:
         body = {"model": MODEL_NAME, "prompt": blocked_prompt, "max_tokens": 16}
         blocked = asyncio.create_task(client.post(engine_url + "/v1/completions", json=body))
-        try:
-            waiting_lag, _, sample = await _lag(
+        seen = asyncio.create_task(
+            _lag(
                 client,
                 engine_url,
                 gateway_url,
                 lambda m: m.waiting == 1,
                 lambda s: s["waiting"] == 1,
             )
+        )
+        try:
+            await asyncio.wait({blocked, seen}, return_when=asyncio.FIRST_COMPLETED)
+            if not seen.done():
+                return None
+            waiting_lag, _, sample = seen.result()
             assert sample["running"] == full.running
             assert sample["kv_usage"] >= full.kv_usage
         finally:
-            blocked.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                await blocked
+            for task in (seen, blocked):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await task
     return waiting_lag
 
 

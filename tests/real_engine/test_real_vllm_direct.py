@@ -77,5 +77,10 @@ def test_overload_burst_straight_to_vllm_preempts(direct_burst: BurstResult) -> 
     # The counter lags (a preemption is counted when its victim runs again), but every
     # request has finished by now, so every preemption has been counted.
     assert direct_burst.preemptions > 0
-    # The live sign: running falls while waiting rises at a nearly full KV cache.
-    assert thrashing_seen(direct_burst.samples), direct_burst.summary()
+    # The live sign (running falls while waiting rises at a nearly full KV cache) is only
+    # recorded: like the peak, it lasts until the victim runs again and polls can miss it
+    # (one run on a loaded machine counted 2 preemptions and saw no such pair of polls).
+    record_figure(
+        "burst straight to vLLM: preemption's live sign seen in the polls",
+        "yes" if thrashing_seen(direct_burst.samples) else "no (the counter shows it)",
+    )
