@@ -27,7 +27,7 @@ import sys
 import time
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,6 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
-from multidict import CIMultiDictProxy
 
 from kvgate.bench.metrics import (
     ERROR,
@@ -239,7 +238,7 @@ def _end(
     return Attempt(start, end, outcome, first, tokens)
 
 
-def _retry_after(headers: CIMultiDictProxy[str]) -> float | None:
+def _retry_after(headers: Mapping[str, str]) -> float | None:
     """`retry-after-ms` if given (finer), else `Retry-After` in seconds."""
     ms = headers.get("retry-after-ms")
     if ms is not None:
