@@ -184,8 +184,8 @@ class GatewayServer:
         try:
             yield
         finally:
-            for done in installed:
-                loop.remove_signal_handler(done)
+            for sig in installed:
+                loop.remove_signal_handler(sig)
 
 
 class _Uvicorn(uvicorn.Server):
