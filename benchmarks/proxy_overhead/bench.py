@@ -489,8 +489,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def measure(name: str, engine_port: int, args: argparse.Namespace, workdir: Path) -> StackResult:
     result = StackResult(name)
-    before = args.before_src or ""
-    with start_stack(name, engine_port, workdir, args.policy, before, args.pin) as (port, pid):
+    stack = start_stack(name, engine_port, workdir, args.policy, args.before_src or "", args.pin)
+    with stack as (port, pid):
         asyncio.run(nonstream_phase(port, 200))  # warm-up: connections, caches
         before = cpu_seconds(pid) if pid else 0.0
         wall = asyncio.run(nonstream_phase(port, args.requests))
@@ -656,19 +656,19 @@ def render(results: list[StackResult], args: argparse.Namespace) -> str:
             f" {r.ttft_p50_ms:.2f} | {r.ttft_p99_ms:.2f} | {added} | {r.streams:.0f} |"
             f" {r.stream_errors:.0f} |"
         )
+    pinned = (
+        f"the proxy pinned to CPU {PROXY_CPU}, the client and the engine to the others; "
+        if args.pin
+        else ""
+    )
     setup = (
         f"{args.requests} non-streaming requests over 16 keep-alive connections; "
         f"{args.streams} concurrent streams x {args.tokens} tokens at {args.token_ms:g} ms/token "
         f"for {args.duration:g} s, starting {_STARTS[args.starts]}; fast streams: "
         f"{args.fast_streams} x {args.fast_tokens} tokens at {args.fast_token_ms:g} ms/token "
         f"for {args.fast_duration:g} s; "
-        f"kvgate policy `{args.policy}`, access log on; "
-        + (
-            f"the proxy pinned to CPU {PROXY_CPU}, the client and the engine to the others; "
-            if args.pin
-            else ""
-        )
-        + f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')};"
+        f"kvgate policy `{args.policy}`, access log on; {pinned}"
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')};"
         f" median of {args.rounds} interleaved rounds; {args.load}"
     )
     return "\n".join([f"Setup: {setup}.", "", *lines, ""])

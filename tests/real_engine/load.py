@@ -334,15 +334,17 @@ async def _first_full_page(
 ) -> EngineMetrics | None:
     """The first page showing the fillers in the cache; None if they were done first (vLLM's
     API server can update its page too late to show them, on a loaded machine)."""
-    deadline = time.monotonic() + 60.0
-    while time.monotonic() < deadline:
-        page = await read_metrics(poller, engine_url)
-        if page.running == FILLERS and page.waiting == 0 and page.kv_usage >= FULL_FROM:
-            return page
-        if all(task.done() for task in fillers):
-            return None
-        await asyncio.sleep(0.01)
-    raise TimeoutError(f"the fillers were not seen in the cache in 60 s; last page {page}")
+
+    def filling(m: EngineMetrics) -> bool:
+        return m.running == FILLERS and m.waiting == 0 and m.kv_usage >= FULL_FROM
+
+    page = await poll_until(
+        poller,
+        engine_url,
+        lambda m: filling(m) or all(task.done() for task in fillers),
+        timeout_s=60.0,
+    )
+    return page if filling(page) else None
 
 
 async def _stop_fillers(

@@ -97,10 +97,9 @@ async def test_scraper_reads_the_real_metrics_page(
         blocked_prompt = await exact_prompt(client, idle_engine.url, BLOCKED_PROMPT_TOKENS)
         waiting_lags: list[float | None] = []
         for _ in range(4):  # retried only against noise, as above
-            try:
+            lag: float | None = None  # None: a missed attempt
+            with contextlib.suppress(ResponseEndedFirst):
                 lag = await _one_queued(client, idle_engine.url, gateway.url, blocked_prompt)
-            except ResponseEndedFirst:  # no filling was ever seen: a missed attempt
-                lag = None
             waiting_lags.append(lag)
             if lag is not None and lag < STATE_LAG_BOUND_S:
                 break
@@ -114,13 +113,14 @@ async def test_scraper_reads_the_real_metrics_page(
 
 async def _one_queued(
     client: httpx.AsyncClient, engine_url: str, gateway_url: str, blocked_prompt: str
-) -> float | None:
+) -> float:
     """Queue one request behind a full KV cache, straight at the engine; returns how far
     /admin/state lagged the engine's page in showing it waiting.
 
-    None if the request was answered before any page showed it waiting. On a loaded
-    machine vLLM's API server updates its page late, so a page that shows the fillers
-    early in their run may already be stale, and the request may find room at once.
+    Raises `ResponseEndedFirst` (a missed attempt) if the request was answered before any
+    page showed it waiting, or no filling was seen: on a loaded machine vLLM's API server
+    updates its page late, so a page that shows the fillers early in their run may already
+    be stale, and the request may find room at once.
     """
     async with full_kv_cache(engine_url) as full:
         body = {"model": MODEL_NAME, "prompt": blocked_prompt, "max_tokens": 16}
@@ -137,7 +137,7 @@ async def _one_queued(
         try:
             await asyncio.wait({blocked, seen}, return_when=asyncio.FIRST_COMPLETED)
             if not seen.done():
-                return None
+                raise ResponseEndedFirst("answered before any page showed it waiting")
             waiting_lag, _, sample = seen.result()
             assert sample["running"] == full.running
             assert sample["kv_usage"] >= full.kv_usage

@@ -73,8 +73,9 @@ class GatewayServer:
     ) -> None:
         self.gateway = gateway
         self.settings = settings or gateway.config.server
-        # Only when the process is this gateway's: freezing a test's or an embedder's heap
-        # would keep its garbage for good.
+        # Freeze the heap before serving and once uvicorn has started (`_settle_heap`); only
+        # when the process is this gateway's: freezing a test's or an embedder's heap would
+        # keep its garbage for good.
         self.settle_heap = settle_heap
         self._stop = asyncio.Event()
         self._uvicorn: _Uvicorn | None = None
@@ -106,6 +107,8 @@ class GatewayServer:
 
     async def serve(self, sock: socket.socket, *, handle_signals: bool = True) -> None:
         """Serve on `sock` until stopped; returns after the drain and the lifespan shutdown."""
+        if self.settle_heap:
+            _settle_heap()  # what lives now lives to the end (uvicorn settles again, started)
         self._log_exposure(sock)
         with self._signals(handle_signals):
             if self.settings.server == "hypercorn":
@@ -231,10 +234,9 @@ def run_server(
         pass
 
     async def main() -> None:
-        server = GatewayServer(gateway, settle_heap=True)
+        server = GatewayServer(gateway, settle_heap=True)  # the process is this gateway's
         if on_ready is not None:
             on_ready()
-        _settle_heap()  # the process is this gateway's: what lives now lives to the end
         await server.serve(sock)
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
