@@ -66,10 +66,14 @@ class BurstResult:
         if self.admitted:
             text += f", median latency of admitted {self.median_admitted_latency():.2f} s"
         if self.samples:
+            # How many pages arrived and the slowest GET say how much the peaks can be
+            # trusted: one CI run's polls saw a peak of 1 running during a 16-request burst.
             text += (
                 f", peak KV {max(s.kv_usage for s in self.samples):.2f}"
                 f", peak running {max(s.running for s in self.samples):g}"
                 f", peak waiting {max(s.waiting for s in self.samples):g}"
+                f" ({len(self.samples)} pages, slowest GET"
+                f" {max(s.took for s in self.samples) * 1000:.0f} ms)"
             )
         return text + f", wall {self.wall_s:.1f} s"
 
@@ -82,6 +86,11 @@ async def _one_completion(client: httpx.AsyncClient, url: str, body: dict[str, o
     if response.status_code == 200:
         tokens = int(response.json()["usage"]["completion_tokens"])
     return Outcome(response.status_code, latency, response.headers.get("retry-after"), tokens)
+
+
+def _any_page(_: EngineMetrics) -> bool:
+    """For poll_until: the first page that arrives (a GET that times out is retried)."""
+    return True
 
 
 async def burst(
@@ -98,7 +107,7 @@ async def burst(
     # The metrics page is read on its own client: a burst lasts longer than uvicorn's 5 s
     # keep-alive, so a pooled connection reused afterwards can meet the server's close.
     async with httpx.AsyncClient(timeout=10.0) as probe:
-        before = await read_metrics(probe, engine_url)
+        before = await poll_until(probe, engine_url, _any_page, timeout_s=60.0)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         started = time.monotonic()
         async with MetricsRecorder(engine_url) as recorder:
@@ -108,7 +117,7 @@ async def burst(
             )
         wall = time.monotonic() - started
     async with httpx.AsyncClient(timeout=10.0) as probe:
-        after = await read_metrics(probe, engine_url)
+        after = await poll_until(probe, engine_url, _any_page, timeout_s=60.0)
     return BurstResult(
         list(outcomes), recorder.samples, after.preemptions_total - before.preemptions_total, wall
     )
@@ -172,8 +181,10 @@ async def measure_disconnect(
                     chunks += 1
                     if chunks >= chunks_first:
                         first_chunks.set()
+        page: EngineMetrics | str = "unread (the GET timed out)"
         async with httpx.AsyncClient(timeout=10.0) as probe:
-            page = await read_metrics(probe, engine_url)
+            with contextlib.suppress(httpx.TimeoutException):
+                page = await read_metrics(probe, engine_url)
         raise ResponseEndedFirst(
             f"the response ended before the client hung up ({chunks} SSE lines);"
             f" the engine's page now: {page}"
@@ -236,12 +247,13 @@ async def disconnect_attempts(
     for _ in range(attempts):
         try:
             results.append(await measure())
-        except (ResponseEndedFirst, TimeoutError) as exc:
+        except (ResponseEndedFirst, TimeoutError, httpx.TimeoutException) as exc:
             # The engine's page never showed the wanted state before the answer was done
             # (seen once in CI), or not within the poll's time (with a busy loop taking one
-            # of the two cores, vLLM's API server updated its page seconds late): no
-            # disconnect was measured, so try again. A request that really lingers fails
-            # every attempt.
+            # of the two cores, vLLM's API server updated its page seconds late), or a
+            # request timed out (one CI run saw a 10 s connect timeout while the machine
+            # stalled): no disconnect was measured, so try again. A request that really
+            # lingers fails every attempt.
             missed.append(f"{type(exc).__name__}: {exc}")
             continue
         if results[-1].gone_after_s < GONE_BOUND_S:

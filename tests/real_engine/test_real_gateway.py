@@ -39,8 +39,12 @@ async def _first_time(
 ) -> tuple[float, Any]:
     """Poll `read()` until `condition(value)`; returns (arrival time, value)."""
     deadline = time.monotonic() + timeout_s
+    value = None
     while time.monotonic() < deadline:
-        value = await read()
+        try:
+            value = await read()
+        except httpx.TimeoutException:
+            continue  # a missed poll on a stalled machine, as in poll_until
         if condition(value):
             return time.monotonic(), value
         await asyncio.sleep(interval_s)

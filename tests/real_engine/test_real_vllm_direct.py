@@ -70,16 +70,19 @@ def test_overload_burst_straight_to_vllm_preempts(direct_burst: BurstResult) -> 
     assert all(
         o.completion_tokens == direct_burst.extra["max_tokens"] for o in direct_burst.admitted
     )
-    # The samples are polls, and the instant the cache is full (when a victim is chosen)
-    # lasts one step, so a poll can miss it: one CI run saw a peak of 0.937 (119 of 127
-    # blocks) with two preemptions. The counter below is the proof that it ran out.
-    assert max(s.kv_usage for s in direct_burst.samples) > 0.9
-    # The counter lags (a preemption is counted when its victim runs again), but every
-    # request has finished by now, so every preemption has been counted.
-    assert direct_burst.preemptions > 0
-    # The live sign (running falls while waiting rises at a nearly full KV cache) is only
-    # recorded: like the peak, it lasts until the victim runs again and polls can miss it
-    # (one run on a loaded machine counted 2 preemptions and saw no such pair of polls).
+    # The preemption counter is the proof that the cache ran out. It lags (a preemption is
+    # counted when its victim runs again), but every request has finished by now, so every
+    # preemption has been counted.
+    assert direct_burst.preemptions > 0, direct_burst.summary()
+    # What the polls saw is only recorded. The instant the cache is full lasts one step
+    # and the page can lag far behind the engine on a stalled machine: CI runs saw peaks
+    # of 0.94 and (in a run whose GETs also timed out) 0.13, both with 2 preemptions.
+    record_figure(
+        "burst straight to vLLM: peak KV cache use seen in the polls",
+        f"{max((s.kv_usage for s in direct_burst.samples), default=0.0):.2f}",
+    )
+    # Likewise the live sign (running falls while waiting rises at a nearly full cache):
+    # one run on a loaded machine counted 2 preemptions and saw no such pair of polls.
     record_figure(
         "burst straight to vLLM: preemption's live sign seen in the polls",
         "yes" if thrashing_seen(direct_burst.samples) else "no (the counter shows it)",
