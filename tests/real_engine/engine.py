@@ -259,24 +259,27 @@ async def poll_until(
 ) -> EngineMetrics:
     """Poll the metrics page every ~interval until `condition`; TimeoutError after timeout.
 
-    A GET that times out is a missed poll, not a failure: one CI run saw vLLM's API server
-    take over 10 s to accept a connection while the machine stalled, and then recover. The
-    condition still has to be met within `timeout_s`.
+    A GET that fails in transport is a missed poll, not a failure, since reading the page
+    is idempotent and the condition still has to be met within `timeout_s`. Seen: a CI run
+    where vLLM's API server took over 10 s to accept a connection while the machine
+    stalled, and a server that, resuming from a stall, closed a keep-alive connection
+    whose idle timer had expired meanwhile, with the next GET already sent on it.
     """
     deadline = time.monotonic() + timeout_s
     last: EngineMetrics | None = None
-    missed = 0
+    failed: list[str] = []
     while time.monotonic() < deadline:
         try:
             last = await read_metrics(client, engine_url)
-        except httpx.TimeoutException:
-            missed += 1
+        except httpx.TransportError as exc:
+            failed.append(type(exc).__name__)
             continue
         if condition(last):
             return last
         await asyncio.sleep(interval_s)
     raise TimeoutError(
-        f"engine condition not met in {timeout_s} s ({missed} GETs timed out); last sample {last}"
+        f"engine condition not met in {timeout_s} s (failed GETs: {failed or 'none'});"
+        f" last sample {last}"
     )
 
 

@@ -43,7 +43,7 @@ async def _first_time(
     while time.monotonic() < deadline:
         try:
             value = await read()
-        except httpx.TimeoutException:
+        except httpx.TransportError:
             continue  # a missed poll on a stalled machine, as in poll_until
         if condition(value):
             return time.monotonic(), value
