@@ -83,7 +83,7 @@ async def test_disconnect_while_waiting_for_a_non_streaming_answer(
 # a full engine, and what is tested is the disconnect path, which is the same for all.
 
 
-@pytest.mark.timeout(300)  # up to 5 attempts, each filling the engine first
+@pytest.mark.timeout(300)  # up to 8 attempts, each filling the engine first
 async def test_disconnect_before_the_first_token_while_queued(
     start_gateway: GatewayFactory, idle_engine: ServerProcess
 ) -> None:
