@@ -18,13 +18,13 @@ from real_engine.conftest import (
     TOLERANT_OF_SLOW_SCRAPES,
     GatewayFactory,
 )
-from real_engine.engine import ServerProcess, record_figure, thrashing_seen
+from real_engine.engine import ServerProcess, record_figure, thrashing_seen, wait_idle
 from real_engine.load import BurstResult, burst
 
 pytestmark = pytest.mark.real_engine
 
 
-@pytest.mark.timeout(300)  # two ~10-30 s bursts (the direct one runs here if not yet run)
+@pytest.mark.timeout(300)  # up to three ~3-30 s bursts (the direct one runs here if not yet run)
 async def test_burst_through_kvgate_is_shed_without_preemption(
     direct_burst: BurstResult,
     burst_prompt: str,
@@ -32,10 +32,30 @@ async def test_burst_through_kvgate_is_shed_without_preemption(
     idle_engine: ServerProcess,
 ) -> None:
     gateway = start_gateway("adaptive", **TOLERANT_OF_SLOW_SCRAPES)
-    result = await burst(gateway.url, idle_engine.url, burst_prompt, BURST_N, BURST_MAX_TOKENS)
     name = f"burst {BURST_N} x ({BURST_PROMPT_TOKENS} + {BURST_MAX_TOKENS}) through kvgate"
-    record_figure(name, result.summary())
+    for attempt in range(LATENCY_ATTEMPTS):
+        if attempt:
+            await wait_idle(idle_engine.url)
+        result = await burst(gateway.url, idle_engine.url, burst_prompt, BURST_N, BURST_MAX_TOKENS)
+        record_figure(name if not attempt else f"{name}, attempt {attempt + 1}", result.summary())
+        _assert_shed_without_preemption(result)
+        # The admitted requests finished sooner than the same requests without kvgate. The
+        # one wall-clock comparison here: a stall of the machine during this burst alone (a
+        # 4 s one, injected, took it from 2.9 to 6.7 s against 7.7 s direct) is retried; a
+        # kvgate that really slows them fails every attempt.
+        if result.median_admitted_latency() < direct_burst.median_admitted_latency():
+            return
+    raise AssertionError(
+        f"admitted requests were not faster through kvgate in {LATENCY_ATTEMPTS} bursts:"
+        f" {result.summary()}; direct: {direct_burst.summary()}"
+    )
 
+
+LATENCY_ATTEMPTS = 2
+
+
+def _assert_shed_without_preemption(result: BurstResult) -> None:
+    """What every burst through kvgate must show, stalled machine or not."""
     statuses = sorted({o.status for o in result.outcomes})
     assert statuses == [200, 429], result.summary()
     # Shed with a usable Retry-After (whole seconds, at least 1).
@@ -45,9 +65,5 @@ async def test_burst_through_kvgate_is_shed_without_preemption(
     # No preemption: neither counted by the engine nor seen live.
     assert result.preemptions == 0, result.summary()
     assert not thrashing_seen(result.samples), result.summary()
-    # The admitted requests finished sooner than the same requests without kvgate.
-    assert result.median_admitted_latency() < direct_burst.median_admitted_latency(), (
-        f"through kvgate: {result.summary()}; direct: {direct_burst.summary()}"
-    )
     # And kvgate shed them early instead of holding them: refusals are immediate.
     assert max(o.latency_s for o in result.shed) < min(o.latency_s for o in result.admitted)
