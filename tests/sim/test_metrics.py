@@ -7,7 +7,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.sim.engine import Engine
-from kvgate.sim.metrics import MetricsPage
+from kvgate.sim.metrics import MetricsPage, only_samples
 from kvgate.sim.presets import CPU_TINY
 
 # The real vLLM CPU engine's page after an overload (a committed copy of
@@ -122,3 +122,33 @@ def test_names_types_and_buckets_match_the_real_vllm_page() -> None:
 
 def bucket_bounds(fams: dict, hist: str) -> list[str]:
     return [s.labels["le"] for s in fams[hist].samples if s.name.endswith("_bucket")]
+
+
+def test_named_samples_are_what_prometheus_client_returns_for_the_same_names() -> None:
+    """`only_samples` (the simulator's `/metrics/?name[]=`) against prometheus_client's own
+    restricted exposition of a registry with the same families."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    labels = ("engine", "model_name")
+    Gauge("vllm:num_requests_running", "Running.", labels, registry=registry).labels("0", "m").set(
+        3
+    )
+    Counter("vllm:num_preemptions", "Preemptions.", labels, registry=registry).labels("0", "m").inc(
+        2
+    )
+    itl = Histogram("vllm:inter_token_latency_seconds", "ITL.", labels, registry=registry)
+    itl.labels("0", "m").observe(0.02)
+    names = frozenset(
+        {
+            "vllm:num_requests_running",
+            "vllm:num_preemptions_total",
+            "vllm:inter_token_latency_seconds_sum",
+            "vllm:inter_token_latency_seconds_count",
+            "vllm:not_on_the_page",
+        }
+    )
+    full = generate_latest(registry).decode()
+    expected = generate_latest(registry.restricted_registry(names)).decode()
+    assert only_samples(full, names) == expected
+    assert only_samples(full, frozenset({"vllm:not_on_the_page"})) == ""

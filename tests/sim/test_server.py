@@ -85,6 +85,14 @@ async def test_request_id_models_health_and_metrics(server: SimServer) -> None:
         fams = {f.name: f for f in text_string_to_metric_families(page)}
         assert fams["vllm:generation_tokens"].samples[0].value >= 4
         assert fams["vllm:request_success"].type == "counter"
+        # As vLLM: `/metrics/` answers `name[]` with only those samples; `/metrics` ignores it.
+        query = {"name[]": ["vllm:num_requests_running", "vllm:generation_tokens_total"]}
+        named = (await http.get("/metrics/", params=query)).text
+        assert [f.name for f in text_string_to_metric_families(named)] == [
+            "vllm:num_requests_running",
+            "vllm:generation_tokens",
+        ]
+        assert "vllm:kv_cache_usage_perc{" in (await http.get("/metrics", params=query)).text
 
 
 async def test_client_disconnect_aborts_at_next_step(server: SimServer) -> None:

@@ -30,6 +30,25 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+def only_samples(page: str, names: frozenset[str]) -> str:
+    """The page cut to the samples named in `names`, each family's `# HELP`/`# TYPE` kept
+    when one of its samples is: what prometheus_client's `?name[]=` filter returns."""
+    out: list[str] = []
+    header: list[str] = []
+    for line in page.splitlines():
+        if line.startswith("#"):
+            if line.startswith("# HELP"):
+                header = []
+            header.append(line)
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            out.extend(header)
+            header = []
+            out.append(line)
+    return "\n".join(out) + "\n" if out else ""
+
+
 class MetricsPage:
     """Renders one engine's page; label strings are built once."""
 

@@ -31,7 +31,7 @@ import orjson
 from aiohttp import web
 
 from kvgate.sim.engine import Engine, EngineError, StepResult
-from kvgate.sim.metrics import CONTENT_TYPE, MetricsPage
+from kvgate.sim.metrics import CONTENT_TYPE, MetricsPage, only_samples
 
 _WORDS = tuple(
     " " + w
@@ -161,6 +161,7 @@ class SimServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/metrics/", self._metrics_named)
         app.router.add_post("/inference/v1/abort_requests", self._abort_requests)
         return app
 
@@ -276,6 +277,15 @@ class SimServer:
         return web.Response(
             body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE}
         )
+
+    async def _metrics_named(self, request: web.Request) -> web.Response:
+        """`/metrics/?name[]=...`: only the named samples, as vLLM's prometheus_client app
+        answers there (`/metrics` itself ignores the query, as vLLM's does)."""
+        page = self.metrics.render()
+        names = request.query.getall("name[]", [])
+        if names:
+            page = only_samples(page, frozenset(names))
+        return web.Response(body=page.encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {
