@@ -84,6 +84,14 @@ async def test_scraper_reads_the_real_metrics_page(
         # Capacity comes from vllm:cache_config_info (128 blocks x 32 tokens).
         assert sample["kv_capacity_tokens"] == 4096
         assert (sample["running"], sample["waiting"], sample["kv_usage"]) == (0, 0, 0.0)
+        # kvgate polls vLLM's narrowed page (`/metrics/?name[]=...`, ~2 KB instead of
+        # ~50 KB) once a check shows it carries every metric the full page does. A check
+        # that could not decide (a stalled machine) is made again 30 s later.
+        _, node = await _first_time(
+            lambda: _node(client, gateway.url), lambda n: n["page"] == "narrowed", 75.0, 0.05
+        )
+        assert "/metrics/?name%5B%5D=vllm%3A" in node["metrics_url"]
+        assert node["last_sample"]["kv_capacity_tokens"] == 4096
 
         prompt = await exact_prompt(client, idle_engine.url, 400)
         lags: list[tuple[float, float]] = []
@@ -151,6 +159,13 @@ async def _one_queued(
                 with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
                     await task
     return waiting_lag
+
+
+async def _node(client: httpx.AsyncClient, gateway_url: str) -> dict[str, Any]:
+    """The scraper's view of the one engine: which page it polls, and its last sample."""
+    nodes = (await client.get(gateway_url + "/admin/state")).json()["scraper"]["nodes"]
+    (node,) = nodes.values()
+    return dict(node)
 
 
 async def _state(client: httpx.AsyncClient, gateway_url: str) -> dict[str, Any] | None:

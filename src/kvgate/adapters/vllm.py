@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import aiohttp
 
@@ -86,6 +87,22 @@ class VllmAdapter(AbortAPI):
             sampled_at=now,
             preemptions_total=self._preemptions(found),
         )
+
+    def narrowed_metrics_url(self, metrics_url: str) -> str | None:
+        """`<base>/metrics/?name[]=...` for a plain `<base>/metrics` URL.
+
+        The trailing slash matters: vLLM serves `/metrics` from a FastAPI route that
+        ignores the query, and `/metrics/...` from prometheus_client's ASGI app mounted
+        beside it, which honours `name[]` (vLLM 0.32, checked on the real CPU engine).
+        """
+        parts = urlsplit(metrics_url)
+        if parts.query or parts.fragment or not parts.path.endswith("/metrics"):
+            return None
+        query = urlencode([("name[]", name) for name in _SCANNER.names])
+        return urlunsplit((parts.scheme, parts.netloc, parts.path + "/", query, ""))
+
+    def metrics_on(self, page: bytes) -> frozenset[str]:
+        return frozenset(_SCANNER.scan(page))
 
     def _capacities(self, info: list[Series]) -> dict[str, int | None]:
         """Per engine: num_gpu_blocks x block_size tokens, from the info gauge's labels.

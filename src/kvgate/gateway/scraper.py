@@ -1,10 +1,12 @@
 """The scraper: polls every engine's metrics page and feeds the admission policy.
 
 One task per backend, all owned by one `asyncio.TaskGroup` inside `Scraper.run()`, so
-cancelling `run()` stops every poll and nothing outlives it. Each poll has a timeout
-shorter than the period; a failed, slow or garbage answer becomes `observe_failure()`
-(the policy then lets the node go stale after `stale_after_s`) and is logged once when
-the node goes down and once when it comes back, never per scrape.
+cancelling `run()` stops every poll and nothing outlives it. The same group owns the
+one-off checks of each node's narrowed page (`NarrowablePage`), which run beside its
+polls. Each poll has a timeout shorter than the period; a failed, slow or garbage answer
+becomes `observe_failure()` (the policy then lets the node go stale after
+`stale_after_s`) and is logged once when the node goes down and once when it comes back,
+never per scrape.
 
 Start/stop from an ASGI lifespan::
 
@@ -31,7 +33,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from kvgate.adapters.backend import Backend
-from kvgate.adapters.base import MetricsParseError
+from kvgate.adapters.base import MetricsParseError, NarrowablePage
 from kvgate.adapters.settings import ScrapeSettings
 from kvgate.core.clock import Clock
 from kvgate.core.signals import NodeSample
@@ -45,6 +47,8 @@ from kvgate.gateway.scrape_http import (
 log = logging.getLogger(__name__)
 
 _TIMEOUT_SHARE = 0.8  # default timeout: 80% of the interval
+_CHECK_TIMEOUT_S = 2.0  # for the one-off check of a narrowed page: two GETs, not a poll
+_RECHECK_AFTER_S = 30.0  # a check that could not decide, or a narrowed page gone bad
 
 
 class SignalSink(Protocol):
@@ -61,7 +65,8 @@ class NodeStats:
 
     node_id: str
     engine: str
-    metrics_url: str
+    metrics_url: str  # the page polled now: the full one, or the narrowed one once checked
+    page: str = "full"  # "full", "narrowed", or why the narrowed page is not used
     scrapes_total: int = 0
     failures_total: int = 0
     consecutive_failures: int = 0
@@ -81,6 +86,7 @@ class NodeStats:
             "node_id": self.node_id,
             "engine": self.engine,
             "metrics_url": self.metrics_url,
+            "page": self.page,
             "up": self.up,
             "scrapes_total": self.scrapes_total,
             "failures_total": self.failures_total,
@@ -156,6 +162,17 @@ class Scraper:
         self._stats = {
             b.node_id: NodeStats(b.node_id, b.engine, b.metrics_url) for b in self._backends
         }
+        # Nodes whose adapter can ask for a narrowed page: node id -> its URL. Which page
+        # a node is polled on is decided by `_check_narrowed_page`, node by node.
+        self._narrowed: dict[str, str] = {}
+        if settings.narrow_pages:
+            for b in self._backends:
+                if isinstance(b.adapter, NarrowablePage):
+                    url = b.adapter.narrowed_metrics_url(b.metrics_url)
+                    if url is not None:
+                        self._narrowed[b.node_id] = url
+        self._check_due: dict[str, float] = {}  # node id -> loop time of its next check
+        self._group: asyncio.TaskGroup | None = None  # run()'s: it owns the checks too
         self._task: asyncio.Task[None] | None = None
 
     # ---- reading ---------------------------------------------------------------------
@@ -200,12 +217,14 @@ class Scraper:
         n = len(self._backends)
         try:
             async with asyncio.TaskGroup() as group:
+                self._group = group
                 for i, backend in enumerate(self._backends):
                     offset = self._interval * i / n
                     group.create_task(
                         self._watch(backend, offset), name=f"scrape {backend.node_id}"
                     )
         finally:
+            self._group = None
             if self._owns_fetcher:
                 await self._fetcher.close()
 
@@ -230,10 +249,20 @@ class Scraper:
     async def _watch(self, backend: Backend, offset: float) -> None:
         loop = asyncio.get_running_loop()
         next_at = loop.time() + offset
+        if backend.node_id in self._narrowed:
+            self._check_due[backend.node_id] = next_at
         while True:
             delay = next_at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+            due = self._check_due.get(backend.node_id)
+            if due is not None and loop.time() >= due and self._group is not None:
+                # Beside the polls, which go on with the full page meanwhile: a slow check
+                # must not leave the node without samples.
+                del self._check_due[backend.node_id]
+                self._group.create_task(
+                    self._check_narrowed_page(backend), name=f"check {backend.node_id}"
+                )
             await self.scrape_once(backend)
             next_at += self._interval
             # A poll that overran its slot (timeout plus connection teardown, or a busy
@@ -252,9 +281,15 @@ class Scraper:
             sample = backend.adapter.parse(page, self._clock.now())
         except asyncio.CancelledError:
             raise
+        except MetricsParseError as exc:
+            if stats.page == "narrowed":
+                # The engine behind the URL changed (another version, another mode): back
+                # to the full page, and check the narrowed one again later.
+                self._use_full_page(backend, f"narrowed page unusable ({exc})")
+            self._record_failure(backend, stats, exc, time.perf_counter() - started)
+            return None
         except (
             ScrapeError,
-            MetricsParseError,
             aiohttp.ClientError,
             asyncio.IncompleteReadError,
             asyncio.LimitOverrunError,
@@ -272,7 +307,54 @@ class Scraper:
 
     async def _fetch(self, backend: Backend) -> bytes:
         async with asyncio.timeout(self._timeout):
-            return await self._fetcher.get(backend.metrics_url, backend.auth_headers())
+            url = self._stats[backend.node_id].metrics_url
+            return await self._fetcher.get(url, backend.auth_headers())
+
+    # ---- the narrowed page -------------------------------------------------------------
+
+    async def _check_narrowed_page(self, backend: Backend) -> None:
+        """Poll the narrowed page from now on if it carries every metric the full page does.
+
+        Two GETs, in a task of their own beside the node's polls and outside their
+        statistics. If either fails the node stays on the full page and is checked again
+        later.
+        """
+        node_id = backend.node_id
+        adapter = backend.adapter
+        assert isinstance(adapter, NarrowablePage)
+        narrowed_url = self._narrowed[node_id]
+        headers = backend.auth_headers()
+        stats = self._stats[node_id]
+        try:
+            async with asyncio.timeout(_CHECK_TIMEOUT_S):
+                narrowed = adapter.metrics_on(await self._fetcher.get(narrowed_url, headers))
+                full = adapter.metrics_on(await self._fetcher.get(backend.metrics_url, headers))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure only means: no decision yet
+            reason = describe(exc, _CHECK_TIMEOUT_S)
+            self._use_full_page(backend, f"not checked yet ({reason})")
+            return
+        if not narrowed:
+            self._use_full_page(backend, "narrowed page carries none of the metrics")
+            return
+        if missing := sorted(full - narrowed):
+            self._use_full_page(backend, f"narrowed page lacks {', '.join(missing)}")
+            return
+        stats.metrics_url, stats.page = narrowed_url, "narrowed"
+        log.info(
+            "node %s: polling only the %d metrics kvgate reads (%s?name[]=...)",
+            node_id,
+            len(narrowed),
+            narrowed_url.split("?", 1)[0],
+        )
+
+    def _use_full_page(self, backend: Backend, reason: str) -> None:
+        stats = self._stats[backend.node_id]
+        if stats.page != reason:
+            log.info("node %s: polling the full metrics page: %s", backend.node_id, reason)
+        stats.metrics_url, stats.page = backend.metrics_url, reason
+        self._check_due[backend.node_id] = asyncio.get_running_loop().time() + _RECHECK_AFTER_S
 
     # ---- bookkeeping -------------------------------------------------------------------
 
