@@ -20,25 +20,40 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Literal
+from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
+from kvgate.adapters.vllm import VllmAdapter
 from kvgate.core.clock import MonotonicClock
 from kvgate.core.policies import build_policy
 from kvgate.core.settings import AdmissionSettings
 from kvgate.gateway.scraper import Scraper
+from kvgate.sim.metrics import only_samples
 
 HERE = Path(__file__).resolve().parent
 PAGE = HERE.parents[1] / "tests" / "adapters" / "pages" / "vllm.txt"
 INTERVAL = 0.05
 
 
-def _start_server() -> tuple[subprocess.Popen[bytes], int]:
+def _page_file(page: Literal["full", "narrowed"]) -> Path:
+    """The real vLLM page, or the part of it the scraper asks vLLM for (`narrow_pages`)."""
+    if page == "full":
+        return PAGE
+    url = VllmAdapter().narrowed_metrics_url("http://engine/metrics")
+    assert url is not None
+    names = frozenset(parse_qs(urlsplit(url).query)["name[]"])
+    path = Path(tempfile.mkdtemp(prefix="kvgate-bench-")) / "narrowed.txt"
+    path.write_text(only_samples(PAGE.read_text(), names))
+    return path
+
+
+def _start_server(page: Path) -> tuple[subprocess.Popen[bytes], int]:
     port_file = Path(tempfile.mkdtemp(prefix="kvgate-bench-")) / "port"
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "page_server.py"), str(PAGE), str(port_file)]
+        [sys.executable, str(HERE / "page_server.py"), str(page), str(port_file)]
     )
     deadline = time.monotonic() + 10
     while not port_file.exists() or not port_file.read_text():
@@ -134,13 +149,20 @@ def main() -> None:
     parser.add_argument("nodes", nargs="*", type=int, default=[10, 50, 100, 200])
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--uvloop", action="store_true", help="run the scraper on uvloop")
+    parser.add_argument(
+        "--page",
+        choices=("full", "narrowed"),
+        default="full",
+        help="serve the real 53 KB page, or the ~2 KB part of it kvgate asks vLLM for",
+    )
     args = parser.parse_args()
     if args.uvloop:
         import uvloop
 
         uvloop.install()
     logging.getLogger("kvgate.gateway.scraper").setLevel(logging.ERROR)  # 1 line per node
-    proc, port = _start_server()
+    page = _page_file(args.page)
+    proc, port = _start_server(page)
     try:
         clients: tuple[Literal["lean", "aiohttp"], ...] = ("lean", "aiohttp")
         seq = {http: asyncio.run(sequential(port, 300, http)) for http in clients}
@@ -154,6 +176,7 @@ def main() -> None:
         proc.wait(timeout=5)
     loop = "uvloop" if args.uvloop else "asyncio"
     print(
+        f"page {args.page} ({page.stat().st_size:,} bytes), "
         f"loop {loop}, interval {INTERVAL * 1000:.0f} ms, {args.seconds:.0f} s per run, "
         f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs"
     )
