@@ -24,6 +24,7 @@ from kvgate.gateway.scraper import Scraper
 from kvgate.sim.metrics import only_samples
 
 from .pages import drop_lines, page
+from .served import serve_app
 
 INTERVAL = 0.04
 FULL = page("vllm")
@@ -87,12 +88,7 @@ async def _serve(engine: Engine) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_get("/metrics", engine.full)
     app.router.add_get("/metrics/", engine.named)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_app(app)
 
 
 @pytest.fixture

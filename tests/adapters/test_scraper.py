@@ -27,6 +27,7 @@ from kvgate.gateway.scrape_http import AiohttpFetcher, LeanHttpFetcher
 from kvgate.gateway.scraper import Scraper
 
 from .pages import page, replace_line
+from .served import serve_app
 
 INTERVAL = 0.04
 REAL_PAGE = page("vllm")
@@ -76,12 +77,7 @@ class Engine:
 async def _serve(engine: Engine) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_get("/metrics", engine.metrics)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_app(app)
 
 
 class Recorder:
