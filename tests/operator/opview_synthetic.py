@@ -34,6 +34,7 @@ class SyntheticCluster:
         self.rng = random.Random(seed)
         self.overload = False
         self.stale: set[str] = set()
+        self.full_page: set[str] = set()  # polled on the full page (the check said no)
         self.started = time.monotonic()
         self.last = self.started
         self.admitted = dict.fromkeys(PRIORITIES, 0.0)
@@ -122,6 +123,11 @@ class SyntheticCluster:
                         "last_latency_s": 0.002,
                         "consecutive_failures": 40 if node in self.stale else 0,
                         "last_error": "connect refused" if node in self.stale else None,
+                        "page": (
+                            "narrowed page lacks vllm:cache_config_info"
+                            if node in self.full_page
+                            else "narrowed"
+                        ),
                     }
                     for node in self.ids
                 },

@@ -38,6 +38,7 @@ def test_status_prints_every_node_and_flags_the_stale_one() -> None:
     cluster = SyntheticCluster(5)
     cluster.overload = True
     cluster.stale.add("node-03")
+    cluster.full_page.add("node-01")
     with serve(router(cluster.state)) as url:
         result = _cli("--url", url)
     assert result.returncode == 0, result.stderr
@@ -47,6 +48,10 @@ def test_status_prints_every_node_and_flags_the_stale_one() -> None:
         assert node in out
     stale_line = next(line for line in out.splitlines() if "node-03" in line)
     assert "STALE" in stale_line
+    # A node the scraper keeps on the full metrics page says so; the others do not.
+    assert [line for line in out.splitlines() if "(full page)" in line] == [
+        next(line for line in out.splitlines() if "node-01" in line)
+    ]
     # Worst first: the stale node is listed before the merely high ones.
     assert out.index("node-03") < out.index("node-00")
     assert "shed probability" in out and "60%" in out
