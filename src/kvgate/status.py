@@ -254,7 +254,7 @@ def _node_cells(node_id: str, node: dict[str, Any], scrape: dict[str, Any]) -> l
     failures = _num(scrape.get("consecutive_failures"))
     if failures:
         scrape_text += f" ✗{_fmt(failures)}"
-    if scrape.get("page") not in (None, "full", "narrowed"):
+    if scrape.get("page_note"):
         # A node that could be polled on the narrowed page but is not: the reason is in
         # /admin/state (`kvgate status --json`).
         scrape_text += " (full page)"

@@ -8,12 +8,12 @@ each mode of it is one way a real engine can answer the narrowed URL.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
 from aiohttp import web
+from conftest import eventually
 
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
@@ -81,7 +81,9 @@ class Rig:
     sink: Samples
 
     def page(self) -> str:
-        return self.scraper.stats()[self.backend.node_id].page
+        """ "narrowed", "full", or why the full page is polled though a narrowed one exists."""
+        stats = self.scraper.stats()[self.backend.node_id]
+        return stats.page_note or stats.page
 
 
 async def _serve(engine: Engine) -> tuple[web.AppRunner, str]:
@@ -107,14 +109,6 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
         await runner.cleanup()
 
 
-async def _until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
-
-
 def test_the_narrowed_url_names_every_metric_the_adapter_reads() -> None:
     adapter = VllmAdapter()
     url = adapter.narrowed_metrics_url("http://gpu-1:8000/metrics")
@@ -135,7 +129,7 @@ def _names(url: str) -> list[str]:
 
 async def test_polls_the_narrowed_page_once_it_carries_everything(rig: Rig) -> None:
     async with rig.scraper:
-        await _until(lambda: len(rig.sink.samples) >= 5)
+        assert await eventually(lambda: len(rig.sink.samples) >= 5, within=5.0)
     assert rig.page() == "narrowed"
     # The full page until the check (one GET of each page, beside the polls) is done, then
     # only the narrowed page.
@@ -167,7 +161,7 @@ async def test_polls_the_narrowed_page_once_it_carries_everything(rig: Rig) -> N
 )
 async def test_keeps_the_full_page_when_the_narrowed_one_falls_short(rig: Rig, reason: str) -> None:
     async with rig.scraper:
-        await _until(lambda: len(rig.sink.samples) >= 5)
+        assert await eventually(lambda: len(rig.sink.samples) >= 5, within=5.0)
     assert rig.page() == reason
     assert rig.engine.paths.count("/metrics/") == 1  # checked again only after 30 s
     assert rig.sink.failures == 0
@@ -176,11 +170,13 @@ async def test_keeps_the_full_page_when_the_narrowed_one_falls_short(rig: Rig, r
 
 async def test_goes_back_to_the_full_page_when_the_narrowed_one_goes_bad(rig: Rig) -> None:
     async with rig.scraper:
-        await _until(lambda: rig.page() == "narrowed" and len(rig.sink.samples) >= 2)
+        assert await eventually(
+            lambda: rig.page() == "narrowed" and len(rig.sink.samples) >= 2, within=5.0
+        )
         rig.engine.narrowed = "garbage"  # say, another engine version behind the URL
-        await _until(lambda: rig.page().startswith("narrowed page unusable"))
+        assert await eventually(lambda: rig.page().startswith("narrowed page unusable"), within=5.0)
         good = len(rig.sink.samples)
-        await _until(lambda: len(rig.sink.samples) >= good + 3)
+        assert await eventually(lambda: len(rig.sink.samples) >= good + 3, within=5.0)
     assert rig.sink.failures == 1  # the one garbage page, then the full page again
     assert rig.engine.paths[-1] == "/metrics"
 
@@ -188,6 +184,6 @@ async def test_goes_back_to_the_full_page_when_the_narrowed_one_goes_bad(rig: Ri
 @pytest.mark.parametrize("rig", [{"narrow": False}], indirect=True)
 async def test_narrowing_can_be_switched_off(rig: Rig) -> None:
     async with rig.scraper:
-        await _until(lambda: len(rig.sink.samples) >= 3)
+        assert await eventually(lambda: len(rig.sink.samples) >= 3, within=5.0)
     assert set(rig.engine.paths) == {"/metrics"}
     assert rig.page() == "full"

@@ -123,10 +123,11 @@ class SyntheticCluster:
                         "last_latency_s": 0.002,
                         "consecutive_failures": 40 if node in self.stale else 0,
                         "last_error": "connect refused" if node in self.stale else None,
-                        "page": (
+                        "page": "full" if node in self.full_page else "narrowed",
+                        "page_note": (
                             "narrowed page lacks vllm:cache_config_info"
                             if node in self.full_page
-                            else "narrowed"
+                            else None
                         ),
                     }
                     for node in self.ids

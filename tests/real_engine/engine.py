@@ -16,11 +16,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INSTALLER = REPO_ROOT / "scripts" / "install-real-vllm.sh"
@@ -250,27 +253,26 @@ async def read_metrics(client: httpx.AsyncClient, engine_url: str) -> EngineMetr
     return parse_metrics(response.text, arrived, arrived - sent)
 
 
-async def poll_until(
-    client: httpx.AsyncClient,
-    engine_url: str,
-    condition: Callable[[EngineMetrics], bool],
+async def poll(
+    read: Callable[[], Awaitable[T]],
+    condition: Callable[[T], bool],
     timeout_s: float,
     interval_s: float = 0.01,
-) -> EngineMetrics:
-    """Poll the metrics page every ~interval until `condition`; TimeoutError after timeout.
+) -> T:
+    """Call `read()` every ~interval until `condition`; TimeoutError after timeout.
 
-    A GET that fails in transport is a missed poll, not a failure, since reading the page
-    is idempotent and the condition still has to be met within `timeout_s`. Seen: a CI run
-    where vLLM's API server took over 10 s to accept a connection while the machine
+    A read that fails in transport is a missed poll, not a failure, since the reads here
+    are idempotent GETs and the condition still has to be met within `timeout_s`. Seen: a
+    CI run where vLLM's API server took over 10 s to accept a connection while the machine
     stalled, and a server that, resuming from a stall, closed a keep-alive connection
     whose idle timer had expired meanwhile, with the next GET already sent on it.
     """
     deadline = time.monotonic() + timeout_s
-    last: EngineMetrics | None = None
+    last: T | None = None
     failed: list[str] = []
     while time.monotonic() < deadline:
         try:
-            last = await read_metrics(client, engine_url)
+            last = await read()
         except httpx.TransportError as exc:
             failed.append(type(exc).__name__)
             continue
@@ -278,9 +280,19 @@ async def poll_until(
             return last
         await asyncio.sleep(interval_s)
     raise TimeoutError(
-        f"engine condition not met in {timeout_s} s (failed GETs: {failed or 'none'});"
-        f" last sample {last}"
+        f"condition not met in {timeout_s} s (failed reads: {failed or 'none'}); last {last}"
     )
+
+
+async def poll_until(
+    client: httpx.AsyncClient,
+    engine_url: str,
+    condition: Callable[[EngineMetrics], bool],
+    timeout_s: float,
+    interval_s: float = 0.01,
+) -> EngineMetrics:
+    """Poll the engine's metrics page until `condition` (see `poll`)."""
+    return await poll(lambda: read_metrics(client, engine_url), condition, timeout_s, interval_s)
 
 
 async def watch_until(

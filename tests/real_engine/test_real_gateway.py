@@ -17,6 +17,7 @@ from real_engine.engine import (
     EngineMetrics,
     ServerProcess,
     exact_prompt,
+    poll,
     read_metrics,
     record_figure,
 )
@@ -38,17 +39,8 @@ async def _first_time(
     read: Any, condition: Any, timeout_s: float = 10.0, interval_s: float = 0.01
 ) -> tuple[float, Any]:
     """Poll `read()` until `condition(value)`; returns (arrival time, value)."""
-    deadline = time.monotonic() + timeout_s
-    value = None
-    while time.monotonic() < deadline:
-        try:
-            value = await read()
-        except httpx.TransportError:
-            continue  # a missed poll on a stalled machine, as in poll_until
-        if condition(value):
-            return time.monotonic(), value
-        await asyncio.sleep(interval_s)
-    raise TimeoutError(f"condition not met in {timeout_s} s; last value {value}")
+    value = await poll(read, condition, timeout_s, interval_s)
+    return time.monotonic(), value
 
 
 async def _lag(

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import aiohttp
 
@@ -66,7 +66,10 @@ class NodeStats:
     node_id: str
     engine: str
     metrics_url: str  # the page polled now: the full one, or the narrowed one once checked
-    page: str = "full"  # "full", "narrowed", or why the narrowed page is not used
+    page: Literal["full", "narrowed"] = "full"
+    #: Why a node that could be polled on the narrowed page is not (None: it is, or it
+    #: cannot be: no narrowed page for its dialect, or `narrow_pages` off).
+    page_note: str | None = None
     scrapes_total: int = 0
     failures_total: int = 0
     consecutive_failures: int = 0
@@ -87,6 +90,7 @@ class NodeStats:
             "engine": self.engine,
             "metrics_url": self.metrics_url,
             "page": self.page,
+            "page_note": self.page_note,
             "up": self.up,
             "scrapes_total": self.scrapes_total,
             "failures_total": self.failures_total,
@@ -341,7 +345,7 @@ class Scraper:
         if missing := sorted(full - narrowed):
             self._use_full_page(backend, f"narrowed page lacks {', '.join(missing)}")
             return
-        stats.metrics_url, stats.page = narrowed_url, "narrowed"
+        stats.metrics_url, stats.page, stats.page_note = narrowed_url, "narrowed", None
         log.info(
             "node %s: polling only the %d metrics kvgate reads (%s?name[]=...)",
             node_id,
@@ -351,9 +355,9 @@ class Scraper:
 
     def _use_full_page(self, backend: Backend, reason: str) -> None:
         stats = self._stats[backend.node_id]
-        if stats.page != reason:
+        if stats.page_note != reason:
             log.info("node %s: polling the full metrics page: %s", backend.node_id, reason)
-        stats.metrics_url, stats.page = backend.metrics_url, reason
+        stats.metrics_url, stats.page, stats.page_note = backend.metrics_url, "full", reason
         self._check_due[backend.node_id] = asyncio.get_running_loop().time() + _RECHECK_AFTER_S
 
     # ---- bookkeeping -------------------------------------------------------------------
