@@ -33,7 +33,6 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvgate.gateway.coalesce import HeadCork
 from kvgate.gateway.disconnect import EXTENSION, DisconnectSignal, signal_of
 from kvgate.gateway.errors import error_body
 from kvgate.gateway.settings import LimitSettings
@@ -120,14 +119,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # Before uvicorn builds the request's cycle around this very scope dict and starts
         # its task (see kvgate.gateway.splice for the writer).
         # kvgate's own extensions are objects, not the dicts ASGI's typing declares.
-        scope = self.scope
-        extensions = cast(dict[str, Any], scope.setdefault("extensions", {}))
+        extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
         extensions[EXTENSION] = DisconnectSignal()
         extensions[SPLICE] = self._splicer
         super().on_headers_complete()
-        cycle = self.cycle
-        if cycle is not None and cycle.scope is scope:  # not an upgrade: a new cycle
-            cycle.transport = HeadCork(self.transport, self.loop)  # type: ignore[assignment]
 
     def resume_writing(self) -> None:
         super().resume_writing()
