@@ -285,7 +285,8 @@ async def test_http_client_choice() -> None:
         assert isinstance(lean.fetcher, LeanHttpFetcher)
         shared = Scraper([], ScrapeSettings(http_client="aiohttp"), sink, session, clock)
         assert isinstance(shared.fetcher, AiohttpFetcher)
-        await shared.run()
+        async with shared:  # run() waits for backends to be added: stopped from outside
+            await asyncio.sleep(0.01)
         assert not session.closed
     engine = Engine()
     runner, url = await _serve(engine)
@@ -305,4 +306,3 @@ async def test_timeout_defaults_below_the_period() -> None:
     assert s.timeout_s == pytest.approx(0.04)
     s2 = Scraper([], ScrapeSettings(interval_s=0.05, timeout_s=1.0), sink, None, MonotonicClock())
     assert s2.timeout_s < 0.05
-    await s.run()  # nothing to watch: returns at once

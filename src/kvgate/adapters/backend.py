@@ -24,6 +24,9 @@ class Backend:
     engine: str
     adapter: EngineAdapter = field(compare=False)
     api_key: str | None = field(default=None, repr=False)
+    #: The configured KV capacity (for dialects whose page lacks it): part of equality, so
+    #: that a reload which changes only this replaces the node's adapter.
+    capacity_tokens: int | None = None
 
     @classmethod
     def from_settings(cls, settings: BackendSettings) -> Backend:
@@ -35,6 +38,7 @@ class Backend:
             engine=settings.engine,
             adapter=adapter_for(settings.engine, capacity_tokens=settings.kv_capacity_tokens),
             api_key=settings.api_key,
+            capacity_tokens=settings.kv_capacity_tokens,
         )
 
     def auth_headers(self) -> Mapping[str, str]:

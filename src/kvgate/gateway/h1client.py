@@ -365,6 +365,7 @@ class H1Pool:
         self._connect_timeout_s = connect_timeout_s
         self._ssl: ssl.SSLContext | None = ssl_context
         self._closed = False
+        self._retired: set[str] = set()  # base URLs of backends removed while running
 
     async def request(
         self,
@@ -434,11 +435,30 @@ class H1Pool:
         return self._ssl
 
     def put_back(self, conn: H1Connection) -> None:
+        if self._closed or conn.key in self._retired:
+            conn.abort()
+            return
         idle = self._idle.setdefault(conn.key, collections.deque())
-        if self._closed or len(idle) >= MAX_IDLE_PER_BACKEND:
+        if len(idle) >= MAX_IDLE_PER_BACKEND:
             conn.abort()
             return
         idle.append(conn)
+
+    def retire(self, base_url: str) -> None:
+        """The backend at `base_url` was removed: close its idle connections now, and each
+        busy one when its response ends, instead of keeping them for requests to come."""
+        self._retired.add(base_url)
+        self.close_idle(base_url)
+
+    def close_idle(self, base_url: str) -> None:
+        """Close the idle connections to `base_url` (busy ones are kept)."""
+        idle = self._idle.pop(base_url, None)
+        while idle:
+            idle.pop().abort()
+
+    def reinstate(self, base_url: str) -> None:
+        """A backend at `base_url` was added (back): keep its connections alive again."""
+        self._retired.discard(base_url)
 
     def close(self) -> None:
         self._closed = True

@@ -32,6 +32,9 @@ class MetricsFetcher(Protocol):
 
     async def get(self, url: str, headers: Mapping[str, str]) -> bytes: ...
 
+    def forget(self, url: str) -> None:
+        """`url` will not be asked again (its node was removed): drop what is kept for it."""
+
     async def close(self) -> None: ...
 
 
@@ -63,6 +66,12 @@ class LeanHttpFetcher:
             raise
         response.release()
         return body
+
+    def forget(self, url: str) -> None:
+        """Close the idle keep-alive connections to `url`'s server (if it was asked)."""
+        target = self._targets.pop(url, None)
+        if target is not None:
+            self._pool.close_idle(target[0])
 
     def _split(self, url: str) -> tuple[str, str]:
         parts = urlsplit(url)
@@ -135,6 +144,9 @@ class AiohttpFetcher:
                     raise ScrapeError(f"page larger than {MAX_PAGE_BYTES} bytes")
                 chunks.append(chunk)
             return b"".join(chunks)
+
+    def forget(self, url: str) -> None:
+        """Nothing to do: aiohttp closes idle connections after its keep-alive timeout."""
 
     async def close(self) -> None:
         owned, self._owned = self._owned, None

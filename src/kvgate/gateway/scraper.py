@@ -163,21 +163,53 @@ class Scraper:
         else:
             self._fetcher = LeanHttpFetcher()
         self._clock = clock
-        self._stats = {
-            b.node_id: NodeStats(b.node_id, b.engine, b.metrics_url) for b in self._backends
-        }
+        self._narrow_pages = settings.narrow_pages
+        self._stats: dict[str, NodeStats] = {}
         # Nodes whose adapter can ask for a narrowed page: node id -> its URL. Which page
         # a node is polled on is decided by `_check_narrowed_page`, node by node.
         self._narrowed: dict[str, str] = {}
-        if settings.narrow_pages:
-            for b in self._backends:
-                if isinstance(b.adapter, NarrowablePage):
-                    url = b.adapter.narrowed_metrics_url(b.metrics_url)
-                    if url is not None:
-                        self._narrowed[b.node_id] = url
+        for b in self._backends:
+            self._track(b)
         self._check_due: dict[str, float] = {}  # node id -> loop time of its next check
-        self._group: asyncio.TaskGroup | None = None  # run()'s: it owns the checks too
+        self._group: asyncio.TaskGroup | None = None  # run()'s: one task per node
+        self._node_tasks: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
+
+    def _track(self, backend: Backend) -> None:
+        self._stats[backend.node_id] = NodeStats(
+            backend.node_id, backend.engine, backend.metrics_url
+        )
+        if self._narrow_pages and isinstance(backend.adapter, NarrowablePage):
+            url = backend.adapter.narrowed_metrics_url(backend.metrics_url)
+            if url is not None:
+                self._narrowed[backend.node_id] = url
+
+    # ---- changing the backends while running -------------------------------------------
+
+    def add(self, backend: Backend) -> None:
+        """Watch one more backend; polled at once if the scraper is running."""
+        if backend.node_id in self._stats:
+            raise ValueError(f"node {backend.node_id!r} is already watched")
+        self._backends.append(backend)
+        self._track(backend)
+        if self._group is not None:
+            self._start(self._group, backend, 0.0)
+
+    def remove(self, node_id: str) -> None:
+        """Stop watching `node_id`: its poll and any check in progress are cancelled now,
+        before anything else runs, so the policy hears nothing more of it."""
+        task = self._node_tasks.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+        urls = [b.metrics_url for b in self._backends if b.node_id == node_id]
+        self._backends = [b for b in self._backends if b.node_id != node_id]
+        self._stats.pop(node_id, None)
+        narrowed = self._narrowed.pop(node_id, None)
+        if narrowed is not None:
+            urls.append(narrowed)
+        self._check_due.pop(node_id, None)
+        for url in urls:
+            self._fetcher.forget(url)  # its kept-alive connection, if idle
 
     # ---- reading ---------------------------------------------------------------------
 
@@ -223,14 +255,30 @@ class Scraper:
             async with asyncio.TaskGroup() as group:
                 self._group = group
                 for i, backend in enumerate(self._backends):
-                    offset = self._interval * i / n
-                    group.create_task(
-                        self._watch(backend, offset), name=f"scrape {backend.node_id}"
-                    )
+                    self._start(group, backend, self._interval * i / n)
+                # Kept open with no node left, so that a backend added later is watched.
+                await asyncio.Event().wait()
         finally:
             self._group = None
+            self._node_tasks.clear()
             if self._owns_fetcher:
                 await self._fetcher.close()
+
+    def _start(self, group: asyncio.TaskGroup, backend: Backend, offset: float) -> None:
+        node_id = backend.node_id
+        task = group.create_task(self._node(backend, offset), name=f"scrape {node_id}")
+        self._node_tasks[node_id] = task
+        task.add_done_callback(lambda done: self._forget_task(node_id, done))
+
+    def _forget_task(self, node_id: str, task: asyncio.Task[None]) -> None:
+        if self._node_tasks.get(node_id) is task:
+            del self._node_tasks[node_id]
+
+    async def _node(self, backend: Backend, offset: float) -> None:
+        """One node's polls and checks, in a group of its own: removing the node cancels
+        both at once."""
+        async with asyncio.TaskGroup() as checks:
+            await self._watch(backend, offset, checks)
 
     async def __aenter__(self) -> Scraper:
         if self._task is not None:
@@ -250,7 +298,7 @@ class Scraper:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def _watch(self, backend: Backend, offset: float) -> None:
+    async def _watch(self, backend: Backend, offset: float, checks: asyncio.TaskGroup) -> None:
         loop = asyncio.get_running_loop()
         next_at = loop.time() + offset
         if backend.node_id in self._narrowed:
@@ -260,11 +308,11 @@ class Scraper:
             if delay > 0:
                 await asyncio.sleep(delay)
             due = self._check_due.get(backend.node_id)
-            if due is not None and loop.time() >= due and self._group is not None:
+            if due is not None and loop.time() >= due:
                 # Beside the polls, which go on with the full page meanwhile: a slow check
                 # must not leave the node without samples.
                 del self._check_due[backend.node_id]
-                self._group.create_task(
+                checks.create_task(
                     self._check_narrowed_page(backend), name=f"check {backend.node_id}"
                 )
             await self.scrape_once(backend)

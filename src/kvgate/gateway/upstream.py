@@ -49,6 +49,10 @@ HOP_BY_HOP = frozenset(
 )
 
 
+def _auth_of(backend: Backend) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode(), v.encode()) for k, v in backend.auth_headers().items()]
+
+
 class UpstreamPool:
     """The shared client session and the backends it talks to."""
 
@@ -58,11 +62,26 @@ class UpstreamPool:
             raise ValueError("two backends share one name; give them distinct `name`s")
         self.settings = settings
         self._auth: dict[str, list[tuple[bytes, bytes]]] = {
-            b.node_id: [(k.lower().encode(), v.encode()) for k, v in b.auth_headers().items()]
-            for b in backends
+            b.node_id: _auth_of(b) for b in backends
         }
         self._session: aiohttp.ClientSession | None = None
         self._h1: H1Pool | None = None
+
+    def add(self, backend: Backend) -> None:
+        """Relay to `backend` from now on (a backend added while running)."""
+        self.backends[backend.node_id] = backend
+        self._auth[backend.node_id] = _auth_of(backend)
+        if self._h1 is not None:
+            self._h1.reinstate(backend.base_url)
+
+    def remove(self, node_id: str) -> None:
+        """Stop relaying to `node_id`. Requests already on it go on to their end; its idle
+        connections are closed (aiohttp's expire on their own after 30 s)."""
+        backend = self.backends.pop(node_id, None)
+        self._auth.pop(node_id, None)
+        if backend is not None and self._h1 is not None:
+            if all(b.base_url != backend.base_url for b in self.backends.values()):
+                self._h1.retire(backend.base_url)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -211,6 +230,19 @@ class ModelCatalog:
     def known(self) -> bool:
         return bool(self._by_backend)
 
+    def forget(self, node_id: str) -> None:
+        """Drop a removed backend's models at once (not at the next refresh), so that no
+        new request is routed to it."""
+        if self._by_backend.pop(node_id, None) is not None:
+            self._index(self._by_backend)
+
+    async def learn(self, backend: Backend) -> None:
+        """Ask a backend added while running for its models (a refresh already under way
+        may have started before it was added)."""
+        entries = await self._fetch(backend)
+        if entries is not None and self._pool.backends.get(backend.node_id) is backend:
+            self._index({**self._by_backend, backend.node_id: entries})
+
     def nodes_for(self, model: str) -> tuple[str, ...] | None:
         """Backends serving `model`, or None when no backend lists it."""
         if time.monotonic() - self._fetched_at > self._ttl_s:
@@ -255,13 +287,18 @@ class ModelCatalog:
         for backend, result in zip(backends, results, strict=True):
             if result is not None:
                 by_backend[backend.node_id] = result
+        # Only backends still configured: one removed while this refresh ran stays out.
+        configured = self._pool.backends
+        self._index({k: v for k, v in by_backend.items() if k in configured})
+        self._fetched_at = time.monotonic()
+
+    def _index(self, by_backend: dict[str, list[dict[str, Any]]]) -> None:
         nodes: dict[str, list[str]] = {}
         for node_id, entries in by_backend.items():
             for entry in entries:
                 nodes.setdefault(str(entry.get("id")), []).append(node_id)
         self._by_backend = by_backend
         self._nodes_by_model = {k: tuple(v) for k, v in nodes.items()}
-        self._fetched_at = time.monotonic()
 
     async def _fetch(self, backend: Backend) -> list[dict[str, Any]] | None:
         headers = dict(backend.auth_headers())
