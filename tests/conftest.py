@@ -69,6 +69,7 @@ class FakeEngine:
     requests: list[EngineRequest] = field(default_factory=list)
     port: int = 0
     kv_usage: float = 0.1
+    metrics_hits: int = 0  # GETs of /metrics (not kept in `requests`)
     _server: asyncio.base_events.Server | None = None
     _handlers: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -137,6 +138,7 @@ class FakeEngine:
         if req.path == "/health":
             return await _send(writer, 200, b"", "text/plain")
         if req.path == "/metrics":
+            self.metrics_hits += 1
             return await _send(writer, 200, self._metrics_page(), "text/plain; version=0.0.4")
         self.requests.append(req)
         if req.path == "/v1/models":

@@ -1,14 +1,24 @@
 """Small clients for gateway tests: a raw HTTP/1.1 socket (to drop the connection at an
-exact moment) and parsing of OpenAI error bodies."""
+exact moment), `kvgate serve` as a process, and parsing of OpenAI error bodies."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import orjson
+from conftest import free_port
 
 
 class RawClient:
@@ -73,6 +83,56 @@ class RawClient:
         self.closed_at = time.monotonic()
         self.writer.close()
         return self.closed_at
+
+
+@dataclass
+class ServedGateway:
+    """A `kvgate serve` process; `stderr` and `returncode` are set once it stopped."""
+
+    url: str
+    process: asyncio.subprocess.Process
+    stderr: bytes = b""
+    returncode: int | None = None
+
+
+@contextlib.asynccontextmanager
+async def kvgate_serve(
+    *args: str, cwd: Path | None = None, stop_within: float = 15.0
+) -> AsyncIterator[ServedGateway]:
+    """`python -m kvgate serve ARGS --port P`, without the environment's KVGATE_* settings.
+
+    SIGTERM at the end of the block, then its log (stderr) and exit code are kept; a
+    process that does not stop in `stop_within` seconds, or a failed block, is killed.
+    """
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvgate", "serve", *args, "--port", str(port),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd,
+    )  # fmt: skip
+    served = ServedGateway(f"http://127.0.0.1:{port}", process)
+    try:
+        yield served
+        process.send_signal(signal.SIGTERM)
+        _, served.stderr = await asyncio.wait_for(process.communicate(), stop_within)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        served.returncode = process.returncode
+
+
+async def until_ready(client: httpx.AsyncClient, within: float = 15.0) -> bool:
+    """Poll `GET /readyz` (the client's base URL: a gateway still starting) until 200."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if (await client.get("/readyz")).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass  # not listening yet
+        await asyncio.sleep(0.05)
+    return False
 
 
 def openai_error(body: bytes) -> dict[str, Any]:

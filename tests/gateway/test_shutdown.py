@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine, free_port
+from conftest import FakeEngine
 
-from gateway.helpers import RawClient
+from gateway.helpers import RawClient, kvgate_serve, until_ready
 
 
 async def test_stop_lets_streams_finish_within_the_drain(
@@ -56,36 +52,16 @@ async def test_drain_timeout_cancels_upstream_and_tells_the_client(
 
 @pytest.mark.timeout(60)
 async def test_kvgate_serve_relays_and_exits_cleanly_on_sigterm(fake_engine: FakeEngine) -> None:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvgate", "serve", "--backend", fake_engine.url,
-        "--port", str(port), "--policy", "none",
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
-    try:
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=url) as client:
-            for _ in range(300):
-                try:
-                    if (await client.get("/readyz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.05)
+    async with kvgate_serve("--backend", fake_engine.url, "--policy", "none") as served:
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            assert await until_ready(client), "kvgate serve never became ready"
             response = await client.post(
                 "/v1/completions", json={"model": "fake-model", "prompt": "p"},
                 headers={"x-request-id": "cli-1"},
             )  # fmt: skip
         assert response.status_code == 200
-        process.send_signal(signal.SIGTERM)
-        _, stderr = await asyncio.wait_for(process.communicate(), 15)
-        code = process.returncode
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert code == 0, stderr.decode()
+    stderr = served.stderr
+    assert served.returncode == 0, stderr.decode()
     access = [orjson.loads(line) for line in stderr.splitlines() if line.startswith(b'{"id"')]
     assert [line["id"] for line in access] == ["cli-1"]
     assert b"Traceback" not in stderr
@@ -94,24 +70,9 @@ async def test_kvgate_serve_relays_and_exits_cleanly_on_sigterm(fake_engine: Fak
 @pytest.mark.timeout(90)
 async def test_kvgate_serve_without_backend_runs_the_simulator(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The README quick start: `kvgate serve` alone fronts two simulated engines."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvgate", "serve", "--port", str(port),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    try:
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-            ready = False
-            for _ in range(600):
-                try:
-                    ready = (await client.get("/readyz")).status_code == 200
-                except httpx.TransportError:
-                    pass
-                if ready:
-                    break
-                await asyncio.sleep(0.05)
+    async with kvgate_serve(cwd=tmp_path, stop_within=20.0) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=10) as client:
+            ready = await until_ready(client, within=30.0)
             assert ready, "kvgate serve with the simulator never became ready"
             models = (await client.get("/v1/models")).json()["data"]
             response = await client.post(
@@ -121,15 +82,9 @@ async def test_kvgate_serve_without_backend_runs_the_simulator(tmp_path) -> None
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 4
         assert len(state["gateway"]["backends"]) == 2
-        process.send_signal(signal.SIGTERM)
-        _, stderr = await asyncio.wait_for(process.communicate(), 20)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.returncode == 0, stderr.decode()
-    assert b"started the built-in simulator" in stderr
-    assert b"Traceback" not in stderr
+    assert served.returncode == 0, served.stderr.decode()
+    assert b"started the built-in simulator" in served.stderr
+    assert b"Traceback" not in served.stderr
 
 
 async def test_hypercorn_drains_and_cancels_too(fake_engine: FakeEngine, gateway_factory) -> None:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,9 +21,12 @@ from real_engine.engine import (
     EngineMetrics,
     ServerProcess,
     exact_prompt,
+    free_port,
     poll,
     read_metrics,
     record_figure,
+    spawn,
+    wait_ready,
 )
 from real_engine.load import BLOCKED_PROMPT_TOKENS, ResponseEndedFirst, full_kv_cache
 
@@ -298,3 +305,35 @@ async def test_chat_relays_exactly(openai_client: AsyncOpenAI, idle_engine: Serv
     assert "".join(content) == expected
     assert [f for f in finish if f] == ["length"]
     assert usage is not None and usage.completion_tokens == 16
+
+
+async def test_an_engine_added_by_a_reload_is_scraped_and_served(
+    tmp_path: Path, idle_engine: ServerProcess
+) -> None:
+    """The real engine joins a running gateway: the file names it, then SIGHUP. It must be
+    scraped (on its narrowed page), make the gateway ready, and serve a completion."""
+    path = tmp_path / "kvgate.yaml"
+    settings = "server: {log_level: info}\nadmission: {policy: adaptive}\n"
+    path.write_text("backends: [{url: 'http://127.0.0.1:9', name: placeholder}]\n" + settings)
+    port = free_port()
+    argv = [sys.executable, "-m", "kvgate", "serve", "--config", str(path), "--port", str(port)]
+    server = spawn("kvgate", argv, port, tmp_path / "kvgate-reload.log")
+    try:
+        wait_ready(server, "/healthz", timeout_s=30.0)
+        path.write_text(f"backends: ['{idle_engine.url}']\n" + settings)
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGHUP)
+        wait_ready(server, "/readyz", timeout_s=30.0)  # the new node has a fresh sample
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            _, node = await _first_time(
+                lambda: _node(client, server.url), lambda n: n["page"] == "narrowed", 75.0, 0.05
+            )
+            assert node["last_sample"]["kv_capacity_tokens"] == 4096
+            body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+            response = await client.post(server.url + "/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+        log = server.log_path.read_text()
+        assert "backends changed: added 127.0.0.1:" in log and "removed placeholder" in log
+    finally:
+        server.stop(grace_s=10.0)

@@ -13,7 +13,7 @@ import contextlib
 import hmac
 import importlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import orjson
@@ -26,6 +26,7 @@ from kvgate.core.clock import Clock, MonotonicClock
 from kvgate.core.cost import CostEstimator
 from kvgate.core.policies import build_policy
 from kvgate.gateway.auth import Security, TenantCollector
+from kvgate.gateway.backend_set import BackendChange, diff_backends, restart_needed
 from kvgate.gateway.errors import GatewayError, send_error, send_json
 from kvgate.gateway.proxy import CostEstimator as Estimator
 from kvgate.gateway.proxy import Relay
@@ -42,7 +43,12 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class Gateway:
-    """kvgate's ASGI application. Inject `policy`, `clock` or `estimator` to replace them."""
+    """kvgate's ASGI application. Inject `policy`, `clock` or `estimator` to replace them.
+
+    `load_config` re-reads the configuration the gateway was started from (its file, the
+    environment and the command line): with it, SIGHUP and `POST /admin/reload` apply a
+    changed list of backends without a restart (see kvgate.gateway.backend_set).
+    """
 
     def __init__(
         self,
@@ -52,8 +58,10 @@ class Gateway:
         clock: Clock | None = None,
         estimator: Estimator | None = None,
         backends: list[Backend] | None = None,
+        load_config: Callable[[], KvgateConfig] | None = None,
     ) -> None:
         self.config = config
+        self._load_config = load_config
         self.clock = clock or MonotonicClock()
         self.backends = (
             backends if backends is not None else backends_from_settings(config.backends)
@@ -95,6 +103,7 @@ class Gateway:
             ("GET", "/metrics"): self._metrics,
             ("GET", "/admin/state"): self._state,
             ("POST", "/admin/signals"): self._signals,
+            ("POST", "/admin/reload"): self._reload,
         }
         self._merge_dashboard()
         self._paths = {path for _, path in self.routes}
@@ -197,6 +206,57 @@ class Gateway:
         self.metrics.scraper_node_stats = self.scraper.stats
         self.spawn(self.scraper.run())
 
+    # ---- backends while running --------------------------------------------------------------
+
+    def set_backends(self, backends: Sequence[Backend]) -> BackendChange:
+        """Serve `backends` from now on. Added nodes are scraped and routed to at once;
+        removed ones get no new request, and the requests already on them run to their end.
+        Unchanged nodes keep their state (samples, controller, connections)."""
+        ids = [b.node_id for b in backends]
+        if len(set(ids)) != len(ids):
+            raise ValueError("two backends share one node id: give them distinct names")
+        change = diff_backends(self.backends, backends)
+        for old in (*change.removed, *(old for old, _ in change.replaced)):
+            self._drop(old)
+        for new in (*change.added, *(new for _, new in change.replaced)):
+            self._join(new)
+        before = {b.node_id: b for b in self.backends}  # an unchanged node keeps its adapter
+        self.backends = [before[b.node_id] if before.get(b.node_id) == b else b for b in backends]
+        if not change.empty:
+            log.info("backends changed: %s", change.describe())
+        return change
+
+    def _drop(self, backend: Backend) -> None:
+        if self.scraper is not None:
+            self.scraper.remove(backend.node_id)
+        self.pool.remove(backend.node_id)
+        self.catalog.forget(backend.node_id)
+        self.policy.remove_node(backend.node_id)
+
+    def _join(self, backend: Backend) -> None:
+        self.pool.add(backend)
+        self.policy.add_node(backend.node_id)
+        if self.scraper is not None:
+            self.scraper.add(backend)
+        self.spawn(self.catalog.learn(backend))
+
+    def reload(self) -> tuple[BackendChange, list[str]]:
+        """Re-read the configuration and apply its backends: (what changed, the sections
+        that changed too but apply only at the next start). Raises, changing nothing, when
+        the configuration cannot be read or names no backend."""
+        if self._load_config is None:
+            raise ReloadUnavailable("this gateway was not started from a configuration file")
+        loaded = self._load_config()
+        backends = backends_from_settings(loaded.backends)
+        if not backends:
+            raise ValueError("the configuration names no backend; keeping the current ones")
+        change = self.set_backends(backends)
+        later = restart_needed(self.config, loaded)
+        self.config = self.config.model_copy(update={"backends": loaded.backends})
+        if later:
+            log.warning("reload: %s changed too; that applies at the next start", ", ".join(later))
+        return change, later
+
     async def drain(self, timeout_s: float) -> None:
         """Let in-flight requests finish for up to `timeout_s`, then cancel the rest."""
         self.relay.accepting = False
@@ -260,12 +320,38 @@ class Gateway:
             return
         await send_json(send, 202, orjson.dumps({"accepted": accepted}))
 
-    def _check_admin(self, scope: Scope) -> None:
+    async def _reload(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Re-read the configuration and apply its backends (as SIGHUP does)."""
+        try:
+            self._check_admin(scope, "Reloading is disabled", "reload_disabled")
+            change, later = self.reload()
+        except GatewayError as err:
+            await send_error(send, err)
+            return
+        except ReloadUnavailable as exc:
+            await send_error(send, GatewayError(409, f"{exc}.", "reload_unavailable"))
+            return
+        except Exception as exc:  # an unreadable or invalid file: nothing was changed
+            log.error("reload refused, backends unchanged: %s", exc)
+            message = f"The configuration was not applied: {exc}"
+            await send_error(send, GatewayError(400, message, "invalid_config"))
+            return
+        body = {
+            **change.as_dict(),
+            "backends": [b.node_id for b in self.backends],
+            "restart_needed": later,
+        }
+        await send_json(send, 200, orjson.dumps(body))
+
+    def _check_admin(
+        self,
+        scope: Scope,
+        disabled: str = "Pushed signals are disabled",
+        code: str = "push_disabled",
+    ) -> None:
         token = self.config.server.admin_token
         if not token:
-            raise GatewayError(
-                403, "Pushed signals are disabled: set server.admin_token.", "push_disabled"
-            )
+            raise GatewayError(403, f"{disabled}: set server.admin_token.", code)
         sent = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -303,6 +389,10 @@ class Gateway:
             return
         for key, app in dashboard.routes(self.state, closing=self._draining).items():
             self.routes.setdefault(key, app)
+
+
+class ReloadUnavailable(RuntimeError):
+    """The gateway has no configuration to re-read (built in code, not by `kvgate serve`)."""
 
 
 async def _quiet(coro: Awaitable[Any]) -> Any:

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("kvgate.serve")
@@ -71,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
 
     from kvgate.config import load_config
 
+    overrides = _overrides(args)
     try:
-        config = load_config(args.config, **_overrides(args))
+        config = load_config(args.config, **overrides)
     except (OSError, ValueError, ValidationError) as exc:
         print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
@@ -87,10 +89,11 @@ def run(args: argparse.Namespace) -> int:
                 SIM_PRESET,
                 ", ".join(sim.urls),
             )
-            config = load_config(
-                args.config, **{**_overrides(args), "backends": [{"url": u} for u in sim.urls]}
-            )
-        return _serve(config)
+            overrides["backends"] = [{"url": u} for u in sim.urls]
+            config = load_config(args.config, **overrides)
+        # What SIGHUP and /admin/reload re-read: the same file, environment and flags
+        # (backends given with --backend, or the simulator's, stay as they are).
+        return _serve(config, lambda: load_config(args.config, **overrides))
     except SimulatorError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 1
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             sim.stop()
 
 
-def _serve(config: Any) -> int:
+def _serve(config: Any, reread: Callable[[], Any]) -> int:
     from kvgate.gateway.app import Gateway
     from kvgate.gateway.server import bind_socket, run_server
 
@@ -109,7 +112,7 @@ def _serve(config: Any) -> int:
     except OSError as exc:
         print(f"kvgate serve: cannot listen on {server.host}:{server.port}: {exc}", file=sys.stderr)
         return 1
-    gateway = Gateway(config)
+    gateway = Gateway(config, load_config=reread)
     host, port = sock.getsockname()[:2]
     scheme = "https" if server.certfile and server.keyfile else "http"
     log.info(

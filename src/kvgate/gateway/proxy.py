@@ -357,8 +357,9 @@ class Relay:
     ) -> None:
         tried: list[str] = []
         last_error: UpstreamError | None = None
+        backends = self.pool.backends  # a node removed by a reload since `nodes` was read
         for attempt in range(2):
-            candidates = [n for n in nodes if n not in tried]
+            candidates = [n for n in nodes if n not in tried and n in backends]
             if attempt and not candidates:
                 break
             decision = self.policy.admit(ex.request_id, cost, priority, candidates)
@@ -368,7 +369,7 @@ class Relay:
                 raise _rejection(decision, after_failure=attempt > 0)
             self.metrics.admissions["admitted", ex.priority or "-", "admitted"] += 1
             ticket = decision.ticket
-            backend = self.pool.backends[ticket.node_id]
+            backend = backends[ticket.node_id]
             ex.backend = backend.node_id
             outcome = Outcome.UPSTREAM_ERROR
             try:

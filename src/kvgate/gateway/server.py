@@ -9,7 +9,8 @@ Graceful shutdown is the same for both: the first SIGTERM/SIGINT closes the list
 socket, new requests on kept-alive connections get 503, in-flight requests may finish for
 `drain_timeout_s`, then whatever is left is cancelled (upstream too) and the lifespan
 stops the scraper and closes the upstream pool. A second SIGINT (not SIGTERM: supervisors
-repeat those) exits at once.
+repeat those) exits at once. SIGHUP re-reads the configuration and applies its list of
+backends without a restart (see kvgate.gateway.backend_set).
 """
 
 from __future__ import annotations
@@ -105,6 +106,14 @@ class GatewayServer:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
 
+    def reload(self) -> None:
+        """SIGHUP: re-read the configuration and apply its backends (the gateway logs what
+        changed); a configuration that cannot be applied changes nothing."""
+        try:
+            self.gateway.reload()
+        except Exception as exc:
+            log.error("reload refused, backends unchanged: %s", exc)
+
     async def serve(self, sock: socket.socket, *, handle_signals: bool = True) -> None:
         """Serve on `sock` until stopped; returns after the drain and the lifespan shutdown."""
         if self.settle_heap:
@@ -188,6 +197,7 @@ class GatewayServer:
         handlers = {
             signal.SIGTERM: self.stop,
             signal.SIGINT: lambda: self.stop(force_if_repeated=True),  # Ctrl-C twice: now
+            signal.SIGHUP: self.reload,
         }
         for sig, handler in handlers.items():
             try:

@@ -26,8 +26,8 @@ class ServerSettings(BaseModel):
     )
     admin_token: str | None = Field(
         None,
-        description="Bearer token that `POST /admin/signals` requires (pushes are refused "
-        "while it is unset).",
+        description="Bearer token that `POST /admin/signals` and `POST /admin/reload` require"
+        " (both are refused while it is unset).",
     )
     models_cache_s: float = Field(
         5.0, gt=0, description="How long the union of the backends' `/v1/models` is reused."
