@@ -290,3 +290,64 @@ async def test_kvgate_serve_applies_a_changed_file_on_sighup(
     assert f"backends changed: added {added}; removed {removed}" in log
     assert "reload refused, backends unchanged" in log
     assert "Traceback" not in log
+
+
+async def test_reload_rotates_api_keys_and_tenant_limits(
+    fake_engine: FakeEngine, gateway_factory, tmp_path: Path
+) -> None:
+    old_key, new_key = "old-key-0123456789", "new-key-0123456789"
+    path = tmp_path / "kvgate.yaml"
+    keys = [{"key": old_key, "tenant": "team"}]
+    _write_config(path, [fake_engine.url], auth={"keys": keys})
+    gw = await gateway_factory(
+        [fake_engine.url],
+        overrides={"server.admin_token": TOKEN, "auth.keys": keys},
+        load_config=lambda: load_config(path),
+    )
+
+    async def status_with(key: str) -> int:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+            body = {"model": "fake-model", "prompt": "hi"}
+            headers = {"authorization": f"Bearer {key}"}
+            return (await client.post("/v1/completions", json=body, headers=headers)).status_code
+
+    assert (await status_with(old_key), await status_with(new_key)) == (200, 401)
+    auth = {
+        "keys": [{"key": new_key, "tenant": "team"}],
+        "tenants": {"team": {"max_in_flight_requests": 3}},
+    }
+    _write_config(path, [fake_engine.url], auth=auth)
+    applied = await _reload(gw.url)
+    assert applied.status_code == 200, applied.text
+    assert applied.json()["restart_needed"] == []
+    assert (await status_with(old_key), await status_with(new_key)) == (401, 200)
+    tenants = gw.gateway.state()["policy"]["tenants"]
+    assert tenants["team"]["max_in_flight_requests"] == 3
+
+    _write_config(path, [fake_engine.url])  # keys off: only a restart may do that
+    refused = (await _reload(gw.url)).json()
+    assert refused["restart_needed"] == ["auth"]
+    assert (await status_with(old_key), await status_with(new_key)) == (401, 200)
+
+
+async def test_reload_reads_a_rotated_key_file_again(
+    fake_engine: FakeEngine, gateway_factory, tmp_path: Path
+) -> None:
+    """The usual rotation: the key file (a mounted secret) changes, its path does not."""
+    key_file = tmp_path / "keys.yaml"
+    key_file.write_text(yaml.safe_dump([{"key": "first-key-0123456789", "tenant": "t"}]))
+    path = tmp_path / "kvgate.yaml"
+    _write_config(path, [fake_engine.url], auth={"key_file": str(key_file)})
+    gw = await gateway_factory(
+        [fake_engine.url],
+        overrides={"server.admin_token": TOKEN, "auth.key_file": str(key_file)},
+        load_config=lambda: load_config(path),
+    )
+    key_file.write_text(yaml.safe_dump([{"key": "second-key-0123456789", "tenant": "t"}]))
+    assert (await _reload(gw.url)).json()["restart_needed"] == []
+    async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
+        body = {"model": "fake-model", "prompt": "hi"}
+        for key, status in (("first-key-0123456789", 401), ("second-key-0123456789", 200)):
+            headers = {"authorization": f"Bearer {key}"}
+            response = await client.post("/v1/completions", json=body, headers=headers)
+            assert response.status_code == status, key

@@ -47,7 +47,8 @@ class Gateway:
 
     `load_config` re-reads the configuration the gateway was started from (its file, the
     environment and the command line): with it, SIGHUP and `POST /admin/reload` apply a
-    changed list of backends without a restart (see kvgate.gateway.backend_set).
+    changed list of backends, API keys and tenant limits without a restart (see
+    kvgate.gateway.backend_set).
     """
 
     def __init__(
@@ -107,7 +108,8 @@ class Gateway:
         }
         self._merge_dashboard()
         self._paths = {path for _, path in self.routes}
-        self._front_door = self.security.front.enabled  # keys are fixed at start
+        # A reload may change the keys, never switch them on or off (Security.update).
+        self._front_door = self.security.front.enabled
 
     # ---- ASGI ---------------------------------------------------------------------------------
 
@@ -241,9 +243,10 @@ class Gateway:
         self.spawn(self.catalog.learn(backend))
 
     def reload(self) -> tuple[BackendChange, list[str]]:
-        """Re-read the configuration and apply its backends: (what changed, the sections
-        that changed too but apply only at the next start). Raises, changing nothing, when
-        the configuration cannot be read or names no backend."""
+        """Re-read the configuration and apply its backends, keys and tenant limits: (what
+        changed in the backends, the sections that changed too but apply only at the next
+        start). Raises, changing nothing, when the configuration cannot be read or names no
+        backend."""
         if self._load_config is None:
             raise ReloadUnavailable("this gateway was not started from a configuration file")
         loaded = self._load_config()
@@ -252,7 +255,12 @@ class Gateway:
             raise ValueError("the configuration names no backend; keeping the current ones")
         change = self.set_backends(backends)
         later = restart_needed(self.config, loaded)
-        self.config = self.config.model_copy(update={"backends": loaded.backends})
+        applied: dict[str, Any] = {"backends": loaded.backends}
+        # Keys and tenant limits too (a key file is read again even if its path is the same).
+        if self.security.update(loaded.auth):
+            applied["auth"] = loaded.auth
+            later = [section for section in later if section != "auth"]
+        self.config = self.config.model_copy(update=applied)
         if later:
             log.warning("reload: %s changed too; that applies at the next start", ", ".join(later))
         return change, later

@@ -360,6 +360,21 @@ class Security:
             )
         return cls(FrontDoor(keys, admin_token), ledger)
 
+    def update(self, auth: AuthSettings) -> bool:
+        """Take the keys and tenant limits of a reloaded configuration (key files are read
+        again). False, changing nothing, when keys would be switched on or off: that puts
+        the front door on or off the request path and the tenant wrapper around the
+        policy, which only a restart does. Requests in flight keep their tenants' leases;
+        a removed key is refused from the next request on."""
+        keys = KeyRing(load_keys(auth))
+        if (len(keys) > 0) != (self.ledger is not None):
+            return False
+        self.front.keys = keys
+        if self.ledger is not None:
+            self.ledger.limits = {name: _limits(t) for name, t in auth.tenants.items()}
+            self.ledger.default_limits = _limits(auth.default_tenant_limits)
+        return True
+
     def wrap_policy(self, policy: AdmissionPolicy) -> AdmissionPolicy:
         """The policy itself without keys; with keys, the tenant-charging wrapper."""
         if self.ledger is None:

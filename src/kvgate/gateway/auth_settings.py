@@ -92,7 +92,8 @@ class AuthSettings(BaseModel):
         default_factory=list, description="Client API keys (none: no authentication)."
     )
     key_file: str | None = Field(
-        None, description="YAML/JSON file with more keys (same fields), read at start."
+        None,
+        description="YAML/JSON file with more keys (same fields), read at start and reload.",
     )
     tenants: dict[str, TenantSettings] = Field(
         default_factory=dict, description="Per-tenant limits, by tenant name."

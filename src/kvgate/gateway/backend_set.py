@@ -8,9 +8,10 @@ added nodes are scraped and routed to at once, removed ones get no new request w
 requests already on them run to their end. A node whose URL, metrics page, dialect, key or
 KV capacity changed is replaced (removed and added under the same id).
 
-A reload re-reads the whole configuration, but only its `backends` take effect while
-running: the other sections are built into long-lived objects (the listening socket, the
-policy, the limits), so `restart_needed` names those that differ, to be logged and shown.
+A reload re-reads the whole configuration, but only `backends` and `auth` (API keys,
+tenant limits; see `Security.update`) take effect while running: the other sections are
+built into long-lived objects (the listening socket, the policy, the limits), so
+`restart_needed` names those that differ, to be logged and shown.
 """
 
 from __future__ import annotations
