@@ -224,8 +224,7 @@ class Gateway:
             self._join(new)
         before = {b.node_id: b for b in self.backends}  # an unchanged node keeps its adapter
         self.backends = [before[b.node_id] if before.get(b.node_id) == b else b for b in backends]
-        if not change.empty:
-            log.info("backends changed: %s", change.describe())
+        log.info("backends %s", "unchanged" if change.empty else f"changed: {change.describe()}")
         return change
 
     def _drop(self, backend: Backend) -> None:
