@@ -68,6 +68,7 @@ class FakeEngine:
     models: list[str] = field(default_factory=list)
     requests: list[EngineRequest] = field(default_factory=list)
     port: int = 0
+    host: str = "127.0.0.1"  # any of 127.0.0.0/8: several engines may share one port
     kv_usage: float = 0.1
     metrics_hits: int = 0  # GETs of /metrics (not kept in `requests`)
     _server: asyncio.base_events.Server | None = None
@@ -75,10 +76,10 @@ class FakeEngine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     async def start(self) -> FakeEngine:
-        self._server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._connection, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 

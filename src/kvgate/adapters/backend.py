@@ -48,7 +48,11 @@ class Backend:
 
 def backends_from_settings(settings: Iterable[BackendSettings]) -> list[Backend]:
     """Build every backend; two backends with one node id is a configuration error."""
-    backends = [Backend.from_settings(s) for s in settings]
+    return unique([Backend.from_settings(s) for s in settings])
+
+
+def unique(backends: list[Backend]) -> list[Backend]:
+    """`backends`, checked for node ids used twice (a configuration error)."""
     seen: set[str] = set()
     for b in backends:
         if b.node_id in seen:

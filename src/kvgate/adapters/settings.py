@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 EngineKind = Literal["vllm", "sglang", "trtllm", "triton", "tgi", "llamacpp"]
 
@@ -27,6 +28,23 @@ class BackendSettings(BaseModel):
             "(TGI: --max-batch-total-tokens; llama.cpp: --ctx-size). Ignored when the page has it."
         ),
     )
+    discover: Literal["static", "dns"] = Field(
+        "static",
+        description=(
+            "`dns`: the URL's host name stands for a set of engines (a Kubernetes headless"
+            " Service): each IPv4 address it resolves to is one backend, `name@address:port`."
+        ),
+    )
+    discover_every_s: float = Field(
+        5.0, ge=0.5, le=300.0, description="`dns`: how often the host name is resolved again."
+    )
+
+    @model_validator(mode="after")
+    def _discovered_over_http(self) -> BackendSettings:
+        # A pod's certificate names the service, not the pod address kvgate would dial.
+        if self.discover == "dns" and urlsplit(self.url).scheme != "http":
+            raise ValueError("`discover: dns` needs an http:// URL (TLS names the service)")
+        return self
 
 
 class ScrapeSettings(BaseModel):

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from kvgate.adapters.backend import Backend, backends_from_settings
+from kvgate.adapters.backend import Backend
 from kvgate.adapters.push import MAX_PUSH_BYTES, PushValidationError, parse_push
 from kvgate.config import KvgateConfig
 from kvgate.core.admission import AdmissionPolicy
@@ -27,6 +27,7 @@ from kvgate.core.cost import CostEstimator
 from kvgate.core.policies import build_policy
 from kvgate.gateway.auth import Security, TenantCollector
 from kvgate.gateway.backend_set import BackendChange, diff_backends, restart_needed
+from kvgate.gateway.discovery import Discovery, Resolver, resolve_ipv4
 from kvgate.gateway.errors import GatewayError, send_error, send_json
 from kvgate.gateway.proxy import CostEstimator as Estimator
 from kvgate.gateway.proxy import Relay
@@ -60,13 +61,15 @@ class Gateway:
         estimator: Estimator | None = None,
         backends: list[Backend] | None = None,
         load_config: Callable[[], KvgateConfig] | None = None,
+        resolver: Resolver = resolve_ipv4,
     ) -> None:
         self.config = config
         self._load_config = load_config
         self.clock = clock or MonotonicClock()
-        self.backends = (
-            backends if backends is not None else backends_from_settings(config.backends)
-        )
+        # `discover: dns` entries have no backend until their first lookup (in `running`).
+        self._resolver = resolver
+        self.discovery = Discovery(config.backends, resolver)
+        self.backends = backends if backends is not None else self.discovery.backends()
         # Without API keys `security` is inert; with them it authenticates every request
         # and charges tenants through a wrapper around the policy (kvgate.gateway.auth).
         self.security = Security.from_config(config.auth, config.server.admin_token)
@@ -173,6 +176,8 @@ class Gateway:
             async with asyncio.TaskGroup() as group:
                 self._group = group
                 try:
+                    await self._discover()  # before the scraper: it starts with every node
+                    self.spawn(self._watch_dns())
                     self._start_scraper()
                     self.spawn(self.catalog.refresh())
                     yield self
@@ -241,6 +246,23 @@ class Gateway:
             self.scraper.add(backend)
         self.spawn(self.catalog.learn(backend))
 
+    async def _discover(self) -> None:
+        """Look the dns entries up once and serve what they resolve to."""
+        discovery = self.discovery
+        if not discovery.dynamic or not await discovery.refresh():
+            return
+        if discovery is not self.discovery:  # a reload replaced it meanwhile
+            return
+        try:
+            self.set_backends(discovery.backends())
+        except ValueError as exc:
+            log.error("discovery: %s; backends unchanged", exc)
+
+    async def _watch_dns(self) -> None:
+        while True:
+            await asyncio.sleep(self.discovery.every_s)
+            await self._discover()
+
     def reload(self) -> tuple[BackendChange, list[str]]:
         """Re-read the configuration and apply its backends, keys and tenant limits: (what
         changed in the backends, the sections that changed too but apply only at the next
@@ -249,10 +271,13 @@ class Gateway:
         if self._load_config is None:
             raise ReloadUnavailable("this gateway was not started from a configuration file")
         loaded = self._load_config()
-        backends = backends_from_settings(loaded.backends)
-        if not backends:
+        if not loaded.backends:
             raise ValueError("the configuration names no backend; keeping the current ones")
-        change = self.set_backends(backends)
+        discovery = Discovery(loaded.backends, self._resolver, previous=self.discovery)
+        change = self.set_backends(discovery.backends())
+        self.discovery = discovery
+        if discovery.dynamic:
+            self.spawn(self._discover())  # a dns entry new to this file: look it up now
         later = restart_needed(self.config, loaded)
         applied: dict[str, Any] = {"backends": loaded.backends}
         # Keys and tenant limits too (a key file is read again even if its path is the same).
