@@ -344,3 +344,30 @@ async def test_an_engine_added_by_a_reload_is_scraped_and_served(
         assert "backends changed: added 127.0.0.1:" in log and "removed placeholder" in log
     finally:
         server.stop(grace_s=10.0)
+
+
+async def test_an_engine_found_by_dns_is_scraped_and_served(
+    tmp_path: Path, idle_engine: ServerProcess
+) -> None:
+    """`discover: dns` on `localhost` (the system resolver): the real engine behind it is a
+    backend named after the entry, scraped on its narrowed page, and serves."""
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(
+        f"backends: [{{url: 'http://localhost:{idle_engine.port}', name: vllm, discover: dns}}]\n"
+    )
+    port = free_port()
+    argv = [sys.executable, "-m", "kvgate", "serve", "--config", str(path), "--port", str(port)]
+    server = spawn("kvgate", argv, port, tmp_path / "kvgate-dns.log")
+    try:
+        wait_ready(server, "/readyz", timeout_s=30.0)
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            _, node = await _first_time(
+                lambda: _node(client, server.url), lambda n: n["page"] == "narrowed", 75.0, 0.05
+            )
+            assert node["node_id"] == f"vllm@127.0.0.1:{idle_engine.port}"
+            body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+            response = await client.post(server.url + "/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+    finally:
+        server.stop(grace_s=10.0)
