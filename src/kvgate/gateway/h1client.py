@@ -359,13 +359,20 @@ class H1Connection(asyncio.Protocol):
 class H1Pool:
     """Idle keep-alive connections per backend base URL, and new ones when none is idle."""
 
-    def __init__(self, connect_timeout_s: float, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        ssl_context: ssl.SSLContext | None = None,
+        keep: Callable[[str], bool] | None = None,
+    ) -> None:
         self._idle: dict[str, collections.deque[H1Connection]] = {}
         self._origins: dict[str, tuple[str, int, str, str, bool]] = {}
         self._connect_timeout_s = connect_timeout_s
         self._ssl: ssl.SSLContext | None = ssl_context
         self._closed = False
-        self._retired: set[str] = set()  # base URLs of backends removed while running
+        # Whether a connection given back to a base URL is kept for later requests: not
+        # when its backend was removed meanwhile (None: always kept).
+        self._keep = keep
 
     async def request(
         self,
@@ -435,7 +442,7 @@ class H1Pool:
         return self._ssl
 
     def put_back(self, conn: H1Connection) -> None:
-        if self._closed or conn.key in self._retired:
+        if self._closed or (self._keep is not None and not self._keep(conn.key)):
             conn.abort()
             return
         idle = self._idle.setdefault(conn.key, collections.deque())
@@ -444,21 +451,13 @@ class H1Pool:
             return
         idle.append(conn)
 
-    def retire(self, base_url: str) -> None:
-        """The backend at `base_url` was removed: close its idle connections now, and each
-        busy one when its response ends, instead of keeping them for requests to come."""
-        self._retired.add(base_url)
-        self.close_idle(base_url)
-
     def close_idle(self, base_url: str) -> None:
-        """Close the idle connections to `base_url` (busy ones are kept)."""
+        """Close the idle connections to `base_url` and forget it (a removed backend);
+        busy ones close when they are given back, if `keep` says so."""
+        self._origins.pop(base_url, None)
         idle = self._idle.pop(base_url, None)
         while idle:
             idle.pop().abort()
-
-    def reinstate(self, base_url: str) -> None:
-        """A backend at `base_url` was added (back): keep its connections alive again."""
-        self._retired.discard(base_url)
 
     def close(self) -> None:
         self._closed = True

@@ -12,6 +12,7 @@ retry once on another backend; anything later is final.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -64,6 +65,7 @@ class UpstreamPool:
         self._auth: dict[str, list[tuple[bytes, bytes]]] = {
             b.node_id: _auth_of(b) for b in backends
         }
+        self._urls = collections.Counter(b.base_url for b in backends)  # base URL -> backends
         self._session: aiohttp.ClientSession | None = None
         self._h1: H1Pool | None = None
 
@@ -71,17 +73,23 @@ class UpstreamPool:
         """Relay to `backend` from now on (a backend added while running)."""
         self.backends[backend.node_id] = backend
         self._auth[backend.node_id] = _auth_of(backend)
-        if self._h1 is not None:
-            self._h1.reinstate(backend.base_url)
+        self._urls[backend.base_url] += 1
 
     def remove(self, node_id: str) -> None:
-        """Stop relaying to `node_id`. Requests already on it go on to their end; its idle
-        connections are closed (aiohttp's expire on their own after 30 s)."""
+        """Stop relaying to `node_id`. Requests already on it go on to their end, then
+        their connections close; idle ones close now (aiohttp's after its 30 s keep-alive)."""
         backend = self.backends.pop(node_id, None)
         self._auth.pop(node_id, None)
-        if backend is not None and self._h1 is not None:
-            if all(b.base_url != backend.base_url for b in self.backends.values()):
-                self._h1.retire(backend.base_url)
+        if backend is None:
+            return
+        self._urls[backend.base_url] -= 1
+        if self._urls[backend.base_url] <= 0:
+            del self._urls[backend.base_url]
+            if self._h1 is not None:
+                self._h1.close_idle(backend.base_url)
+
+    def _serves(self, base_url: str) -> bool:
+        return base_url in self._urls
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -111,7 +119,7 @@ class UpstreamPool:
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
         if self.settings.client == "native":
-            self._h1 = H1Pool(self.settings.connect_timeout_s)
+            self._h1 = H1Pool(self.settings.connect_timeout_s, keep=self._serves)
 
     async def close(self) -> None:
         if self._h1 is not None:
