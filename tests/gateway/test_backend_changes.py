@@ -351,3 +351,49 @@ async def test_reload_reads_a_rotated_key_file_again(
             headers = {"authorization": f"Bearer {key}"}
             response = await client.post("/v1/completions", json=body, headers=headers)
             assert response.status_code == status, key
+
+
+async def test_streams_survive_backends_changing_under_them(
+    engine_factory, gateway_factory
+) -> None:
+    """Churn: while 16 clients stream without pause, one of three engines is removed and
+    added back every 150 ms under the adaptive policy. No request may fail or be cut, and
+    the books end at zero (the fixture checks in-flight requests and tickets)."""
+    engines = [await engine_factory(model="m") for _ in range(3)]
+    gw = await gateway_factory([e.url for e in engines], overrides={"admission.policy": "adaptive"})
+    assert await eventually(lambda: len(_scraped_nodes(gw)) == 3, 5.0)
+    every = [_backend(e.url) for e in engines]
+    body = {"model": "m", "prompt": "hi", "stream": True, "fake": {"chunks": 10, "interval": 0.01}}
+    outcomes: dict[str, int] = {}
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            while not stop.is_set():
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    data = b"".join([chunk async for chunk in response.aiter_raw()])
+                whole = response.status_code == 200 and data.rstrip().endswith(b"[DONE]")
+                key = "whole" if whole else f"{response.status_code}: {data[-80:]!r}"
+                outcomes[key] = outcomes.get(key, 0) + 1
+
+    async def churn() -> int:
+        changes = 0
+        for turn in range(20):
+            await asyncio.sleep(0.15)
+            leaving = turn % 3
+            gw.gateway.set_backends([b for i, b in enumerate(every) if i != leaving])
+            await asyncio.sleep(0.15)
+            gw.gateway.set_backends(every)
+            changes += 2
+        return changes
+
+    clients = [asyncio.create_task(client()) for _ in range(16)]
+    try:
+        changes = await churn()
+    finally:
+        stop.set()
+        await asyncio.gather(*clients)
+    assert changes == 40
+    assert set(outcomes) == {"whole"}, outcomes
+    assert outcomes["whole"] >= 100
+    assert all(e.completions() for e in engines)
