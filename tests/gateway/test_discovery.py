@@ -18,6 +18,8 @@ from pydantic import ValidationError
 from kvgate.adapters.settings import BackendSettings
 from kvgate.gateway.discovery import Discovery, at_address, resolve_ipv4
 
+WAIT_S = 15.0  # generous for a stalling CI machine: a wait ends once its condition holds
+
 
 class Addresses:
     """A resolver whose answer the test sets; `None` makes the lookup fail."""
@@ -108,11 +110,11 @@ async def test_pods_that_come_and_go_are_added_and_removed(gateway_factory) -> N
         assert [b.node_id for b in gw.gateway.backends] == [f"pods@127.0.0.1:{port}"]
 
         resolver.answer = ["127.0.0.1", "127.0.0.2"]  # a second pod became ready
-        assert await eventually(lambda: len(gw.gateway.backends) == 2, 3.0)
-        assert await eventually(lambda: pods[1].metrics_hits > 0, 3.0)
+        assert await eventually(lambda: len(gw.gateway.backends) == 2, WAIT_S)
+        assert await eventually(lambda: pods[1].metrics_hits > 0, WAIT_S)
 
         resolver.answer = ["127.0.0.2"]  # the first one went away
-        assert await eventually(lambda: len(gw.gateway.backends) == 1, 3.0)
+        assert await eventually(lambda: len(gw.gateway.backends) == 1, WAIT_S)
         hits = pods[0].metrics_hits
         async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
             for _ in range(3):
@@ -126,7 +128,7 @@ async def test_pods_that_come_and_go_are_added_and_removed(gateway_factory) -> N
 
         resolver.answer = None  # DNS fails: the known pod stays
         lookups = resolver.lookups
-        assert await eventually(lambda: resolver.lookups > lookups + 1, 3.0)
+        assert await eventually(lambda: resolver.lookups > lookups + 1, WAIT_S)
         assert [b.node_id for b in gw.gateway.backends] == [f"pods@127.0.0.2:{port}"]
     finally:
         for pod in pods:
@@ -155,7 +157,9 @@ async def test_a_name_added_by_a_reload_is_looked_up_at_once(
         )
         gw.gateway.reload()
         expected = [f"127.0.0.1:{fake_engine.port}", f"pods@127.0.0.3:{port}"]
-        assert await eventually(lambda: [b.node_id for b in gw.gateway.backends] == expected, 3.0)
-        assert await eventually(lambda: pod.metrics_hits > 0, 3.0)
+        assert await eventually(
+            lambda: [b.node_id for b in gw.gateway.backends] == expected, WAIT_S
+        )
+        assert await eventually(lambda: pod.metrics_hits > 0, WAIT_S)
     finally:
         await pod.stop()
