@@ -274,12 +274,14 @@ async def test_kvgate_serve_applies_a_changed_file_on_sighup(
 
             _write_config(path, [second.url], server=info)  # first leaves, second joins
             served.process.send_signal(signal.SIGHUP)
-            for _ in range(100):
+            async def backend_urls() -> list[str]:
                 state = (await client.get("/admin/state")).json()
-                if [b["url"] for b in state["gateway"]["backends"]] == [second.url]:
-                    break
+                return [b["url"] for b in state["gateway"]["backends"]]
+
+            deadline = time.monotonic() + WAIT_S
+            while (urls := await backend_urls()) != [second.url]:
+                assert time.monotonic() < deadline, urls
                 await asyncio.sleep(0.05)
-            assert [b["url"] for b in state["gateway"]["backends"]] == [second.url]
             assert (await _completion(url, "second")).status_code == 200
 
             path.write_text("backends: [")  # a broken file: logged, nothing changes
