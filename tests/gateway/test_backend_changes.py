@@ -275,6 +275,7 @@ async def test_kvgate_serve_applies_a_changed_file_on_sighup(
 
             _write_config(path, [second.url], server=info)  # first leaves, second joins
             served.process.send_signal(signal.SIGHUP)
+
             async def backend_urls() -> list[str]:
                 state = (await client.get("/admin/state")).json()
                 return [b["url"] for b in state["gateway"]["backends"]]
