@@ -378,8 +378,9 @@ async def test_streams_survive_backends_changing_under_them(
             while not stop.is_set():
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     data = b"".join([chunk async for chunk in response.aiter_raw()])
+                reason = response.headers.get("x-kvgate-reason", data[-80:].decode())
                 whole = response.status_code == 200 and data.rstrip().endswith(b"[DONE]")
-                key = "whole" if whole else f"{response.status_code}: {data[-80:]!r}"
+                key = "whole" if whole else f"{response.status_code} {reason}"
                 outcomes[key] = outcomes.get(key, 0) + 1
 
     async def churn() -> int:
@@ -400,6 +401,9 @@ async def test_streams_survive_backends_changing_under_them(
         stop.set()
         await asyncio.gather(*clients)
     assert changes == 40
-    assert set(outcomes) == {"whole"}, outcomes
+    # A stall of the machine longer than `stale_after_s` (1 s; seen on CI) leaves every
+    # sample stale, and the adaptive policy then refuses with 503 `no_fresh_node` until the
+    # next scrape, by design. That is the only refusal allowed: churn itself causes none.
+    assert set(outcomes) <= {"whole", "503 no_fresh_node"}, outcomes
     assert outcomes["whole"] >= 100
     assert all(e.completions() for e in engines)
