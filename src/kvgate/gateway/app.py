@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from kvgate.adapters.backend import Backend
+from kvgate.adapters.backend import Backend, unique
 from kvgate.adapters.push import MAX_PUSH_BYTES, PushValidationError, parse_push
 from kvgate.config import KvgateConfig
 from kvgate.core.admission import AdmissionPolicy
@@ -219,9 +219,7 @@ class Gateway:
         """Serve `backends` from now on. Added nodes are scraped and routed to at once;
         removed ones get no new request, and the requests already on them run to their end.
         Unchanged nodes keep their state (samples, controller, connections)."""
-        ids = [b.node_id for b in backends]
-        if len(set(ids)) != len(ids):
-            raise ValueError("two backends share one node id: give them distinct names")
+        backends = unique(list(backends))  # two with one node id: a configuration error
         change = diff_backends(self.backends, backends)
         for old in (*change.removed, *(old for old, _ in change.replaced)):
             self._drop(old)
@@ -268,13 +266,17 @@ class Gateway:
         changed in the backends, the sections that changed too but apply only at the next
         start). Raises, changing nothing, when the configuration cannot be read or names no
         backend."""
-        if self._load_config is None:
-            raise ReloadUnavailable("this gateway was not started from a configuration file")
-        loaded = self._load_config()
-        if not loaded.backends:
-            raise ValueError("the configuration names no backend; keeping the current ones")
-        discovery = Discovery(loaded.backends, self._resolver, previous=self.discovery)
-        change = self.set_backends(discovery.backends())
+        try:
+            if self._load_config is None:
+                raise ReloadUnavailable("this gateway was not started from a configuration file")
+            loaded = self._load_config()
+            if not loaded.backends:
+                raise ValueError("the configuration names no backend")
+            discovery = Discovery(loaded.backends, self._resolver, previous=self.discovery)
+            change = self.set_backends(discovery.backends())
+        except Exception as exc:  # SIGHUP and the route both answer it; logged once, here
+            log.error("reload refused, backends unchanged: %s", exc)
+            raise
         self.discovery = discovery
         if discovery.dynamic:
             self.spawn(self._discover())  # a dns entry new to this file: look it up now
@@ -344,7 +346,7 @@ class Gateway:
     async def _signals(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Samples pushed by sidecars, for engines kvgate cannot scrape itself."""
         try:
-            self._check_admin(scope)
+            self._check_admin(scope, "Pushed signals are disabled", "push_disabled")
             body = await _read_small_body(receive, MAX_PUSH_BYTES)
             accepted = self._apply_push(body)
         except GatewayError as err:
@@ -364,7 +366,6 @@ class Gateway:
             await send_error(send, GatewayError(409, f"{exc}.", "reload_unavailable"))
             return
         except Exception as exc:  # an unreadable or invalid file: nothing was changed
-            log.error("reload refused, backends unchanged: %s", exc)
             message = f"The configuration was not applied: {exc}"
             await send_error(send, GatewayError(400, message, "invalid_config"))
             return
@@ -375,12 +376,8 @@ class Gateway:
         }
         await send_json(send, 200, orjson.dumps(body))
 
-    def _check_admin(
-        self,
-        scope: Scope,
-        disabled: str = "Pushed signals are disabled",
-        code: str = "push_disabled",
-    ) -> None:
+    def _check_admin(self, scope: Scope, disabled: str, code: str) -> None:
+        """The admin bearer token; `disabled` and `code` say which route is off without one."""
         token = self.config.server.admin_token
         if not token:
             raise GatewayError(403, f"{disabled}: set server.admin_token.", code)

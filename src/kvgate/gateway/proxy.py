@@ -357,7 +357,8 @@ class Relay:
     ) -> None:
         tried: list[str] = []
         last_error: UpstreamError | None = None
-        backends = self.pool.backends  # a node removed by a reload since `nodes` was read
+        # The retry comes after an await: a reload may have removed a node of `nodes` since.
+        backends = self.pool.backends
         for attempt in range(2):
             candidates = [n for n in nodes if n not in tried and n in backends]
             if attempt and not candidates:

@@ -109,10 +109,8 @@ class GatewayServer:
     def reload(self) -> None:
         """SIGHUP: re-read the configuration and apply its backends (the gateway logs what
         changed); a configuration that cannot be applied changes nothing."""
-        try:
+        with contextlib.suppress(Exception):  # logged by the gateway; nothing was changed
             self.gateway.reload()
-        except Exception as exc:
-            log.error("reload refused, backends unchanged: %s", exc)
 
     async def serve(self, sock: socket.socket, *, handle_signals: bool = True) -> None:
         """Serve on `sock` until stopped; returns after the drain and the lifespan shutdown."""
