@@ -396,7 +396,7 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
     """
     from kvgate.config import load_config
     from kvgate.gateway.app import Gateway
-    from kvgate.gateway.server import GatewayServer, bind_socket
+    from kvgate.gateway.http.server import GatewayServer, bind_socket
 
     running: list[RunningGateway] = []
 

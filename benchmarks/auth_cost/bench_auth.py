@@ -2,7 +2,7 @@
 
     python benchmarks/auth_cost/bench_auth.py
 
-Measures, with `time.process_time` over many iterations, what `kvgate.gateway.auth` adds
+Measures, with `time.process_time` over many iterations, what `kvgate.gateway.security.auth` adds
 to one request: the front door's check (SHA-256 of the presented key, its lookup among
 the configured digests confirmed by `hmac.compare_digest`, re-tagging the headers) with
 1, 100 and 1,000 keys, and the tenant gate's charge and release around the `none`
@@ -23,8 +23,8 @@ from kvgate.core.policies import build_policy
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.tenants import TenantLedger, TenantLimits
-from kvgate.gateway.auth import FrontDoor, KeyRing, TenantGate, current_tenant, load_keys
-from kvgate.gateway.auth_settings import AuthSettings
+from kvgate.gateway.security.auth import FrontDoor, KeyRing, TenantGate, current_tenant, load_keys
+from kvgate.gateway.security.settings import AuthSettings
 
 HERE = Path(__file__).resolve().parent
 HEADERS = [

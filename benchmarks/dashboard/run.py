@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parents[1] / "tests" / "operator"))
 from opview_browser import missing_reason, page  # noqa: E402
 from opview_synthetic import SyntheticCluster, router, serve  # noqa: E402
 
-from kvgate.gateway.dashboard import encode_event  # noqa: E402
+from kvgate.gateway.ops.dashboard import encode_event  # noqa: E402
 
 SIZES = (8, 64, 128)
 SECONDS = 20.0

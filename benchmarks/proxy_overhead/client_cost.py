@@ -24,7 +24,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench
 
-from kvgate.gateway.h1client import H1Pool
+from kvgate.gateway.http.h1client import H1Pool
 
 BODY = json.dumps({"model": bench.MODEL, "prompt": "hello world", "max_tokens": 4}).encode()
 HEADERS = [(b"content-type", b"application/json"), (b"x-request-id", b"0123456789abcdef")]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvgate.gateway.h1client import H1Pool
+from kvgate.gateway.http.h1client import H1Pool
 
 UPSTREAM = os.environ.get("FLOOR_UPSTREAM", "http://127.0.0.1:8000")
 _HOP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive"}

@@ -20,7 +20,7 @@ from kvgate.adapters import adapter_for
 from kvgate.core.clock import MonotonicClock
 from kvgate.core.policies import build_policy
 from kvgate.core.settings import AdmissionSettings
-from kvgate.gateway.scrape_http import LeanHttpFetcher
+from kvgate.gateway.engines.scrape_http import LeanHttpFetcher
 
 
 async def _cpu_async(fn: Callable[[], Awaitable[object]], n: int = 300) -> tuple[float, float]:

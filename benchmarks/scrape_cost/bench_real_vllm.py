@@ -18,7 +18,7 @@ import time
 import aiohttp
 
 from kvgate.adapters import adapter_for
-from kvgate.gateway.scrape_http import AiohttpFetcher, LeanHttpFetcher, MetricsFetcher
+from kvgate.gateway.engines.scrape_http import AiohttpFetcher, LeanHttpFetcher, MetricsFetcher
 
 
 async def main(port: int, polls: int) -> None:

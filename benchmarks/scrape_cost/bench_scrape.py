@@ -30,7 +30,7 @@ from kvgate.adapters.vllm import VllmAdapter
 from kvgate.core.clock import MonotonicClock
 from kvgate.core.policies import build_policy
 from kvgate.core.settings import AdmissionSettings
-from kvgate.gateway.scraper import Scraper
+from kvgate.gateway.engines.scraper import Scraper
 from kvgate.sim.metrics import only_samples
 
 HERE = Path(__file__).resolve().parent
@@ -160,7 +160,7 @@ def main() -> None:
         import uvloop
 
         uvloop.install()
-    logging.getLogger("kvgate.gateway.scraper").setLevel(logging.ERROR)  # 1 line per node
+    logging.getLogger("kvgate.gateway.engines.scraper").setLevel(logging.ERROR)  # 1 line per node
     page = _page_file(args.page)
     proc, port = _start_server(page)
     try:

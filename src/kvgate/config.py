@@ -21,7 +21,7 @@ from pydantic_settings import (
 
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
 from kvgate.core.settings import AdmissionSettings
-from kvgate.gateway.auth_settings import AuthSettings
+from kvgate.gateway.security.settings import AuthSettings
 from kvgate.gateway.settings import LimitSettings, ServerSettings, UpstreamSettings
 
 

@@ -20,7 +20,7 @@ from kvgate.adapters.settings import BackendSettings, ScrapeSettings
 from kvgate.adapters.vllm import VllmAdapter
 from kvgate.core.clock import MonotonicClock
 from kvgate.core.signals import NodeSample
-from kvgate.gateway.scraper import Scraper
+from kvgate.gateway.engines.scraper import Scraper
 from kvgate.sim.metrics import only_samples
 
 from .pages import drop_lines, page

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgate.gateway.scrape_http import LeanHttpFetcher, ScrapeError
+from kvgate.gateway.engines.scrape_http import LeanHttpFetcher, ScrapeError
 
 from .pages import page
 

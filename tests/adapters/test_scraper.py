@@ -23,8 +23,8 @@ from kvgate.core.policies import build_policy
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
-from kvgate.gateway.scrape_http import AiohttpFetcher, LeanHttpFetcher
-from kvgate.gateway.scraper import Scraper
+from kvgate.gateway.engines.scrape_http import AiohttpFetcher, LeanHttpFetcher
+from kvgate.gateway.engines.scraper import Scraper
 
 from .pages import page, replace_line
 from .served import serve_app
@@ -186,7 +186,7 @@ async def test_bad_answers_make_the_node_stale_and_are_logged_once(
     rig: Rig, mode: str, error: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     node = rig.ids[0]
-    caplog.set_level(logging.INFO, logger="kvgate.gateway.scraper")
+    caplog.set_level(logging.INFO, logger="kvgate.gateway.engines.scraper")
     async with rig.scraper:
         await _until(lambda: rig.rec.fresh(node))
         rig.engines[0].mode = mode

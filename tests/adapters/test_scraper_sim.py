@@ -15,7 +15,7 @@ from kvgate.core.clock import MonotonicClock
 from kvgate.core.policies import build_policy
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.settings import AdmissionSettings
-from kvgate.gateway.scraper import Scraper
+from kvgate.gateway.engines.scraper import Scraper
 from kvgate.sim.engine import Engine
 from kvgate.sim.presets import CPU_TINY
 from kvgate.sim.server import SimServer

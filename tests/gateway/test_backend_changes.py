@@ -1,5 +1,5 @@
 """Backends change while the gateway runs: `Gateway.set_backends`, `POST /admin/reload`
-and SIGHUP (kvgate.gateway.backend_set).
+and SIGHUP (kvgate.gateway.engines.backend_set).
 
 What must hold: an added engine is scraped and routed to at once; a removed one gets no
 new request and no more scrapes, while the streams already on it run to their end; a node
@@ -24,7 +24,7 @@ from gateway.helpers import RawClient, kvgate_serve, openai_error, until_ready
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.settings import BackendSettings
 from kvgate.config import load_config
-from kvgate.gateway.backend_set import diff_backends
+from kvgate.gateway.engines.backend_set import diff_backends
 
 TOKEN = "admin-secret"
 

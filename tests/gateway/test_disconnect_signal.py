@@ -12,7 +12,7 @@ import orjson
 from conftest import FakeEngine, eventually
 
 from gateway.helpers import RawClient
-from kvgate.gateway.disconnect import DisconnectSignal
+from kvgate.gateway.http.disconnect import DisconnectSignal
 
 
 def _watchers() -> list[asyncio.Task[object]]:

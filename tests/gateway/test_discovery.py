@@ -1,4 +1,4 @@
-"""Engines found by DNS (`discover: dns`, kvgate.gateway.discovery).
+"""Engines found by DNS (`discover: dns`, kvgate.gateway.engines.discovery).
 
 The engines, sockets and gateway are real. Where a test needs the set of addresses to
 change, it passes the gateway a resolver it controls (a stand-in for the cluster's DNS,
@@ -16,7 +16,7 @@ from conftest import FakeEngine, eventually, free_port
 from pydantic import ValidationError
 
 from kvgate.adapters.settings import BackendSettings
-from kvgate.gateway.discovery import Discovery, at_address, resolve_ipv4
+from kvgate.gateway.engines.discovery import Discovery, at_address, resolve_ipv4
 
 WAIT_S = 15.0  # generous for a stalling CI machine: a wait ends once its condition holds
 

@@ -18,8 +18,8 @@ import pytest
 from conftest import FakeEngine
 
 from gateway.helpers import RawClient
-from kvgate.gateway.h1client import H1Response
-from kvgate.gateway.splice import ClientWriter
+from kvgate.gateway.http.h1client import H1Response
+from kvgate.gateway.http.splice import ClientWriter
 
 NATIVE = {"upstream.client": "native"}
 BODY = {"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"chunks": 50}}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.gateway.ops.telemetry import GatewayMetrics
 
 
 def _samples(metrics: GatewayMetrics, name: str) -> dict[tuple[str, tuple], float]:

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 import uvicorn
 
-from kvgate.gateway import dashboard
+from kvgate.gateway.ops import dashboard
 
 PRIORITIES = ("critical", "standard", "sheddable")
 

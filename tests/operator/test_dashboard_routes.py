@@ -14,7 +14,7 @@ import orjson
 import pytest
 from opview_synthetic import SyntheticCluster, router, serve
 
-from kvgate.gateway import dashboard
+from kvgate.gateway.ops import dashboard
 
 
 def _events(response: httpx.Response, wanted: int, timeout_s: float = 5.0) -> list[str]:

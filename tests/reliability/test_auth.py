@@ -13,8 +13,8 @@ from conftest import FakeEngine
 from gateway.helpers import openai_error
 
 from kvgate.core.tenants import TenantLedger, TenantLimits
-from kvgate.gateway.auth import KeyRing, load_keys
-from kvgate.gateway.auth_settings import AuthSettings
+from kvgate.gateway.security.auth import KeyRing, load_keys
+from kvgate.gateway.security.settings import AuthSettings
 
 ALICE = "alice-key-0123456789abcdef"
 BOB = "bob-key-0123456789abcdef00"
@@ -197,10 +197,10 @@ def test_ledger_refuses_and_releases_exactly_once() -> None:
 async def test_start_up_says_who_can_reach_the_gateway(
     fake_engine: FakeEngine, gateway_factory, caplog
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kvgate.gateway.server")
+    caplog.set_level(logging.INFO, logger="kvgate.gateway.http.server")
     await gateway_factory([fake_engine.url])
     await gateway_factory([fake_engine.url], overrides=_auth())
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.gateway.server"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.gateway.http.server"]
     assert any("no API keys configured" in m and "loopback only" in m for m in lines), lines
     assert any("2 API key(s) configured" in m for m in lines), lines
     assert not any(ALICE in m or ADMIN in m for m in caplog.text.splitlines())

@@ -82,7 +82,7 @@ async def test_bad_metrics_node_is_routed_around_then_used_again(
     gw = await _gateway(
         gateway_factory, nodes, **{"scrape.interval_s": 0.2, "admission.stale_after_s": 1.0}
     )
-    caplog.set_level(logging.INFO, logger="kvgate.gateway.scraper")
+    caplog.set_level(logging.INFO, logger="kvgate.gateway.engines.scraper")
     nodes[0].metrics_mode = fault  # type: ignore[assignment]
     assert await eventually(lambda: _fresh(gw) == {"node1"}, 3.0)
     before = _served(gw, "node0")

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from kvgate.adapters.push import PushValidationError, parse_push
 from kvgate.config import load_config
 from kvgate.gateway.app import Gateway
-from kvgate.gateway.errors import GatewayError
-from kvgate.gateway.proxy import parse_completion
+from kvgate.gateway.http.errors import GatewayError
+from kvgate.gateway.relay.relay import parse_completion
 
 LIMIT = 4096
 KEY = "fuzz-key-0123456789abcdef"

@@ -14,7 +14,7 @@ from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import Lease, TenantLedger, TenantLimits
-from kvgate.gateway.auth import TenantGate, current_tenant, exposure_message
+from kvgate.gateway.security.auth import TenantGate, current_tenant, exposure_message
 
 _SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 TENANTS = ("a", "b", "c")

@@ -13,7 +13,7 @@ import contextlib
 import hmac
 import importlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -25,22 +25,17 @@ from kvgate.core.admission import AdmissionPolicy
 from kvgate.core.clock import Clock, MonotonicClock
 from kvgate.core.cost import CostEstimator
 from kvgate.core.policies import build_policy
-from kvgate.gateway.auth import Security, TenantCollector
-from kvgate.gateway.backend_set import BackendChange, diff_backends, restart_needed
-from kvgate.gateway.discovery import Discovery, Resolver, resolve_ipv4
-from kvgate.gateway.errors import GatewayError, send_error, send_json
-from kvgate.gateway.proxy import CostEstimator as Estimator
-from kvgate.gateway.proxy import Relay
-from kvgate.gateway.telemetry import GatewayMetrics
-from kvgate.gateway.upstream import ModelCatalog, UpstreamPool
+from kvgate.gateway.engines.backend_set import BackendChange, diff_backends, restart_needed
+from kvgate.gateway.engines.discovery import Discovery, Resolver, resolve_ipv4
+from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
+from kvgate.gateway.http.errors import GatewayError, send_error, send_json
+from kvgate.gateway.ops.telemetry import GatewayMetrics
+from kvgate.gateway.relay.relay import CostEstimator as Estimator
+from kvgate.gateway.relay.relay import Relay
+from kvgate.gateway.relay.upstream import ModelCatalog, UpstreamPool
+from kvgate.gateway.security.auth import Security, TenantCollector
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class Gateway:
@@ -49,7 +44,7 @@ class Gateway:
     `load_config` re-reads the configuration the gateway was started from (its file, the
     environment and the command line): with it, SIGHUP and `POST /admin/reload` apply a
     changed list of backends, API keys and tenant limits without a restart (see
-    kvgate.gateway.backend_set).
+    kvgate.gateway.engines.backend_set).
     """
 
     def __init__(
@@ -71,7 +66,7 @@ class Gateway:
         self.discovery = Discovery(config.backends, resolver)
         self.backends = backends if backends is not None else self.discovery.backends()
         # Without API keys `security` is inert; with them it authenticates every request
-        # and charges tenants through a wrapper around the policy (kvgate.gateway.auth).
+        # and charges tenants through a wrapper around the policy (kvgate.gateway.security.auth).
         self.security = Security.from_config(config.auth, config.server.admin_token)
         self.policy = self.security.wrap_policy(
             policy or build_policy(config.admission, self.clock)
@@ -202,9 +197,9 @@ class Gateway:
 
     def _start_scraper(self) -> None:
         try:
-            from kvgate.gateway.scraper import Scraper
+            from kvgate.gateway.engines.scraper import Scraper
         except ImportError:  # the scraper ships separately; the gateway still relays
-            log.warning("kvgate.gateway.scraper is unavailable: engines are not watched")
+            log.warning("kvgate.gateway.engines.scraper is unavailable: engines are not watched")
             return
         self.scraper = Scraper(
             self.backends, self.config.scrape, self.policy, self.pool.session, self.clock
@@ -413,7 +408,7 @@ class Gateway:
 
     def _merge_dashboard(self) -> None:
         try:
-            dashboard = importlib.import_module("kvgate.gateway.dashboard")
+            dashboard = importlib.import_module("kvgate.gateway.ops.dashboard")
         except ImportError:
             return
         for key, app in dashboard.routes(self.state, closing=self._draining).items():

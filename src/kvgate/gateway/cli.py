@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(config: Any, reread: Callable[[], Any]) -> int:
     from kvgate.gateway.app import Gateway
-    from kvgate.gateway.server import bind_socket, run_server
+    from kvgate.gateway.http.server import bind_socket, run_server
 
     server = config.server
     try:
@@ -130,7 +130,7 @@ def _serve(config: Any, reread: Callable[[], Any]) -> int:
 
 
 def _setup_logging(level: str, access_log: bool) -> None:
-    from kvgate.gateway.telemetry import BufferedLineWriter, set_access_writer
+    from kvgate.gateway.ops.telemetry import BufferedLineWriter, set_access_writer
 
     logging.basicConfig(
         level=level.upper(),

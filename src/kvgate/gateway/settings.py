@@ -62,7 +62,7 @@ class LimitSettings(BaseModel):
     max_header_bytes: int = Field(
         32 * 1024,
         ge=1024,
-        description="Request line + headers larger than this get 431 (kvgate.gateway.guard).",
+        description="Request line + headers larger than this get 431 (kvgate.gateway.http.guard).",
     )
     client_timeout_s: float = Field(
         30.0,

@@ -23,8 +23,10 @@ upstream connection stops reading, and it resumes when the server protocol's
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any, Protocol
+
+from kvgate.gateway.http.asgi import Scope
 
 #: The key of the writer in `scope["extensions"]`.
 EXTENSION = "kvgate.splice"
@@ -33,7 +35,7 @@ EXTENSION = "kvgate.splice"
 class _Cycle(Protocol):
     """The parts of uvicorn's `RequestResponseCycle` the writer relies on."""
 
-    scope: MutableMapping[str, Any]
+    scope: Scope
     transport: Any
     flow: Any
     disconnected: bool
@@ -101,7 +103,7 @@ class Splicer:
         """The connection is gone: hand out no more writers (and let it be freed)."""
         self._server = None
 
-    def writer_for(self, scope: MutableMapping[str, Any]) -> ClientWriter | None:
+    def writer_for(self, scope: Scope) -> ClientWriter | None:
         """A writer for `scope`'s response, or None when its bytes must go through `send()`:
         the response has not started, is not chunked, is over, lost its client, or another
         request's cycle is current (pipelining)."""
@@ -121,7 +123,7 @@ class Splicer:
         return ClientWriter(cycle, server.waiting_writers)
 
 
-def writer_for(scope: MutableMapping[str, Any]) -> ClientWriter | None:
+def writer_for(scope: Scope) -> ClientWriter | None:
     """A `ClientWriter` for this request's response, when its server can splice."""
     extensions = scope.get("extensions")
     splicer = extensions.get(EXTENSION) if extensions else None

@@ -33,11 +33,11 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvgate.gateway.disconnect import EXTENSION, DisconnectSignal, signal_of
-from kvgate.gateway.errors import error_body
+from kvgate.gateway.http.disconnect import EXTENSION, DisconnectSignal, signal_of
+from kvgate.gateway.http.errors import error_body
+from kvgate.gateway.http.splice import EXTENSION as SPLICE
+from kvgate.gateway.http.splice import ClientWriter, Splicer
 from kvgate.gateway.settings import LimitSettings
-from kvgate.gateway.splice import EXTENSION as SPLICE
-from kvgate.gateway.splice import ClientWriter, Splicer
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         self._splicer.detach()  # it refers to this protocol: no cycle left to collect
         super().connection_lost(exc)
-        # Tell the relay at once (see kvgate.gateway.disconnect): the request in progress
+        # Tell the relay at once (see kvgate.gateway.http.disconnect): the request in progress
         # and any pipelined behind it lost their client.
         cycles = [self.cycle] if self.cycle is not None else []
         cycles += [cycle for cycle, _ in self.pipeline]
@@ -117,7 +117,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         # Before uvicorn builds the request's cycle around this very scope dict and starts
-        # its task (see kvgate.gateway.splice for the writer).
+        # its task (see kvgate.gateway.http.splice for the writer).
         # kvgate's own extensions are objects, not the dicts ASGI's typing declares.
         extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
         extensions[EXTENSION] = DisconnectSignal()

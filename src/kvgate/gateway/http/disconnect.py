@@ -13,13 +13,12 @@ the watcher task, with the same callback.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
+
+from kvgate.gateway.http.asgi import Receive, Scope
 
 #: The key of the signal in `scope["extensions"]`.
 EXTENSION = "kvgate.disconnect"
-
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 
 class DisconnectSignal:
@@ -50,7 +49,7 @@ class DisconnectSignal:
         self._callback = None
 
 
-def signal_of(scope: MutableMapping[str, Any]) -> DisconnectSignal | None:
+def signal_of(scope: Scope) -> DisconnectSignal | None:
     extensions = scope.get("extensions")
     return extensions.get(EXTENSION) if extensions else None
 
@@ -66,7 +65,7 @@ async def watch_disconnect(receive: Receive, on_gone: Callable[[], None]) -> Non
 
 
 def watch(
-    scope: MutableMapping[str, Any],
+    scope: Scope,
     receive: Receive,
     on_gone: Callable[[], None],
     loop: asyncio.AbstractEventLoop,

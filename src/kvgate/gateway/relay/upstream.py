@@ -23,8 +23,8 @@ import aiohttp
 import orjson
 
 from kvgate.adapters.backend import Backend
-from kvgate.gateway.errors import UpstreamConnectError, UpstreamError
-from kvgate.gateway.h1client import H1Pool, H1Response
+from kvgate.gateway.http.errors import UpstreamConnectError, UpstreamError
+from kvgate.gateway.http.h1client import H1Pool, H1Response
 from kvgate.gateway.settings import UpstreamSettings
 
 log = logging.getLogger(__name__)

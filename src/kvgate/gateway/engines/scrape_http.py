@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from kvgate.adapters.base import MAX_PAGE_BYTES
-from kvgate.gateway.errors import UpstreamError
-from kvgate.gateway.h1client import H1Pool, H1Response
+from kvgate.gateway.http.errors import UpstreamError
+from kvgate.gateway.http.h1client import H1Pool, H1Response
 
 
 class ScrapeError(Exception):

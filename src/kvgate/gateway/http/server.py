@@ -10,7 +10,7 @@ socket, new requests on kept-alive connections get 503, in-flight requests may f
 `drain_timeout_s`, then whatever is left is cancelled (upstream too) and the lifespan
 stops the scraper and closes the upstream pool. A second SIGINT (not SIGTERM: supervisors
 repeat those) exits at once. SIGHUP re-reads the configuration and applies its list of
-backends without a restart (see kvgate.gateway.backend_set).
+backends without a restart (see kvgate.gateway.engines.backend_set).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Callable, Generator
 import uvicorn
 
 from kvgate.gateway.app import Gateway
-from kvgate.gateway.auth import exposure_message
-from kvgate.gateway.guard import GuardCollector, GuardedHttpToolsProtocol, hypercorn_limits
+from kvgate.gateway.http.guard import GuardCollector, GuardedHttpToolsProtocol, hypercorn_limits
+from kvgate.gateway.security.auth import exposure_message
 from kvgate.gateway.settings import ServerSettings
 
 log = logging.getLogger(__name__)

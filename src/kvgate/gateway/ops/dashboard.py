@@ -17,18 +17,15 @@ import contextlib
 import hashlib
 import logging
 import math
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
+
 StateProvider = Callable[[], dict[str, Any]]
 
 log = logging.getLogger(__name__)
@@ -83,8 +80,8 @@ def routes(
 
 
 def static_files() -> list[str]:
-    """Names of the files shipped under `kvgate/gateway/static/` (package data)."""
-    folder = resources.files("kvgate.gateway").joinpath("static")
+    """Names of the files shipped under `kvgate/gateway/ops/static/` (package data)."""
+    folder = resources.files("kvgate.gateway.ops").joinpath("static")
     return sorted(
         entry.name
         for entry in folder.iterdir()
@@ -108,7 +105,7 @@ def _static_app(name: str) -> ASGIApp:
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if not loaded:
-            folder = resources.files("kvgate.gateway").joinpath("static")
+            folder = resources.files("kvgate.gateway.ops").joinpath("static")
             data = folder.joinpath(name).read_bytes()
             loaded.append((data, b'"' + hashlib.sha256(data).hexdigest()[:32].encode() + b'"'))
         body, etag = loaded[0]

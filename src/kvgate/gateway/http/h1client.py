@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from kvgate.gateway.errors import UpstreamConnectError, UpstreamError
+from kvgate.gateway.http.errors import UpstreamConnectError, UpstreamError
 
 #: Buffered body bytes above which reading from the engine pauses (back-pressure).
 HIGH_WATER = 256 * 1024
@@ -106,7 +106,7 @@ class H1Response:
 
     def splice(self, sink: Callable[[bytes], None]) -> asyncio.Future[Exception | None]:
         """Hand every body read to `sink` from the connection's callback, as it arrives,
-        instead of queueing it for `readany()` (see kvgate.gateway.splice).
+        instead of queueing it for `readany()` (see kvgate.gateway.http.splice).
 
         The future ends with the body: None when it was complete, else the error that cut
         it, including an exception `sink` raised (the connection is then closed).

@@ -28,7 +28,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,19 +38,19 @@ from kvgate.adapters.backend import Backend
 from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
-from kvgate.gateway import disconnect, splice
-from kvgate.gateway.errors import (
+from kvgate.gateway.http import disconnect, splice
+from kvgate.gateway.http.asgi import Receive, Scope, Send
+from kvgate.gateway.http.errors import (
     GatewayError,
     UpstreamConnectError,
     UpstreamError,
     send_error,
     sse_error_event,
 )
-from kvgate.gateway.h1client import H1Response
-from kvgate.gateway.scope import CancelScope, ScopeCancelled
-from kvgate.gateway.settings import LimitSettings, UpstreamSettings
-from kvgate.gateway.telemetry import GatewayMetrics, log_access
-from kvgate.gateway.upstream import (
+from kvgate.gateway.http.h1client import H1Response
+from kvgate.gateway.http.scope import CancelScope, ScopeCancelled
+from kvgate.gateway.ops.telemetry import GatewayMetrics, log_access
+from kvgate.gateway.relay.upstream import (
     HOP_BY_HOP,
     ModelCatalog,
     UpstreamPool,
@@ -58,13 +58,10 @@ from kvgate.gateway.upstream import (
     close_quietly,
     request_headers,
 )
+from kvgate.gateway.settings import LimitSettings, UpstreamSettings
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 Spawn = Callable[[Awaitable[Any]], "asyncio.Task[Any]"]
 
 #: Upstream response headers the server or this relay sets itself.
@@ -688,7 +685,7 @@ class _StreamTally:
 
 
 async def _splice(writer: splice.ClientWriter, response: H1Response, tally: _StreamTally) -> None:
-    """Relay the rest of a stream from the upstream's callback (see kvgate.gateway.splice);
+    """Relay the rest of a stream from the upstream's callback (see kvgate.gateway.http.splice);
     returns when it is complete, raises what cut it."""
 
     def relay(chunk: bytes) -> None:
@@ -848,7 +845,7 @@ def _rejection(decision: Reject, *, after_failure: bool) -> GatewayError:
     ]
     status = 503 if after_failure else decision.status
     code = "cluster_saturated" if status == 429 else "service_unavailable"
-    if status == 429 and decision.reason == "tenant_limit":  # kvgate.gateway.auth.TenantGate
+    if status == 429 and decision.reason == "tenant_limit":  # security.auth.TenantGate
         code = "tenant_limit_exceeded"
     return GatewayError(status, decision.message, code, headers=headers)
 

@@ -37,7 +37,7 @@ from kvgate.adapters.base import MetricsParseError, NarrowablePage
 from kvgate.adapters.settings import ScrapeSettings
 from kvgate.core.clock import Clock
 from kvgate.core.signals import NodeSample
-from kvgate.gateway.scrape_http import (
+from kvgate.gateway.engines.scrape_http import (
     AiohttpFetcher,
     LeanHttpFetcher,
     MetricsFetcher,

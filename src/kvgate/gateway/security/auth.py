@@ -33,7 +33,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,16 +44,12 @@ from kvgate.core.admission import AdmissionPolicy, Admit, Decision, Outcome, Rej
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import Lease, TenantLedger, TenantLimits, TenantRefusal
-from kvgate.gateway.auth_settings import AuthSettings, TenantSettings
-from kvgate.gateway.errors import GatewayError, send_error
+from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
+from kvgate.gateway.http.errors import GatewayError, send_error
+from kvgate.gateway.security.settings import AuthSettings, TenantSettings
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 #: The tenant of the request being served, read by `TenantGate.admit` (same task).
 current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar(

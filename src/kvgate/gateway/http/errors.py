@@ -8,13 +8,12 @@ traceback.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import orjson
 
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
+from kvgate.gateway.http.asgi import Send
+
 Headers = list[tuple[bytes, bytes]]
 
 #: The `type` OpenAI uses for each status this gateway emits.

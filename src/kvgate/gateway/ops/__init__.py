@@ -1,0 +1,1 @@
+"""Operations: kvgate's own metrics and access log, and the operator's live dashboard."""

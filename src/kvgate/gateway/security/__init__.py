@@ -1,0 +1,1 @@
+"""Security: client API keys, tenants and their limits, and the admin token."""
