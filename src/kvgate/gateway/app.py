@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import importlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -27,8 +26,10 @@ from kvgate.core.cost import CostEstimator
 from kvgate.core.policies import build_policy
 from kvgate.gateway.engines.backend_set import BackendChange, diff_backends, restart_needed
 from kvgate.gateway.engines.discovery import Discovery, Resolver, resolve_ipv4
+from kvgate.gateway.engines.scraper import Scraper
 from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
 from kvgate.gateway.http.errors import GatewayError, send_error, send_json
+from kvgate.gateway.ops import dashboard
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.relay.relay import CostEstimator as Estimator
 from kvgate.gateway.relay.relay import Relay
@@ -90,7 +91,7 @@ class Gateway:
             limits=config.limits,
             spawn=self.spawn,
         )
-        self.scraper: Any = None
+        self.scraper: Scraper | None = None
         self._group: asyncio.TaskGroup | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.routes: dict[tuple[str, str], ASGIApp] = {
@@ -196,11 +197,6 @@ class Gateway:
         return task
 
     def _start_scraper(self) -> None:
-        try:
-            from kvgate.gateway.engines.scraper import Scraper
-        except ImportError:  # the scraper ships separately; the gateway still relays
-            log.warning("kvgate.gateway.engines.scraper is unavailable: engines are not watched")
-            return
         self.scraper = Scraper(
             self.backends, self.config.scrape, self.policy, self.pool.session, self.clock
         )
@@ -407,10 +403,6 @@ class Gateway:
         return not self.relay.accepting
 
     def _merge_dashboard(self) -> None:
-        try:
-            dashboard = importlib.import_module("kvgate.gateway.ops.dashboard")
-        except ImportError:
-            return
         for key, app in dashboard.routes(self.state, closing=self._draining).items():
             self.routes.setdefault(key, app)
 
