@@ -11,12 +11,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from adapters.pages import page
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgate.gateway.engines.scrape_http import LeanHttpFetcher, ScrapeError
-
-from .pages import page
 
 PAGE = page("vllm")
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

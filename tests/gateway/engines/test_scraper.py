@@ -14,6 +14,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from adapters.pages import page, replace_line
+from adapters.served import serve_app
 from aiohttp import web
 
 from kvgate.adapters.backend import Backend
@@ -25,9 +27,6 @@ from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 from kvgate.gateway.engines.scrape_http import AiohttpFetcher, LeanHttpFetcher
 from kvgate.gateway.engines.scraper import Scraper
-
-from .pages import page, replace_line
-from .served import serve_app
 
 INTERVAL = 0.04
 REAL_PAGE = page("vllm")

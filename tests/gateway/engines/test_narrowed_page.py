@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
+from adapters.pages import drop_lines, page
+from adapters.served import serve_app
 from aiohttp import web
 from conftest import eventually
 
@@ -22,9 +24,6 @@ from kvgate.core.clock import MonotonicClock
 from kvgate.core.signals import NodeSample
 from kvgate.gateway.engines.scraper import Scraper
 from kvgate.sim.metrics import only_samples
-
-from .pages import drop_lines, page
-from .served import serve_app
 
 INTERVAL = 0.04
 FULL = page("vllm")
