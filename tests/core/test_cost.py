@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -107,20 +106,20 @@ def test_learned_estimate_with_safety_factor_does_not_undercount() -> None:
     assert est.estimate("m", body).prompt_tokens >= 1500
 
 
-def _train_tokenizer(path: Path) -> None:
+def train_tokenizer() -> Tokenizer:
+    """A small real BPE tokenizer, trained in memory (the core is handed tokenizers loaded)."""
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"], show_progress=False)
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
-    tok.save(str(path))
+    return tok
 
 
-def test_exact_counts_with_a_tokenizer_json(tmp_path: Path) -> None:
-    path = tmp_path / "tokenizer.json"
-    _train_tokenizer(path)
-    est = estimator(tokenizers={"exact": str(path)})
+def test_exact_counts_with_a_tokenizer() -> None:
+    tok = train_tokenizer()
+    est = CostEstimator(AdmissionSettings(), tokenizers={"exact": tok})
     text = "the quick brown fox jumps over the lazy dog"
-    reference = len(Tokenizer.from_file(str(path)).encode(text).ids)
+    reference = len(tok.encode(text).ids)
     assert est.estimate("exact", {"prompt": text}).prompt_tokens == reference
     chat = est.estimate("exact", {"messages": [{"role": "user", "content": text}]})
     assert chat.prompt_tokens >= reference + 4

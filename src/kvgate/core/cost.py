@@ -2,7 +2,7 @@
 
 Public API::
 
-    estimator = CostEstimator(settings)
+    estimator = CostEstimator(settings, tokenizers={model: tokenizer})
     cost = estimator.estimate(model, body)          # -> RequestCost (raises CostError)
     estimator.learn(model, cost.prompt_tokens, usage["prompt_tokens"])
 
@@ -10,10 +10,12 @@ Prompt tokens come from a per-model chars-per-token ratio, which learns online f
 `usage.prompt_tokens` the engine reports (EWMA, clamped to
 [`chars_per_token_min`, `chars_per_token_max`]), and are multiplied by
 `prompt_safety_factor`, because under-estimating a prompt is the one error the
-reservation accounting cannot absorb before the request's first token. A model with a
-`tokenizer.json` configured in `tokenizers` gets exact counts for plain prompts (chat
-messages are encoded as their concatenated text plus a small per-message allowance for the
-template). Token-id prompts are counted exactly.
+reservation accounting cannot absorb before the request's first token. A model given a
+tokenizer gets exact counts for plain prompts (chat messages are encoded as their
+concatenated text plus a small per-message allowance for the template). Token-id prompts
+are counted exactly. The estimator is handed its tokenizers already loaded: reading a
+`tokenizer.json` is file I/O, which the shell does once at startup
+(kvgate.gateway.relay.tokenizers), never the core on a request's path.
 
 The estimate is cheap on purpose: the prompt's length is the sum of its strings' lengths,
 found by walking the already-parsed body; nothing is re-encoded to JSON.
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,12 +65,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> Any: ...
 
 
-def _load_tokenizer(path: str) -> Tokenizer:
-    from tokenizers import Tokenizer as HfTokenizer  # optional dependency
-
-    return HfTokenizer.from_file(path)
-
-
 @dataclass(slots=True)
 class _Prompt:
     """What was measured: characters to convert, tokens already exact, segments."""
@@ -100,13 +96,12 @@ class CostEstimator:
         self,
         settings: AdmissionSettings,
         *,
-        tokenizer_loader: Callable[[str], Tokenizer] = _load_tokenizer,
+        tokenizers: Mapping[str, Tokenizer] | None = None,
     ) -> None:
         self.settings = settings
         self._ratios: dict[str, float] = {}
         self._memory: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
-        self._tokenizers: dict[str, Tokenizer | None] = {}
-        self._loader = tokenizer_loader
+        self._tokenizers: dict[str, Tokenizer] = dict(tokenizers or {})
 
     # --- public API -----------------------------------------------------------------------
 
@@ -163,11 +158,8 @@ class CostEstimator:
         return self._ratios.get(model, self.settings.chars_per_token)
 
     def tokenizer(self, model: str) -> Tokenizer | None:
-        """The configured tokenizer of `model`, loaded once; None when none is configured."""
-        if model not in self._tokenizers:
-            path = self.settings.tokenizers.get(model)
-            self._tokenizers[model] = self._loader(path) if path else None
-        return self._tokenizers[model]
+        """The tokenizer `model` was given; None when it has none."""
+        return self._tokenizers.get(model)
 
     # --- measuring --------------------------------------------------------------------------
 

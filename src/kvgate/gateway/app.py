@@ -33,6 +33,7 @@ from kvgate.gateway.ops import dashboard
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.relay.relay import CostEstimator as Estimator
 from kvgate.gateway.relay.relay import Relay
+from kvgate.gateway.relay.tokenizers import load_tokenizers
 from kvgate.gateway.relay.upstream import ModelCatalog, UpstreamPool
 from kvgate.gateway.security.auth import Security, TenantCollector
 
@@ -85,7 +86,7 @@ class Gateway:
             pool=self.pool,
             catalog=self.catalog,
             policy=self.policy,
-            estimator=estimator or CostEstimator(config.admission),
+            estimator=estimator or _estimator(config),
             metrics=self.metrics,
             upstream=config.upstream,
             limits=config.limits,
@@ -409,6 +410,12 @@ class Gateway:
 
 class ReloadUnavailable(RuntimeError):
     """The gateway has no configuration to re-read (built in code, not by `kvgate serve`)."""
+
+
+def _estimator(config: KvgateConfig) -> CostEstimator:
+    """The core's estimator, given the configured tokenizers (read here: file I/O)."""
+    tokenizers = load_tokenizers(config.admission.tokenizers)
+    return CostEstimator(config.admission, tokenizers=tokenizers)
 
 
 async def _quiet(coro: Awaitable[Any]) -> Any:

@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve(config: Any, reread: Callable[[], Any]) -> int:
     from kvgate.gateway.app import Gateway
     from kvgate.gateway.http.server import bind_socket, run_server
+    from kvgate.gateway.relay.tokenizers import TokenizerLoadError
 
     server = config.server
     try:
@@ -112,7 +113,12 @@ def _serve(config: Any, reread: Callable[[], Any]) -> int:
     except OSError as exc:
         print(f"kvgate serve: cannot listen on {server.host}:{server.port}: {exc}", file=sys.stderr)
         return 1
-    gateway = Gateway(config, load_config=reread)
+    try:
+        gateway = Gateway(config, load_config=reread)
+    except TokenizerLoadError as exc:
+        sock.close()
+        print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     host, port = sock.getsockname()[:2]
     scheme = "https" if server.certfile and server.keyfile else "http"
     log.info(
