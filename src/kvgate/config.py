@@ -20,7 +20,7 @@ from pydantic_settings import (
 )
 
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
-from kvgate.core.settings import AdmissionSettings
+from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.gateway.security.settings import AuthSettings
 from kvgate.gateway.settings import LimitSettings, ServerSettings, UpstreamSettings
 
@@ -36,6 +36,7 @@ class KvgateConfig(BaseSettings):
     )
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    queue: QueueSettings = Field(default_factory=QueueSettings)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)

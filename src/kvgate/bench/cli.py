@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvgate.bench.profiles import POLICIES
+from kvgate.bench.profiles import DEFAULT_POLICIES, POLICIES
 
 DEFAULT_LOADS = "0.5,1,2,3"
 
@@ -36,7 +36,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _policies(text: str) -> list[str]:
-    names = list(POLICIES) if text == "all" else [x.strip() for x in text.split(",") if x]
+    names = list(DEFAULT_POLICIES) if text == "all" else [x.strip() for x in text.split(",") if x]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise argparse.ArgumentTypeError(

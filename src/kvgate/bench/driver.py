@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvgate.bench.metrics import RunResult, summarize
-from kvgate.bench.profiles import POLICIES, Profile, get_profile
+from kvgate.bench.profiles import DEFAULT_POLICIES, POLICIES, Profile, get_profile
 from kvgate.bench.report import ReportMeta, write_report
 from kvgate.bench.suite import (
     RunSpec,
@@ -79,7 +79,7 @@ class BenchOptions:
         if a.mode == "virtual":
             preset, nodes, dur = "gpu-8b", 4 if quick else 16, 60.0 if quick else 300.0
             warm, seeds = (10.0, [1]) if quick else (30.0, [1, 2, 3])
-            pol = list(POLICIES)
+            pol = list(DEFAULT_POLICIES)
         elif a.mode == "live-sim":
             preset, nodes, dur, warm, seeds = "cpu-tiny", 2, 20.0 if quick else 60.0, 5.0, [1]
             pol = ["direct", "static-qps", "static-concurrency", "seed", "adaptive"]
@@ -167,7 +167,7 @@ def _specs(
     specs: list[RunSpec] = []
     for load in opts.loads:
         for label in opts.policies:
-            policy, cancel = POLICIES[label]
+            variant = POLICIES[label]
             for seed in opts.seeds:
                 specs.append(
                     RunSpec(
@@ -181,8 +181,11 @@ def _specs(
                         client=prof.client,
                         slo=prof.slo,
                         label=label,
-                        policy=policy,
-                        cancel=cancel,
+                        policy=variant.policy,
+                        cancel=variant.cancel,
+                        queue=variant.queue,
+                        order=variant.order,
+                        feedback=variant.feedback,
                         policy_overrides=tuned_overrides(label, shape, opts.nodes, cap_run),
                     )
                 )

@@ -13,15 +13,39 @@ from kvgate.bench.metrics import Slo
 from kvgate.bench.workload import Shape
 from kvgate.sim.virtual import ClientModel
 
-# The six configurations compared: label -> (admission policy, cancellation propagated).
-POLICIES: dict[str, tuple[str, bool]] = {
-    "direct": ("none", True),
-    "static-qps": ("static-qps", True),
-    "static-concurrency": ("static-concurrency", True),
-    "seed": ("seed", True),
-    "adaptive": ("adaptive", True),
-    "adaptive-nocancel": ("adaptive", False),
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration compared: the admission policy and how the gateway around it runs.
+
+    `queue`: requests that cannot start wait in the gateway (kvgate's default) instead of
+    being refused at once; `order`: `fair` (priority bands, tenant fairness, backfill that
+    never delays the head) or `fcfs` (strict arrival order: nothing passes a waiting
+    request); `feedback`: the adaptive policy's margin on measured usage; `cancel`: client
+    disconnects reach the engine.
+    """
+
+    policy: str
+    cancel: bool = True
+    queue: bool = True
+    order: str = "fair"
+    feedback: bool = True
+
+
+POLICIES: dict[str, Variant] = {
+    "direct": Variant("none"),
+    "static-qps": Variant("static-qps"),
+    "static-concurrency": Variant("static-concurrency"),
+    "seed": Variant("seed"),
+    "adaptive": Variant("adaptive"),
+    "adaptive-fcfs": Variant("adaptive", order="fcfs"),
+    "adaptive-noqueue": Variant("adaptive", queue=False),
+    "adaptive-nofeedback": Variant("adaptive", feedback=False),
+    "adaptive-nocancel": Variant("adaptive", cancel=False),
 }
+# What `--policies all` runs: the baselines and kvgate with and without its queue.
+DEFAULT_POLICIES = ("direct", "static-qps", "static-concurrency", "seed", "adaptive",
+                    "adaptive-noqueue", "adaptive-nocancel")  # fmt: skip
 
 
 @dataclass(frozen=True)

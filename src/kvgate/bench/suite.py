@@ -39,6 +39,9 @@ class RunSpec:
     policy: str  # the admission policy run
     cancel: bool = True  # propagate client disconnects to the engine
     policy_overrides: dict[str, Any] = field(default_factory=dict)
+    queue: bool = True  # requests may wait in the gateway (see `profiles.Variant`)
+    order: str = "fair"
+    feedback: bool = True
 
 
 Runner = Callable[[RunSpec], RunResult]
@@ -84,7 +87,7 @@ def find_capacity(
 
 def tuned_overrides(
     label: str, shape: Shape, nodes: int, capacity_run: RunResult | None
-) -> dict[str, float | int]:
+) -> dict[str, Any]:
     """Settings for the static baselines, tuned to the 1x load as an operator would.
 
     `static-qps`: a token bucket at the 1x mean arrival rate (bursts averaged in), deep
@@ -96,12 +99,12 @@ def tuned_overrides(
         burst = round(shape.burst_per_node * nodes)
         if shape.burst_every_s > 0:
             rate += burst / shape.burst_every_s
-        return {"static_qps": max(rate, 0.1), "static_burst": max(1, burst, round(rate))}
+        return {"baseline": {"qps": max(rate, 0.1), "burst": max(1, burst, round(rate))}}
     if label == "static-concurrency":
         peak = 0.0
         if capacity_run is not None and capacity_run.series.get("running"):
             peak = max(capacity_run.series["running"])
-        return {"static_concurrency": max(nodes, math.ceil(peak))}
+        return {"baseline": {"concurrency": max(nodes, math.ceil(peak))}}
     return {}
 
 

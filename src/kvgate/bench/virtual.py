@@ -21,9 +21,9 @@ from kvgate.bench.metrics import EngineTotals, RunResult, UserRequest
 from kvgate.bench.suite import RunSpec
 from kvgate.bench.workload import Arrival, burst_times, generate
 from kvgate.core.request import Priority
-from kvgate.core.settings import AdmissionSettings
+from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.sim.presets import get_preset
-from kvgate.sim.virtual import VirtualCluster, VirtualConfig, VirtualResult
+from kvgate.sim.virtual import NO_QUEUE, VirtualCluster, VirtualConfig, VirtualResult
 from kvgate.sim.workload import RequestSpec, WorkloadSpec
 
 SCRAPE_S = 0.05  # as the gateway scrapes
@@ -36,6 +36,7 @@ def virtual_config(spec: RunSpec) -> VirtualConfig:
     """The simulator configuration of one benchmark run (its arrivals come separately)."""
     engine = dataclasses.replace(get_preset(spec.preset), abort_on_disconnect=spec.cancel)
     settings = AdmissionSettings(policy=spec.policy, seed=spec.seed, **spec.policy_overrides)
+    queue = QueueSettings() if spec.queue else NO_QUEUE
     return VirtualConfig(
         engine=engine,
         workload=WorkloadSpec(rate_rps=0.0),  # unused: the scenario's arrivals are passed in
@@ -43,6 +44,9 @@ def virtual_config(spec: RunSpec) -> VirtualConfig:
         nodes=spec.nodes,
         gateways=1,
         admission=settings,
+        queue=queue,
+        order="fcfs" if spec.order == "fcfs" else "fair",
+        feedback=spec.feedback,
         scrape_interval_s=SCRAPE_S,
         scrape_lag_s=SCRAPE_LAG_S,
         client=spec.client,
@@ -104,7 +108,7 @@ def to_run_result(spec: RunSpec, result: VirtualResult) -> RunResult:
         "admitted": [float(p.admissions) for p in points],
         "rejected": [float(p.rejections) for p in points],
         "preemptions": [float(p.preemptions) for p in points],
-        "shed_prob": [p.shed_probability.get("standard", 0.0) for p in points],
+        "queued": [float(p.queued) for p in points],
     }
     return RunResult(
         policy=spec.label,

@@ -1,27 +1,30 @@
-"""The contract between the I/O shell and every admission policy.
+"""The contract between the flow controller and every placement policy.
 
-The shell asks `admit()` before it sends a request upstream, tells the policy about the
-request's progress, and calls `release()` exactly once when the request ends, however it
-ends (a second call is a no-op, so `finally:` blocks can call it freely). The shell feeds
-engine samples in through `observe()` and scrape failures through `observe_failure()`.
+A policy answers one question, now: may this request start, and on which node? It never
+waits, never does I/O, and reads time only from its injected clock, so the virtual-time
+simulator drives the very same object. Waiting is the flow controller's business
+(`kvgate.core.flow`): it asks the policy again whenever room may have been freed.
 
-A policy never does I/O, never sleeps and reads time only from its injected clock, so
-the virtual-time simulator can drive the very same object.
+The lifecycle of an admitted request: `admit()` returns an `Admit` whose ticket holds the
+request's claim on one node; the shell reports progress (`on_first_token`, `on_tokens`)
+and calls `release()` exactly once when the request ends, however it ends (a second call
+is a no-op, so `finally:` blocks may call it freely). Engine samples arrive through
+`observe()`, scrape failures through `observe_failure()`.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvgate.core.request import Priority, RequestCost
+from kvgate.core.request import AdmissionRequest
 from kvgate.core.signals import NodeSample
 
 
 class Outcome(enum.Enum):
-    """How an admitted request ended; policies may learn from it."""
+    """How an admitted request ended; policies learn from it."""
 
     DONE = "done"
     CLIENT_CANCEL = "client_cancel"
@@ -31,17 +34,25 @@ class Outcome(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Ticket:
-    """An admitted request's claim on one node. Identity, not value, makes two tickets equal."""
+    """An admitted request's claim on one node. Identity, not value, makes two tickets equal.
 
-    request_id: str
+    `expected_output` is the output length the envelope assumed when it admitted the
+    request; `waited_s` how long it queued first; `key` names its hold inside the policy.
+    """
+
+    request: AdmissionRequest
     node_id: str
-    cost: RequestCost
-    priority: Priority
     admitted_at: float
+    key: str = ""
+    expected_output: int = 0
+    waited_s: float = 0.0
     first_token_at: float | None = None
     output_tokens: int = 0
     released: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,40 +62,55 @@ class Admit:
 
 @dataclass(frozen=True, slots=True)
 class Reject:
-    """A refusal. `status` is 429 (shed: try later) or 503 (no backend can serve at all)."""
+    """A refusal.
+
+    `status` 429: no room now (`waitable`: the flow controller may queue the request until
+    room frees); 503: no backend can take it now (none fresh, none serves the model); 400:
+    it can never be served as sent (larger than any backend holds).
+    """
 
     status: int
     reason: str
     retry_after_s: float
     message: str
+    waitable: bool = False
 
 
 Decision = Admit | Reject
 
 
 class AdmissionPolicy(Protocol):
-    """One small interface, several implementations (none, static-qps, ..., adaptive)."""
+    """Placement: one small interface, several implementations (adaptive, baselines)."""
 
     name: str
 
     def admit(
-        self,
-        request_id: str,
-        cost: RequestCost,
-        priority: Priority,
-        candidates: Sequence[str],
+        self, request: AdmissionRequest, promised: Mapping[str, float] | None = None
     ) -> Decision:
-        """Decide now, without waiting; on Admit the cost is already reserved on a node."""
+        """Decide now; on Admit the request's footprint is already held on its node.
+
+        `promised[node]` is a time from which that node's room is promised to a request
+        already waiting: this one may go there only if it is expected to end by then.
+        """
+        ...
+
+    def start_estimate(self, request: AdmissionRequest) -> tuple[str, float] | None:
+        """(node, seconds from now) at which `request` could start at the earliest, from
+        what runs now; None when no candidate can say (no capacity, no rate known)."""
+        ...
+
+    def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:
+        """Seconds until the candidates have freed `tokens` KV tokens; None if unknown."""
         ...
 
     def on_first_token(self, ticket: Ticket) -> None: ...
 
     def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
-        """The request has now produced `output_tokens` in total (streaming only)."""
+        """The request has now produced `output_tokens` in total."""
         ...
 
     def release(self, ticket: Ticket, outcome: Outcome) -> None:
-        """Give back the ticket's reservation; idempotent."""
+        """Give back the ticket's hold; idempotent."""
         ...
 
     def observe(self, node_id: str, sample: NodeSample) -> None: ...

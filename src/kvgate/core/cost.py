@@ -142,7 +142,9 @@ class CostEstimator:
         observed = chars / approx_actual
         updated = ratio + LEARN_ALPHA * (observed - ratio)
         s = self.settings
-        self._ratios[model] = min(s.chars_per_token_max, max(s.chars_per_token_min, updated))
+        self._ratios[model] = min(
+            s.tuning.chars_per_token_max, max(s.tuning.chars_per_token_min, updated)
+        )
 
     def _remember(self, model: str, estimated: int, chars: int, exact: int) -> None:
         memory = self._memory
@@ -155,7 +157,7 @@ class CostEstimator:
 
     def ratio(self, model: str) -> float:
         """The current chars-per-token ratio for `model`."""
-        return self._ratios.get(model, self.settings.chars_per_token)
+        return self._ratios.get(model, self.settings.tuning.chars_per_token)
 
     def tokenizer(self, model: str) -> Tokenizer | None:
         """The tokenizer `model` was given; None when it has none."""
@@ -230,7 +232,7 @@ class CostEstimator:
             chars -= MESSAGE_OVERHEAD_CHARS * prompt.messages
         if chars <= 0:
             return exact, 0, 0
-        approx = math.ceil(chars / self.ratio(model) * self.settings.prompt_safety_factor)
+        approx = math.ceil(chars / self.ratio(model) * self.settings.tuning.prompt_safety_factor)
         return exact, chars, approx
 
     def _output_tokens(self, body: dict[str, Any]) -> int:

@@ -1,232 +1,60 @@
-"""Limit algorithms: one small interface, the PID controller as its implementation.
+"""Feedback on measured KV usage: the margin that keeps the envelope's ceilings honest.
 
-In the style of Netflix concurrency-limits, a limit algorithm is fed a measurement and
-exposes a limit; the admission policy enforces it. The adaptive policy runs one limit per
-node (never one for an average of nodes). The limit has two faces: `pressure` (0-1), from
-which the policy derives per-priority shedding probabilities, and `budget_tokens`, the KV
-tokens this gateway's tickets may hold on the node, which is a dynamic ceiling sliding from
-the panic watermark (pressure 0) down to the setpoint (pressure 1).
+Admission plans each node's future peak from the requests it placed there (the envelope).
+The plan can be wrong in one dangerous direction: the engine holds more than planned,
+because requests ran longer than their learned length, prompts were under-estimated, or
+traffic reached the engine without passing through this gateway. The engine then says so in
+its measured usage, which should never pass the panic watermark if the plan was right.
 
-Why PID and not a gradient (Gradient2) limit
---------------------------------------------
-The controlled quantity is predicted KV usage, a fraction with a *known* target (the high
-watermark), and the plant is nearly static and linear: usage ~= (tokens held) / capacity,
-with no queueing-delay non-linearity between what we admit and what we measure (our own
-reservations make the response immediate). That is the textbook case for setpoint tracking
-with a PI(D) loop. A gradient limit is built for the opposite case: the target (no-load
-latency) is unknown and must be inferred from the ratio of long- to short-window latency,
-and it moves the limit multiplicatively, which on a usage signal with a fixed target only
-adds a second learned quantity and drift. Latency still matters here, but as a *state*
-(the thrashing detector takes a node out of rotation) rather than as the control variable.
+`MarginController` turns that evidence into a margin subtracted from the node's ceilings for
+non-critical work. It is a PI loop with a one-sided error and a leaky integral:
 
-Simulator evidence (`benchmarks/controller_choice/results.md`: 2 simulated engines of
-4,096 KV tokens, 180 s x 3 seeds per cell, loads 1-3x the sustainable rate): Gradient2
-over-sheds badly - SLO attainment 0.42 / 0.26 / 0.17 at 1 / 2 / 3x against 0.98 / 0.92 /
-0.90 for PID - because every excursion above the target cuts the budget multiplicatively
-and it only grows back additively. PID is within noise of *no feedback at all* (the
-per-node ceilings alone) on goodput and SLO in every regime, with slightly fewer
-preemptions when 30 % of the load is invisible to the gateway (4.3 / 4.7 per run at 2 / 3x
-against 4.7 / 5.7). Said plainly: the protection comes from the reservations and the
-ceilings; this loop only shapes where, between the watermarks, shedding starts, and it
-must never make things worse - which is what the gains below are tuned for (no dither:
-see `tests/core/test_adaptive.py::test_watermark_crossing_does_not_flap`).
+    e      = measured usage - panic watermark         (only e > 0 is evidence)
+    I     += KI * e * dt                              while e > 0
+    I     *= 2 ** (-dt / HALFLIFE_S)                  while e <= 0 (the evidence ages)
+    margin = clamp(KP * e + I, 0, span)               span = panic - high watermark
 
-The loop, in `PidLimit.update`:
-  * error       e = (y - setpoint) / (panic - setpoint)       (y: node's predicted usage)
-  * proportional P = kp * e
-  * integral    I += ki * e * dt, clamped to [0, 1], and frozen while the output is
-                saturated at 1 and the error still pushes up (conditional integration).
-                Both are anti-windup: a long overload leaves no debt to unwind, and
-                shedding stops within a few samples once usage is back under target
-  * derivative  D = kd * d(y_f)/dt / (panic - setpoint), on the filtered *measurement*
-                rather than on the error, so a setpoint change does not kick the output
-  * pressure    = clamp(P + I + D, 0, 1)
-Hysteresis: the loop engages when y reaches the setpoint and disengages (pressure forced to
-zero, integral cleared) only once y has fallen `hysteresis` below it *and* the integral has
-drained, so the shedding probability glides instead of jumping between 0 and 100 %.
+While the plan holds, the loop stays at zero and costs nothing. An overshoot lowers the
+ceilings at once (P) and, if it persists, further (I), so the node takes less new work until
+it is back below the watermark; then the margin fades over a few half-lives. The gains are
+fixed: the error is a fraction of capacity and the output the same unit, so `KP = 1` means
+"hold back as much as the node overshot", and `KI` doubles that within half a second of a
+sustained overshoot.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+KP = 1.0
+KI = 2.0
+HALFLIFE_S = 5.0
+MAX_DT_S = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class LimitMeasurement:
-    """What the policy tells a node's limit at each new sample of that node."""
+class MarginController:
+    """One node's margin (a fraction of capacity) below its ceilings."""
 
-    now: float
-    usage: float  # the node's predicted KV usage (reported + unreflected reservations)
-    capacity_tokens: float  # the node's KV capacity
-    other_tokens: float  # predicted tokens not held by this gateway's tickets
-    in_flight_tokens: int  # this gateway's full reservations on the node
+    __slots__ = ("_at", "_integral", "margin", "span")
 
-
-class TokenLimit(Protocol):
-    name: str
-
-    def update(self, m: LimitMeasurement) -> None: ...
-
-    @property
-    def pressure(self) -> float:
-        """0 (no shedding) .. 1 (shed everything the priorities allow)."""
-        ...
-
-    @property
-    def budget_tokens(self) -> float | None:
-        """Tokens this gateway's tickets may hold; None before the first measurement."""
-        ...
-
-    @property
-    def setpoint(self) -> float: ...
-
-    @property
-    def ceiling(self) -> float:
-        """Usage non-critical work may not push the node past: panic (0) .. setpoint (1)."""
-        ...
-
-
-class PidLimit:
-    """Positional PID with clamped, conditional integration (see the module docstring)."""
-
-    name = "pid"
-
-    def __init__(
-        self,
-        setpoint: float,
-        panic: float,
-        *,
-        kp: float,
-        ki: float,
-        kd: float,
-        hysteresis: float,
-        derivative_smoothing: float = 0.2,
-        max_dt_s: float = 1.0,
-    ) -> None:
-        if not 0 < setpoint < panic:
-            raise ValueError("the setpoint must be positive and below the panic watermark")
-        self._setpoint = setpoint
-        self._panic = panic
-        self._span = panic - setpoint
-        self.kp, self.ki, self.kd = kp, ki, kd
-        self.hysteresis = hysteresis
-        self._alpha = derivative_smoothing
-        self._max_dt = max_dt_s
+    def __init__(self, span: float) -> None:
+        if span <= 0:
+            raise ValueError("the margin's span must be positive")
+        self.span = span
+        self.margin = 0.0
         self._integral = 0.0
-        self._pressure = 0.0
-        self._engaged = False
-        self._y_filtered: float | None = None
-        self._last_at: float | None = None
-        self._budget: float | None = None
+        self._at: float | None = None
 
-    @property
-    def pressure(self) -> float:
-        return self._pressure
-
-    @property
-    def budget_tokens(self) -> float | None:
-        return self._budget
-
-    @property
-    def setpoint(self) -> float:
-        return self._setpoint
-
-    @property
-    def ceiling(self) -> float:
-        return self._panic - self._span * self._pressure
-
-    @property
-    def engaged(self) -> bool:
-        return self._engaged
-
-    def update(self, m: LimitMeasurement) -> None:
-        dt = 0.0 if self._last_at is None else min(self._max_dt, max(0.0, m.now - self._last_at))
-        self._last_at = m.now
-        y = m.usage
-        previous = self._y_filtered
-        y_f = y if previous is None else previous + self._alpha * (y - previous)
-        self._y_filtered = y_f
-        slope = 0.0 if previous is None or dt <= 0 else (y_f - previous) / dt
-
-        error = (y - self._setpoint) / self._span
-        if not self._engaged and y >= self._setpoint:
-            self._engaged = True
-        if self._engaged:
-            # Conditional integration: never push further into upper saturation. Downwards
-            # the integral keeps draining (clamped at 0), so it cannot linger, hidden
-            # under a negative P term, and jump back when the error turns.
-            if not (self._pressure >= 1.0 and error > 0):
-                self._integral = min(1.0, max(0.0, self._integral + self.ki * error * dt))
-            raw = self.kp * error + self._integral + self.kd * slope / self._span
-            self._pressure = min(1.0, max(0.0, raw))
-            if y < self._setpoint - self.hysteresis and self._integral <= 0.0:
-                self._engaged = False
-        if not self._engaged:
-            self._pressure = 0.0
-            self._integral = 0.0
-        self._budget = max(0.0, m.capacity_tokens * self.ceiling - m.other_tokens)
-
-
-class GradientLimit:
-    """Netflix Gradient2, transposed from latency to KV usage (kept for comparison).
-
-    Each update: `gradient = clamp(setpoint / usage, 0.5, 1)`; the new budget is
-    `budget * gradient + growth` (growth: `growth_fraction` of capacity while the gateway
-    uses at least half its budget, Netflix's app-limited guard, or while usage is under the
-    setpoint), smoothed by `smoothing`, clamped to [0, room to panic]. The ceiling is the
-    usage the budget allows and the pressure its distance below panic, so the policy
-    treats both limits alike.
-    """
-
-    name = "gradient"
-
-    def __init__(
-        self,
-        setpoint: float,
-        panic: float,
-        *,
-        smoothing: float = 0.2,
-        growth_fraction: float = 0.02,
-    ) -> None:
-        if not 0 < setpoint < panic:
-            raise ValueError("the setpoint must be positive and below the panic watermark")
-        self._setpoint = setpoint
-        self._panic = panic
-        self._span = panic - setpoint
-        self._smoothing = smoothing
-        self._growth = growth_fraction
-        self._budget: float | None = None
-        self._ceiling = panic
-
-    @property
-    def pressure(self) -> float:
-        return (self._panic - self._ceiling) / self._span
-
-    @property
-    def budget_tokens(self) -> float | None:
-        return self._budget
-
-    @property
-    def setpoint(self) -> float:
-        return self._setpoint
-
-    @property
-    def ceiling(self) -> float:
-        return self._ceiling
-
-    def update(self, m: LimitMeasurement) -> None:
-        capacity = m.capacity_tokens
-        room = max(0.0, self._panic * capacity - m.other_tokens)
-        budget = room if self._budget is None else self._budget
-        gradient = 1.0 if m.usage <= 0 else min(1.0, max(0.5, self._setpoint / m.usage))
-        # Netflix grows only while the limit is in use (app-limited guard). Here shedding
-        # follows the budget, so an unused budget must still grow back while usage is under
-        # the setpoint, or a shrunken budget would shed everything forever.
-        grow = m.in_flight_tokens >= budget / 2 or m.usage < self._setpoint
-        growth = self._growth * capacity if grow else 0.0
-        target = budget * gradient + growth
-        budget = budget + self._smoothing * (target - budget)
-        self._budget = min(room, max(0.0, budget))
-        ceiling = (self._budget + m.other_tokens) / capacity if capacity > 0 else self._panic
-        self._ceiling = min(self._panic, max(self._setpoint, ceiling))
+    def update(self, now: float, measured: float, target: float) -> float:
+        """Take one measured usage (0-1) against `target`; returns the new margin."""
+        dt = 0.0 if self._at is None else min(MAX_DT_S, max(0.0, now - self._at))
+        self._at = now
+        error = measured - target
+        if error > 0:
+            self._integral = min(self.span, self._integral + KI * error * dt)
+            raw = KP * error + self._integral
+        else:
+            self._integral *= 2.0 ** (-dt / HALFLIFE_S)
+            if self._integral < 1e-4:
+                self._integral = 0.0
+            raw = self._integral
+        self.margin = min(self.span, max(0.0, raw))
+        return self.margin

@@ -30,6 +30,8 @@ from kvgate.core.signals import NodeSample
 
 # Samples the latency baseline needs before it may declare thrashing.
 MIN_BASELINE_SAMPLES = 20
+# Weight of a new sample in the node's decode step time.
+STEP_ALPHA = 0.3
 
 LEVEL_OK = "ok"
 LEVEL_HIGH = "high"
@@ -53,6 +55,12 @@ class NodeState:
     used: float = 0.0
     # Ceiling for non-critical work set by the node's controller (adaptive policy).
     dynamic_ceiling: float = 1.0
+    # Recent seconds per decode step (EWMA of the samples' iteration latency); None until a
+    # sample reports one.
+    step_s: float | None = None
+    # When the gateway last saw this node make progress on a request (a first token or a
+    # count): the engine serves, whatever its metrics page is doing.
+    progress_at: float = float("-inf")
 
     def age(self, now: float) -> float | None:
         if self.sample is None:
@@ -68,10 +76,10 @@ class NodeState:
         return None if self.sample is None else self.sample.sampled_at
 
     def capacity(self, settings: AdmissionSettings) -> int | None:
-        """KV capacity in tokens: reported, else configured, else unknown."""
+        """KV capacity in tokens as the engine reports it (or its backend entry configures it)."""
         if self.sample is not None and self.sample.kv_capacity_tokens:
             return self.sample.kv_capacity_tokens
-        return settings.default_capacity_tokens
+        return None
 
     def accept(self, sample: NodeSample, now: float, settings: AdmissionSettings) -> bool:
         """Take a new sample; False (ignored) when it is older than the one held.
@@ -91,8 +99,17 @@ class NodeState:
         self.cap = self.capacity(settings)
         usage = sample.kv_usage
         self.used = usage * self.cap if usage is not None and self.cap is not None else 0.0
+        latency = sample.iteration_latency_s
+        if latency is not None and latency > 0:
+            step = self.step_s
+            self.step_s = latency if step is None else step + STEP_ALPHA * (latency - step)
         self._update_thrashing(now, settings)
         return True
+
+    def progress(self, now: float) -> None:
+        """A request on this node produced tokens at `now`."""
+        if now > self.progress_at:
+            self.progress_at = now
 
     def fail(self) -> None:
         self.consecutive_failures += 1
@@ -104,10 +121,10 @@ class NodeState:
         sample = self.sample
         assert sample is not None
         if self.latency_baseline is None:
-            self.latency_baseline = Ewma(settings.latency_baseline_halflife_s)
+            self.latency_baseline = Ewma(settings.tuning.latency_baseline_halflife_s)
         signal = self._thrash_signal(sample, settings)
         if signal:
-            self.thrash_until = max(self.thrash_until, now + settings.thrash_hold_s)
+            self.thrash_until = max(self.thrash_until, now + settings.tuning.thrash_hold_s)
             self.thrashing = True
         elif self.thrashing and now >= self.thrash_until:
             self.thrashing = False
@@ -140,11 +157,35 @@ class NodeState:
             and baseline is not None
             and baseline.value is not None
             and baseline.count >= MIN_BASELINE_SAMPLES
-            and sample.iteration_latency_s > settings.thrash_latency_factor * baseline.value
+            and sample.iteration_latency_s > settings.tuning.thrash_latency_factor * baseline.value
         )
 
     def is_thrashing(self, now: float) -> bool:
         return self.thrashing
+
+    def usable(self, now: float, settings: AdmissionSettings) -> bool:
+        """May new work be sent here at all (fresh and not thrashing)?"""
+        return self.is_fresh(now, settings) and not self.thrashing
+
+    def state(self, now: float, settings: AdmissionSettings) -> str:
+        """unknown, stale, thrashing, or the watermark level (ok, high, panic)."""
+        if self.sample is None:
+            return "unknown"
+        if not self.is_fresh(now, settings):
+            return "stale"
+        if self.thrashing:
+            return "thrashing"
+        return self.level
+
+    def snapshot(self, now: float, settings: AdmissionSettings) -> dict[str, Any]:
+        """JSON-able state for `/admin/state` and the dashboard."""
+        return {
+            "fresh": self.is_fresh(now, settings),
+            "age_s": self.age(now),
+            "state": self.state(now, settings),
+            "sample": None if self.sample is None else self.sample.as_dict(),
+            "step_s": self.step_s,
+        }
 
 
 def sanitize(sample: NodeSample, now: float) -> NodeSample | None:

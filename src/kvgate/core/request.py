@@ -1,4 +1,8 @@
-"""The parts of a request that admission cares about: its cost and its priority."""
+"""What admission knows about one request: its cost, priority, tenant and where it may go.
+
+The shell builds one `AdmissionRequest` per client request and hands it to the core's flow
+controller; every answer (admit now, wait, refuse) and every ticket refers back to it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from dataclasses import dataclass
 
 
 class Priority(enum.IntEnum):
-    """Lower value = more important. Shed from the bottom (highest value) up."""
+    """Lower value = more important. Served first, shed last."""
 
     CRITICAL = 0
     STANDARD = 1
@@ -25,6 +29,10 @@ class Priority(enum.IntEnum):
                 f"unknown priority {text!r}: expected critical, standard or sheddable"
             ) from None
 
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
 
 @dataclass(frozen=True, slots=True)
 class RequestCost:
@@ -36,3 +44,26 @@ class RequestCost:
     @property
     def total(self) -> int:
         return self.prompt_tokens + self.max_output_tokens
+
+
+DEFAULT_TENANT = ""
+
+
+@dataclass(slots=True, eq=False)
+class AdmissionRequest:
+    """One request as admission sees it. Identity, not value, makes two requests equal.
+
+    `exact_output` says the request will generate exactly `max_output_tokens` (it asked the
+    engine to ignore end-of-sequence), so the envelope need not predict its length.
+    `max_wait_s` is the client's own bound on queueing (None: the priority's default; the
+    client may lower it, never raise it). `candidates` are the node ids that serve its model.
+    """
+
+    request_id: str
+    cost: RequestCost
+    priority: Priority = Priority.STANDARD
+    tenant: str = DEFAULT_TENANT
+    model: str = ""
+    candidates: tuple[str, ...] = ()
+    exact_output: bool = False
+    max_wait_s: float | None = None

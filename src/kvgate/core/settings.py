@@ -1,47 +1,99 @@
-"""Admission settings: which policy, its watermarks and its knobs (validated by pydantic).
+"""Admission and queue settings (validated by pydantic), and the core's internal constants.
 
 Every field's `description` ends up in the README's configuration reference
-(`kvgate config-doc`), so keep them short and exact.
+(`kvgate config-doc`), so keep them short and exact. Only what an operator has a reason to
+change is a setting; the rest is `Tuning`: constants with a default argued next to each,
+which tests and the simulator may vary through `AdmissionSettings.tuned()` but the
+configuration file cannot.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-PolicyName = Literal["none", "static-qps", "static-concurrency", "seed", "adaptive"]
+from kvgate.core.request import Priority
+
+PolicyName = Literal["adaptive", "none", "static-qps", "static-concurrency", "seed"]
 FailMode = Literal["closed", "open"]
+BandName = Literal["critical", "standard", "sheddable", "total"]
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """Internal constants of admission. Not configuration: each default is argued here."""
+
+    # A sample is trusted to contain a request's prompt only this long after its first
+    # token: one engine iteration of gauge lag plus a scrape's latency.
+    reflect_margin_s: float = 0.1
+    # Tokens added to each request's footprint: half a 32-token KV block of rounding.
+    reservation_overhead_tokens: int = 16
+    # A node leaves the high/panic level only this far below the watermark (no flapping).
+    hysteresis: float = 0.03
+    # Iteration latency this many times its healthy baseline, with requests waiting, is
+    # thrashing; the baseline is a slow EWMA of healthy samples.
+    thrash_latency_factor: float = 4.0
+    latency_baseline_halflife_s: float = 30.0
+    # A thrashing node stays out of rotation at least this long (about one preemption
+    # cycle on a loaded engine).
+    thrash_hold_s: float = 2.0
+    # Half-life of the measured rate at which KV tokens are freed (predicts waits).
+    release_rate_halflife_s: float = 5.0
+    # From this many candidates on, placement looks at two random nodes, not all.
+    p2c_min_nodes: int = 8
+    # The prompt estimator: initial characters per token, its learned range, and the
+    # factor on estimated prompts (under-counting a prompt is the unsafe error).
+    chars_per_token: float = 4.0
+    chars_per_token_min: float = 1.0
+    chars_per_token_max: float = 8.0
+    prompt_safety_factor: float = 1.1
+
+
+class BaselineSettings(BaseModel):
+    """Parameters of the baseline policies (benchmarks only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    qps: float = Field(50.0, gt=0, description="`static-qps`: token-bucket rate (requests/s).")
+    burst: int = Field(50, gt=0, description="`static-qps`: token-bucket depth.")
+    concurrency: int = Field(
+        32, gt=0, description="`static-concurrency`: requests in flight at most."
+    )
 
 
 class AdmissionSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy: PolicyName = Field("adaptive", description="Admission policy; `adaptive` is kvgate's.")
+    policy: PolicyName = Field(
+        "adaptive",
+        description="`adaptive` (kvgate's). `none`, `static-qps`, `static-concurrency` and"
+        " `seed` are baselines for benchmarks, not protection.",
+    )
     high_watermark: float = Field(
-        0.80, gt=0, lt=1, description="Predicted KV usage where backpressure starts."
+        0.80,
+        gt=0,
+        lt=1,
+        description="KV usage that `sheddable` work may fill a node to at its planned peak.",
     )
     panic_watermark: float = Field(
         0.92,
         gt=0,
         le=1,
-        description="Predicted KV usage where all new work is shed, critical included.",
+        description="KV usage that no planned peak may pass; a node holding this much takes"
+        " nothing new.",
     )
     stale_after_s: float = Field(
         1.0, gt=0, description="A node whose last good sample is older takes no new requests."
     )
-    default_max_tokens: int = Field(
-        1024, gt=0, description="Output cap assumed when a request sends no `max_tokens`."
+    failures_to_stale: int = Field(
+        10,
+        ge=1,
+        description="Consecutive scrape failures after which a node is stale before"
+        " `stale_after_s`.",
     )
-    retry_after_max_s: float = Field(30.0, ge=1, description="Upper clamp of Retry-After.")
-    seed: int | None = Field(None, description="PRNG seed for shedding and jitter (None: random).")
-    static_qps: float = Field(50.0, gt=0, description="Token-bucket rate for `static-qps`.")
-    static_burst: int = Field(50, gt=0, description="Token-bucket depth for `static-qps`.")
-    static_concurrency: int = Field(
-        32, gt=0, description="In-flight request cap for `static-concurrency`."
-    )
-
-    # --- freshness and fail mode -------------------------------------------------------
     fail_mode: FailMode = Field(
         "closed",
         description=(
@@ -50,170 +102,87 @@ class AdmissionSettings(BaseModel):
             " recently (never-observed nodes only if none was ever observed), without KV checks."
         ),
     )
-    failures_to_stale: int = Field(
-        10,
-        ge=1,
-        description="Consecutive scrape failures after which a node is stale before"
-        " `stale_after_s` (10 x 50 ms: a slow page on a busy host is not a dead engine).",
+    default_max_tokens: int = Field(
+        1024, gt=0, description="Output cap assumed (and sent upstream) when a request has none."
     )
-
-    # --- reservations --------------------------------------------------------------------
-    reflect_margin_s: float = Field(
-        0.1,
-        ge=0,
-        description=(
-            "A sample is trusted to contain a request's prompt only if it was taken this long"
-            " after the request's first token (covers engine gauge lag and scrape latency)."
-        ),
-    )
-    reservation_overhead_tokens: int = Field(
-        16,
-        ge=0,
-        description="Extra tokens reserved per request (KV block rounding).",
-    )
-    default_capacity_tokens: int | None = Field(
-        None,
-        gt=0,
-        description=(
-            "KV capacity assumed for engines that report none (llama.cpp, TGI); without it such"
-            " nodes are gated by their queue signals only."
-        ),
-    )
-
-    # --- control (adaptive) -----------------------------------------------------------------
-    standard_ceiling: float | None = Field(
-        None,
-        gt=0,
-        le=1,
-        description=(
-            "Predicted usage a `standard` request may never push a node past"
-            " (default: midway between the high and panic watermarks)."
-        ),
-    )
-    hysteresis: float = Field(
-        0.03,
-        ge=0,
-        lt=0.5,
-        description="A node leaves the high/panic state only this far below the watermark.",
-    )
-    controller: Literal["pid", "gradient"] = Field(
-        "pid",
-        description=(
-            "Limit algorithm of `adaptive` between the watermarks: `pid` (default) or"
-            " `gradient` (Netflix Gradient2 on KV usage, for comparison)."
-        ),
-    )
-    controller_kp: float = Field(
-        0.25, ge=0, description="PID proportional gain (shed pressure per unit of error)."
-    )
-    controller_ki: float = Field(
-        2.0, ge=0, description="PID integral gain (shed pressure per unit of error per second)."
-    )
-    controller_kd: float = Field(
-        0.01, ge=0, description="PID derivative gain, applied to the measurement (seconds)."
-    )
-    control_interval_s: float = Field(
-        0.04,
-        gt=0,
-        description="Each node's feedback controller runs at most this often (on its samples).",
-    )
-    thrash_latency_factor: float = Field(
-        4.0,
-        gt=1,
-        description="Iteration latency this many times its healthy baseline means thrashing.",
-    )
-    latency_baseline_halflife_s: float = Field(
-        30.0, gt=0, description="Half-life of the slow EWMA that learns healthy iteration latency."
-    )
-    thrash_hold_s: float = Field(
-        2.0, ge=0, description="A thrashing node stays out of rotation at least this long."
-    )
-    release_rate_halflife_s: float = Field(
-        5.0,
-        gt=0,
-        description="Half-life of the EWMA of freed tokens per second (drives Retry-After).",
-    )
-    large_request_fraction: float = Field(
-        0.1,
-        gt=0,
-        le=1,
-        description=(
-            "`adaptive`: a request needing at least this fraction of a node's KV is *large*:"
-            " its refusals get spread Retry-Afters and (with `claims`) leave claims."
-        ),
-    )
-    large_retry_spread: bool = Field(
-        True,
-        description=(
-            "`adaptive`: refused large requests get Retry-Afters spread over the time their"
-            " backlog takes to drain, so a burst of them does not retry in lock-step."
-        ),
-    )
-    claims: bool = Field(
-        False,
-        description=(
-            "`adaptive`: a large request refused for lack of room leaves a time-limited claim"
-            " on the node closest to fitting it; smaller requests must leave that room free,"
-            " so freed KV accumulates for the large request instead of being taken by chats."
-        ),
-    )
-    claim_use_fraction: float = Field(
-        0.8,
-        gt=0,
-        le=1,
-        description="A request at least this fraction of a claim's size may use (and ends) it.",
-    )
-    claim_lead_s: float = Field(
-        0.5,
-        ge=0,
-        description=(
-            "A claim binds smaller requests only from this long before its request is due"
-            " back (its Retry-After); until then short requests, done by then, may use the room."
-        ),
-    )
-    claim_grace_s: float = Field(
-        1.0,
-        ge=0,
-        description="A claim expires this long after the Retry-After given to its request.",
-    )
-    p2c_min_nodes: int = Field(
-        8, ge=2, description="From this many candidates on, route by power of two choices."
-    )
-
-    # --- cost estimation ----------------------------------------------------------------------
-    chars_per_token: float = Field(
-        4.0, gt=0, description="Initial chars-per-token ratio of the prompt estimator."
-    )
-    chars_per_token_min: float = Field(
-        1.0, gt=0, description="Lower clamp of the learned chars-per-token ratio."
-    )
-    chars_per_token_max: float = Field(
-        8.0, gt=0, description="Upper clamp of the learned chars-per-token ratio."
-    )
-    prompt_safety_factor: float = Field(
-        1.1,
-        ge=1,
-        description="Estimated prompt tokens are multiplied by this (under-counting is unsafe).",
-    )
+    retry_after_max_s: float = Field(30.0, ge=1, description="Upper clamp of Retry-After.")
+    seed: int | None = Field(None, description="PRNG seed for routing and jitter (None: random).")
     tokenizers: dict[str, str] = Field(
         default_factory=dict,
         description="Model name -> tokenizer.json path, for exact prompt token counts.",
     )
+    baseline: BaselineSettings = Field(default_factory=BaselineSettings)
+
+    _tuning: Tuning = PrivateAttr(default_factory=Tuning)
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> AdmissionSettings:
         if self.panic_watermark <= self.high_watermark:
             raise ValueError("panic_watermark must be above high_watermark")
-        ceiling = self.standard_ceiling
-        if ceiling is not None and not self.high_watermark <= ceiling <= self.panic_watermark:
-            raise ValueError("standard_ceiling must lie between the high and panic watermarks")
-        if self.chars_per_token_min > self.chars_per_token_max:
-            raise ValueError("chars_per_token_min must not exceed chars_per_token_max")
         return self
 
     @property
-    def standard_ceiling_value(self) -> float:
-        """The effective ceiling for `standard` requests."""
-        if self.standard_ceiling is not None:
-            return self.standard_ceiling
-        return (self.high_watermark + self.panic_watermark) / 2
+    def tuning(self) -> Tuning:
+        return self._tuning
+
+    def tuned(self, **changes: float | int) -> AdmissionSettings:
+        """A copy with some internal constants changed (tests, the simulator)."""
+        copy = self.model_copy()
+        copy._tuning = dataclasses.replace(self._tuning, **changes)  # type: ignore[arg-type]
+        return copy
+
+
+def _default_waits() -> dict[BandName, float]:
+    return {"critical": 60.0, "standard": 60.0, "sheddable": 30.0}
+
+
+def _default_waiting() -> dict[BandName, int]:
+    return {"total": 4096}
+
+
+class QueueSettings(BaseModel):
+    """The gateway's queue (`kvgate.core.flow`): how long and how much may wait."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_wait_s: dict[BandName, float] = Field(
+        default_factory=_default_waits,
+        description="Longest wait per priority before a 429 (a request is queued only if it"
+        " is predicted to start within it; `X-Kvgate-Max-Wait-Ms` may lower it).",
+    )
+    max_waiting: dict[BandName, int] = Field(
+        default_factory=_default_waiting,
+        description="Waiting requests at most, per priority and in `total` (none: no cap).",
+    )
+    max_waiting_tokens: dict[BandName, int] = Field(
+        default_factory=dict,
+        description="KV tokens (prompt + max_tokens) waiting at most, per priority and in"
+        " `total` (none: no cap).",
+    )
+
+    @model_validator(mode="after")
+    def _positive(self) -> QueueSettings:
+        for name, table in (
+            ("max_wait_s", self.max_wait_s),
+            ("max_waiting", self.max_waiting),
+            ("max_waiting_tokens", self.max_waiting_tokens),
+        ):
+            for band, value in table.items():
+                if value < 0:
+                    raise ValueError(f"queue.{name}.{band} must not be negative")
+        return self
+
+    def wait_for(self, priority: Priority) -> float:
+        """The longest a request of `priority` may wait (0: decide now)."""
+        for band, wait in self.max_wait_s.items():
+            if band == priority.label:
+                return float(wait)
+        return 0.0
+
+    @staticmethod
+    def cap(table: dict[BandName, int], band: str) -> int | None:
+        """A cap of `max_waiting` or `max_waiting_tokens` (None: uncapped)."""
+        for name, cap in table.items():
+            if name == band:
+                return cap
+        return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,3 +30,15 @@ class NodeSample:
         if self.kv_usage is None or self.kv_capacity_tokens is None:
             return None
         return self.kv_usage * self.kv_capacity_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form, the one used by `/admin/state`, the dashboard and the cluster."""
+        return {
+            "kv_usage": self.kv_usage,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "running": self.running,
+            "waiting": self.waiting,
+            "iteration_latency_s": self.iteration_latency_s,
+            "sampled_at": self.sampled_at,
+            "preemptions_total": self.preemptions_total,
+        }

@@ -5,10 +5,11 @@ cluster admission runs and gives it back exactly once when it ends (a second `re
 a no-op), so a tenant's usage can only return to zero, never drift: the failure mode of
 gateways whose counters grow with every cancelled stream until the key is locked out.
 
-Limits are upper bounds on what is *held*, not rates: a tenant at its limit is refused
-(429) until one of its own requests ends, which its clients can see from the reason
-`tenant_limit`. A request larger than the tenant's whole token limit is refused even when
-the tenant is idle, since it could never fit.
+Limits are upper bounds on what is *held*, not rates. The flow controller
+(`kvgate.core.flow`) checks them when it is about to start a request: a tenant at its limit
+has its requests wait until one of its own ends, and a request larger than the tenant's
+whole token limit is refused at once, since it could never start. How soon a tenant frees
+room (for its Retry-After) is measured per tenant from its own releases.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvgate.core.rates import DecayingRate
+
+# Half-life of a tenant's measured rate of freeing tokens.
+RELEASE_HALFLIFE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,7 @@ class _Usage:
     requests: int = 0
     admitted_total: int = 0
     refused_total: int = 0
+    freed: DecayingRate = field(default_factory=lambda: DecayingRate(RELEASE_HALFLIFE_S))
 
 
 @dataclass
@@ -73,6 +80,15 @@ class TenantLedger:
     def limits_for(self, tenant: str) -> TenantLimits:
         return self.limits.get(tenant, self.default_limits)
 
+    def check(self, tenant: str, tokens: int) -> TenantRefusal | None:
+        """Which limit would block taking `tokens` now (None: it may start)."""
+        usage = self._usage.get(tenant)
+        return _check(tenant, usage or _Usage(), self.limits_for(tenant), tokens)
+
+    def never_fits(self, tenant: str, tokens: int) -> TenantRefusal | None:
+        """The limit a request of `tokens` exceeds even with the tenant idle, if any."""
+        return _check(tenant, _Usage(), self.limits_for(tenant), tokens)
+
     def acquire(self, tenant: str, tokens: int) -> Lease | TenantRefusal:
         """Take `tokens` (and one request) from `tenant`'s budget, or say which limit blocks."""
         if tokens < 0:
@@ -80,17 +96,22 @@ class TenantLedger:
         usage = self._usage.get(tenant)
         if usage is None:
             usage = self._usage[tenant] = _Usage()
-        limits = self.limits_for(tenant)
-        refusal = _check(tenant, usage, limits, tokens)
+        refusal = _check(tenant, usage, self.limits_for(tenant), tokens)
         if refusal is not None:
-            usage.refused_total += 1
             return refusal
         usage.tokens += tokens
         usage.requests += 1
         usage.admitted_total += 1
         return Lease(tenant=tenant, tokens=tokens)
 
-    def release(self, lease: Lease) -> None:
+    def refused(self, tenant: str) -> None:
+        """Count a request of `tenant` refused because of its limits."""
+        usage = self._usage.get(tenant)
+        if usage is None:
+            usage = self._usage[tenant] = _Usage()
+        usage.refused_total += 1
+
+    def release(self, lease: Lease, now: float = 0.0) -> None:
         """Give the lease back; idempotent, so every exit path may call it."""
         if lease.released:
             return
@@ -98,8 +119,24 @@ class TenantLedger:
         usage = self._usage[lease.tenant]
         usage.tokens -= lease.tokens
         usage.requests -= 1
+        usage.freed.add(now, lease.tokens)
         if usage.tokens < 0 or usage.requests < 0:  # impossible unless a lease was forged
             raise AssertionError(f"tenant {lease.tenant!r} released more than it held")
+
+    def wait_estimate(self, tenant: str, tokens: int, now: float) -> float | None:
+        """Seconds until `tenant` has room for `tokens`, at the rate it has been freeing
+        tokens recently (None: it has freed nothing lately)."""
+        usage = self._usage.get(tenant)
+        refusal = self.check(tenant, tokens)
+        if usage is None or refusal is None:
+            return 0.0
+        rate = usage.freed.value(now)
+        if rate <= 0:
+            return None
+        if refusal.limit == "requests":
+            per_request = usage.tokens / max(1, usage.requests)
+            return per_request / rate
+        return max(0.0, refusal.held + tokens - refusal.maximum) / rate
 
     def held(self, tenant: str) -> tuple[int, int]:
         """(tokens, requests) `tenant` holds now."""

@@ -1,6 +1,7 @@
 """The gateway as one raw ASGI application: a dict of routes, no framework on the hot path.
 
-`Gateway(config)` builds the policy, the upstream pool, the model catalog, the relay and
+`Gateway(config)` builds the admission core (the flow controller around the placement
+policy), the upstream pool, the model catalog, the relay and
 the metrics; its ASGI lifespan (or `async with gateway.running():` in tests and embedders)
 opens the upstream session and starts the scraper and background refreshes in a task group
 the gateway owns, and tears all of it down on shutdown.
@@ -20,10 +21,10 @@ import orjson
 from kvgate.adapters.backend import Backend, unique
 from kvgate.adapters.push import MAX_PUSH_BYTES, PushValidationError, parse_push
 from kvgate.config import KvgateConfig
-from kvgate.core.admission import AdmissionPolicy
 from kvgate.core.clock import Clock, MonotonicClock
 from kvgate.core.cost import CostEstimator
-from kvgate.core.policies import build_policy
+from kvgate.core.flow import FlowController
+from kvgate.core.policies import BasePolicy, build_policy
 from kvgate.gateway.engines.backend_set import BackendChange, diff_backends, restart_needed
 from kvgate.gateway.engines.discovery import Discovery, Resolver, resolve_ipv4
 from kvgate.gateway.engines.scraper import Scraper
@@ -31,7 +32,6 @@ from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
 from kvgate.gateway.http.errors import GatewayError, send_error, send_json
 from kvgate.gateway.ops import dashboard
 from kvgate.gateway.ops.telemetry import GatewayMetrics
-from kvgate.gateway.relay.relay import CostEstimator as Estimator
 from kvgate.gateway.relay.relay import Relay
 from kvgate.gateway.relay.tokenizers import load_tokenizers
 from kvgate.gateway.relay.upstream import ModelCatalog, UpstreamPool
@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 
 class Gateway:
-    """kvgate's ASGI application. Inject `policy`, `clock` or `estimator` to replace them.
+    """kvgate's ASGI application. Inject `policy` (the placement inside the core's flow
+    controller), `clock` or `estimator` to replace them.
 
     `load_config` re-reads the configuration the gateway was started from (its file, the
     environment and the command line): with it, SIGHUP and `POST /admin/reload` apply a
@@ -53,9 +54,9 @@ class Gateway:
         self,
         config: KvgateConfig,
         *,
-        policy: AdmissionPolicy | None = None,
+        policy: BasePolicy | None = None,
         clock: Clock | None = None,
-        estimator: Estimator | None = None,
+        estimator: CostEstimator | None = None,
         backends: list[Backend] | None = None,
         load_config: Callable[[], KvgateConfig] | None = None,
         resolver: Resolver = resolve_ipv4,
@@ -67,17 +68,19 @@ class Gateway:
         self._resolver = resolver
         self.discovery = Discovery(config.backends, resolver)
         self.backends = backends if backends is not None else self.discovery.backends()
-        # Without API keys `security` is inert; with them it authenticates every request
-        # and charges tenants through a wrapper around the policy (kvgate.gateway.security.auth).
+        # Without API keys `security` is inert; with them it authenticates every request and
+        # names its tenant, whose limits the core's flow controller keeps.
         self.security = Security.from_config(config.auth, config.server.admin_token)
-        self.policy = self.security.wrap_policy(
-            policy or build_policy(config.admission, self.clock)
+        self.admission = FlowController(
+            policy or build_policy(config.admission, self.clock),
+            config.queue,
+            tenants=self.security.ledger,
         )
         for backend in self.backends:
-            self.policy.add_node(backend.node_id)
+            self.admission.add_node(backend.node_id)
         self.metrics = GatewayMetrics()
-        self.metrics.policy_snapshot = self.policy.snapshot
-        if self.security.ledger is not None:
+        self.metrics.policy_snapshot = self.admission.snapshot
+        if self.security.tenants:
             self.metrics.registry.register(TenantCollector(self.security.ledger))
         self.pool = UpstreamPool(self.backends, config.upstream)
         self.catalog = ModelCatalog(self.pool, config.server.models_cache_s)
@@ -85,7 +88,7 @@ class Gateway:
         self.relay = Relay(
             pool=self.pool,
             catalog=self.catalog,
-            policy=self.policy,
+            admission=self.admission,
             estimator=estimator or _estimator(config),
             metrics=self.metrics,
             upstream=config.upstream,
@@ -199,7 +202,7 @@ class Gateway:
 
     def _start_scraper(self) -> None:
         self.scraper = Scraper(
-            self.backends, self.config.scrape, self.policy, self.pool.session, self.clock
+            self.backends, self.config.scrape, self.admission, self.pool.session, self.clock
         )
         self.metrics.scraper_stats = self.scraper.snapshot
         self.metrics.scraper_node_stats = self.scraper.stats
@@ -227,11 +230,11 @@ class Gateway:
             self.scraper.remove(backend.node_id)
         self.pool.remove(backend.node_id)
         self.catalog.forget(backend.node_id)
-        self.policy.remove_node(backend.node_id)
+        self.admission.remove_node(backend.node_id)
 
     def _join(self, backend: Backend) -> None:
         self.pool.add(backend)
-        self.policy.add_node(backend.node_id)
+        self.admission.add_node(backend.node_id)
         if self.scraper is not None:
             self.scraper.add(backend)
         self.spawn(self.catalog.learn(backend))
@@ -298,7 +301,7 @@ class Gateway:
         await send_json(send, 200, b'{"status":"ok"}')
 
     async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
-        nodes = self.policy.snapshot().get("nodes", {})
+        nodes = self.admission.snapshot().get("nodes", {})
         fresh = {nid: bool(state.get("fresh")) for nid, state in nodes.items()}
         ready = any(fresh.values()) or (self.scraper is None and self.catalog.known)
         body = orjson.dumps({"ready": ready, "backends": fresh})
@@ -321,7 +324,7 @@ class Gateway:
         """Everything `/admin/state` and the dashboard show."""
         return {
             "time": self.clock.now(),
-            "policy": self.policy.snapshot(),
+            "policy": self.admission.snapshot(),
             "scraper": None if self.scraper is None else self.scraper.snapshot(),
             "gateway": {
                 **self.metrics.counters(),
@@ -396,7 +399,7 @@ class Gateway:
                 400, f"Unknown node id(s): {', '.join(unknown)}.", "unknown_node", param="node"
             )
         for node_id, sample in samples:
-            self.policy.observe(node_id, sample)
+            self.admission.observe(node_id, sample)
         return len(samples)
 
     def _draining(self) -> bool:

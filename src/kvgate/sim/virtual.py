@@ -41,17 +41,20 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
+from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
+from kvgate.core.flow import ArrivalOrder, FlowController, TokenFairness, Waiter
 from kvgate.core.policies import build_policy
-from kvgate.core.request import Priority, RequestCost
-from kvgate.core.settings import AdmissionSettings
+from kvgate.core.request import AdmissionRequest, Priority, RequestCost
+from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.core.signals import NodeSample
 from kvgate.sim.engine import Engine, EngineConfig, EngineError, StepResult
 from kvgate.sim.workload import RequestSpec, WorkloadSpec, generate
 
-_STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES = range(7)
+_STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES, _DECIDED, _WAIT_END = range(9)
 _PRIORITY_NAMES = {p: p.name.lower() for p in Priority}
+# A gateway without a queue: every request is admitted or refused at once.
+NO_QUEUE = QueueSettings(max_wait_s={})
 
 
 # How one try ended, from the client's point of view (shared with the live benchmark).
@@ -127,6 +130,7 @@ class Attempt:
     output_tokens: int = 0
     retry_after_s: float | None = None
     node: str | None = None
+    waited_s: float = 0.0  # in the gateway's queue before it was admitted
 
     @property
     def admitted(self) -> bool:
@@ -153,6 +157,12 @@ class VirtualConfig:
     nodes: int = 16
     gateways: int = 1
     admission: AdmissionSettings = field(default_factory=lambda: AdmissionSettings(policy="none"))
+    # The gateway's queue (`NO_QUEUE`: every request is decided at once).
+    queue: QueueSettings = field(default_factory=QueueSettings)
+    # `fair`: bands, tenant fairness and backfill; `fcfs`: strict arrival order.
+    order: Literal["fair", "fcfs"] = "fair"
+    # The adaptive policy's feedback on measured usage (off: ceilings alone).
+    feedback: bool = True
     scrape_interval_s: float = 0.05
     scrape_lag_s: float = 0.01
     client: ClientModel = field(default_factory=ClientModel)
@@ -219,7 +229,7 @@ class SeriesPoint:
     preemptions: int
     generated_tokens: int
     zombie_tokens: int
-    shed_probability: dict[str, float]
+    queued: int
 
 
 @dataclass(slots=True)
@@ -307,9 +317,8 @@ class VirtualCluster:
         self._node_index = {nid: i for i, nid in enumerate(self.node_ids)}
         self.engines = [Engine(config.engine, seed=config.seed * 1009 + i)
                         for i in range(config.nodes)]  # fmt: skip
-        self.policies: list[AdmissionPolicy] = [
-            build_policy(config.admission, self.clock, rng_seed=config.seed * 7919 + g)
-            for g in range(config.gateways)
+        self.policies: list[FlowController] = [
+            self._gateway(config, g) for g in range(config.gateways)
         ]
         for policy in self.policies:
             for nid in self.node_ids:
@@ -335,10 +344,19 @@ class VirtualCluster:
         self.outcomes: list[RequestOutcome] = []
         self.series: list[SeriesPoint] = []
         self._counts = dict.fromkeys(
-            ("arrivals", "admissions", "rejections", "timeouts", "completions"), 0
+            ("arrivals", "admissions", "rejections", "timeouts", "completions", "queued"), 0
         )
+        self._candidates = tuple(self.node_ids)
         self._last_totals = (0, 0, 0)
         self._workload: Iterator[RequestSpec] = iter(())
+
+    def _gateway(self, config: VirtualConfig, g: int) -> FlowController:
+        policy = build_policy(config.admission, self.clock, rng_seed=config.seed * 7919 + g)
+        if hasattr(policy, "feedback"):
+            policy.feedback = config.feedback
+        if config.order == "fcfs":
+            return FlowController(policy, config.queue, fairness=ArrivalOrder(), strict=True)
+        return FlowController(policy, config.queue, fairness=TokenFairness())
 
     # ------------------------------------------------------------------ running
     def run(self) -> VirtualResult:
@@ -386,7 +404,8 @@ class VirtualCluster:
         end = cfg.duration_s + cfg.drain_s
         heap, pop, events = self._heap, heapq.heappop, 0
         handlers = (self._on_step, self._on_arrival, self._on_attempt, self._on_scrape,
-                    self._on_deliver, self._on_timeout, self._on_series)  # fmt: skip
+                    self._on_deliver, self._on_timeout, self._on_series, self._on_decided,
+                    self._on_wait_end)  # fmt: skip
         while heap and heap[0][0] <= end:
             now, _, kind, payload = pop(heap)
             self.clock.set(now)
@@ -435,20 +454,70 @@ class VirtualCluster:
         outcome, spec, cost = payload
         g = self._next_gateway
         self._next_gateway = (g + 1) % self.config.gateways
-        policy = self.policies[g]
+        flow = self.policies[g]
         rid = f"{outcome.id}#{len(outcome.tries) + 1}"
-        decision = policy.admit(rid, cost, spec.priority, self.node_ids)
+        request = AdmissionRequest(
+            rid,
+            cost,
+            spec.priority,
+            tenant=spec.tenant,
+            model="sim",
+            candidates=self._candidates,
+            exact_output=spec.ignore_eos,
+        )
+        decision = flow.submit(request)
+        if isinstance(decision, Waiter):
+            self._counts["queued"] += 1
+            started = now
+            decision.notify = lambda d: self._push(
+                self.clock.now(), _DECIDED, (payload, rid, g, started, d)
+            )
+            deadline = min(decision.deadline, now + self.config.client.timeout_s)
+            self._push(deadline, _WAIT_END, (payload, g, decision, started))
+            return
+        self._decided(now, payload, rid, g, now, decision)
+
+    def _on_decided(self, now: float, event: tuple[_Request, str, int, float, Decision]) -> None:
+        payload, rid, g, started, decision = event
+        self._decided(now, payload, rid, g, started, decision)
+
+    def _on_wait_end(self, now: float, event: tuple[_Request, int, Waiter, float]) -> None:
+        """The client's deadline or the queue's bound came while still waiting."""
+        payload, g, waiter, started = event
+        if not waiter.waiting:
+            return
+        flow = self.policies[g]
+        if now >= started + self.config.client.timeout_s:
+            flow.cancel(waiter)
+            outcome = payload[0]
+            outcome.tries.append(Attempt(started, now, TIMEOUT))
+            outcome.timeouts += 1
+            self._counts["timeouts"] += 1
+            self._retry(now, payload, "timeout")
+            return
+        # The queue's own bound: `expire` answers with a 429 through `notify`.
+        flow.expire(waiter)
+
+    def _decided(
+        self, now: float, payload: _Request, rid: str, g: int, started: float, decision: Decision
+    ) -> None:
+        outcome, spec, _ = payload
+        policy = self.policies[g]
         if isinstance(decision, Reject):
             self._counts["rejections"] += 1
             if decision.status == 429:
-                self._on_429(now, payload, decision.retry_after_s)
+                self._on_429(now, payload, decision.retry_after_s, started)
             else:
                 outcome.tries.append(
-                    Attempt(now, now, UNAVAILABLE, retry_after_s=decision.retry_after_s)
+                    Attempt(started, now, UNAVAILABLE, retry_after_s=decision.retry_after_s)
                 )
                 outcome.rejections_5xx += 1
-                self._retry(now, payload, "5xx")
+                if decision.status == 400:
+                    outcome.status = "bad_request"
+                else:
+                    self._retry(now, payload, "5xx")
             return
+        assert isinstance(decision, Admit)
         ticket = decision.ticket
         node = self._node_index[ticket.node_id]
         engine = self.engines[node]
@@ -457,28 +526,34 @@ class VirtualCluster:
                                ignore_eos=spec.ignore_eos, priority=int(spec.priority))  # fmt: skip
         except EngineError:
             policy.release(ticket, Outcome.UPSTREAM_ERROR)
-            outcome.tries.append(Attempt(now, now, ERROR, node=ticket.node_id))
+            outcome.tries.append(Attempt(started, now, ERROR, node=ticket.node_id))
             outcome.status = "bad_request"
             return
         self._counts["admissions"] += 1
         outcome.attempts += 1
         outcome.node = ticket.node_id
-        record = Attempt(now, math.nan, "", node=ticket.node_id)
+        record = Attempt(started, math.nan, "", node=ticket.node_id)
+        record.waited_s = now - started
         outcome.tries.append(record)
         attempt = _Attempt(payload, rid, node, g, ticket, record)
         self._attempts[rid] = attempt
-        deadline = now + self.config.client.timeout_s
-        self._deadlines.append((deadline, attempt))
-        if not self._sweep_armed:
-            self._sweep_armed = True
-            self._push(deadline, _TIMEOUT, None)
+        deadline = started + self.config.client.timeout_s
+        if now > started:
+            self._push(max(now, deadline), _TIMEOUT, attempt)  # out of the admission order
+        else:
+            self._deadlines.append((deadline, attempt))
+            if not self._sweep_armed:
+                self._sweep_armed = True
+                self._push(deadline, _TIMEOUT, None)
         self._wake(node, now)
 
-    def _on_429(self, now: float, payload: _Request, retry_after: float | None) -> None:
+    def _on_429(
+        self, now: float, payload: _Request, retry_after: float | None, started: float
+    ) -> None:
         outcome = payload[0]
         client = self.config.client
         tries = outcome.tries
-        tries.append(Attempt(now, now, SHED, None, 0, retry_after))
+        tries.append(Attempt(started, now, SHED, None, 0, retry_after))
         outcome.rejections_429 += 1
         if len(tries) >= client.max_attempts or (
             client.max_429_tries is not None and outcome.rejections_429 >= client.max_429_tries
@@ -586,6 +661,7 @@ class VirtualCluster:
                 if attempt.held:
                     self.policies[attempt.gateway].release(attempt.ticket, Outcome.CLIENT_CANCEL)
                 continue
+            self.policies[attempt.gateway].on_tokens(attempt.ticket, done.output_tokens)
             self._deactivate(attempt, Outcome.DONE)
             record = attempt.record
             record.end = now
@@ -669,24 +745,12 @@ class VirtualCluster:
                 preemptions=preempted - last_p,
                 generated_tokens=generated - last_g,
                 zombie_tokens=zombies - last_z,
-                shed_probability=self._shed_probability(),
+                queued=sum(flow.waiting for flow in self.policies),
             )
         )
         for key in counts:
             counts[key] = 0
         self._push(now + self.config.series_interval_s, _SERIES, None)
-
-    def _shed_probability(self) -> dict[str, float]:
-        """Mean over replicas of each one's reported shed probability per priority."""
-        total: dict[str, float] = {}
-        for policy in self.policies:
-            controller = policy.snapshot().get("controller") or {}
-            shed = controller.get("shed_probability") or {}
-            if isinstance(shed, (int, float)):  # one figure for all: say it of "standard"
-                shed = {"standard": shed}
-            for name, p in shed.items():
-                total[name] = total.get(name, 0.0) + float(p) / len(self.policies)
-        return total
 
 
 def run_virtual(

@@ -65,6 +65,7 @@ class RequestSpec:
     stream: bool
     id: str = ""  # the caller's name for it ("" = "r{index}")
     kind: str = ""  # the caller's class of request (the benchmark's "chat" / "long")
+    tenant: str = ""  # who sent it (fairness, tenant limits)
 
 
 def _lognormal_mu(mean: float, sigma: float) -> float:

@@ -1,20 +1,21 @@
 """Admission policies, selectable by `AdmissionSettings.policy`.
 
-`build_policy(settings, clock)` is the one entry point the shell and the simulator use.
+`build_policy(settings, clock)` is the one entry point; the flow controller
+(`kvgate.core.flow`) is what the shell and the simulator hold, with the policy inside it.
+`adaptive` is kvgate's; the others are baselines the benchmarks compare it with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvgate.core.admission import AdmissionPolicy
 from kvgate.core.clock import Clock
+from kvgate.core.lengths import OutputLengths
 from kvgate.core.policies.adaptive import AdaptivePolicy
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.policies.none import NonePolicy
 from kvgate.core.policies.seed import SeedPolicy
 from kvgate.core.policies.static import StaticConcurrencyPolicy, StaticQpsPolicy
-from kvgate.core.reservations import ReservationStore
 from kvgate.core.settings import AdmissionSettings
 
 PolicyFactory = Callable[..., BasePolicy]
@@ -33,14 +34,14 @@ def build_policy(
     clock: Clock,
     *,
     rng_seed: int | None = None,
-    store: ReservationStore | None = None,
-) -> AdmissionPolicy:
+    lengths: OutputLengths | None = None,
+) -> BasePolicy:
     """The policy named by `settings.policy` on `clock`, seeded by `rng_seed` or `settings.seed`."""
     try:
         factory = _REGISTRY[settings.policy]
     except KeyError:
         raise ValueError(f"admission policy {settings.policy!r} is not available") from None
-    return factory(settings, clock, rng_seed=rng_seed, store=store)
+    return factory(settings, clock, rng_seed=rng_seed, lengths=lengths)
 
 
 __all__ = [

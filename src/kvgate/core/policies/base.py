@@ -1,59 +1,55 @@
-"""What every policy shares: node states, tickets, reservations, exact release, snapshot.
+"""What every placement policy shares: node states, holds, exact release, the KV envelope.
 
-Reservation accounting (the part that keeps a burst from overrunning a node)
-----------------------------------------------------------------------------
-A request's KV footprint grows from its prompt (after prefill) to prompt + output, at most
-`cost.total` (+ `reservation_overhead_tokens` for block rounding): that full amount is
-reserved on its node at admission, before any byte goes upstream. A sample tells us the
-engine's *used* KV tokens; it already contains a request's footprint once the request has
-been prefilled before the sample was taken. So for each live ticket on a node we keep
+Holds: what the policy counts for each admitted request
+-------------------------------------------------------
+A request's KV footprint grows from its prompt (after prefill) to prompt + output. For each
+live ticket the policy keeps a *hold*: the prompt `P` (estimated), the output cap `M`, the
+expected output `E` (learned, see `kvgate.core.lengths`; `M` for requests that ignore
+end-of-sequence), the output seen so far (`on_tokens`) and `ovh`
+(`reservation_overhead_tokens`, KV block rounding). A sample tells the engine's *used* KV
+tokens; it contains a request's footprint once the request was prefilled before the sample
+was taken. So each hold also keeps
 
-    reflected   = 0                                  until a sample taken at least
-                                                     `reflect_margin_s` after the
-                                                     ticket's first token arrives;
-                  est_prompt + output_tokens_known   afterwards (output tokens counted
-                                                     only as known by the sample's time)
-    unreflected = full_reservation - reflected       (what the sample cannot contain yet)
+    reflected = 0                              until a sample taken at least
+                                               `reflect_margin_s` after its first token;
+                P + output known by the        afterwards (never lowered)
+                sample's time
 
-and the node's predicted usage is
+and a node's usage is known in two forms, both O(1) from running sums:
 
-    predicted_tokens = reported_used_tokens + sum(unreflected over live tickets).
+    now    = used + sum(P + output_so_far + ovh - reflected)   what it holds at this moment
+    bound  = used + sum(P + M + ovh - reflected)                if everything ran to its cap
+                                                                and nothing ended
 
-After prefill, `unreflected = max_output - output_so_far + overhead`: exactly the growth
-still to come, independent of how good the prompt estimate was or of prefix-cache sharing
-(shared blocks are already in `reported`). Before the first token we count the whole
-estimated cost on top of the sample, which over-counts a prefill in progress; we accept
-over-counting (a little lost utilisation for one sample period) and never under-count.
-A ticket released before the next sample drops its reservation at once while its blocks
-may still be in `reported` until that sample: over-counting again, never under-.
+`now` drives the node's watermark level (a node at panic on it takes nothing new). `bound`
+is the fast path of admission: a newcomer that fits under a ceiling on `bound` fits for
+sure. Otherwise the node's *envelope* decides (`kvgate.core.envelope`): base `now`, and each
+hold running `R = E - output_so_far` more steps (`M - output_so_far` once it outlived `E`),
+holding `P + output_so_far + ovh`; a newcomer fits when the envelope's peak with it stays
+under the ceiling. Reserving `M` for a request's whole life leaves KV idle that nobody will
+use; the envelope counts that room back as each request's end comes into view.
 
-Because a reservation is added at admission and admission checks
-`predicted + cost <= ceiling * capacity`, a burst of N requests inside one scrape period
-can never push predicted usage past the ceiling (at most the panic watermark), whatever N.
+Before the first token a hold counts its whole estimated prompt on top of the sample, which
+over-counts a prefill in progress: a little lost room for one sample period, never too
+little. A ticket released before the next sample drops its hold at once while its blocks may
+still be in `used` until that sample: over-counting again. `sampled_at` should be the time
+the scrape was *sent* (the engine renders its page after it); `reflect_margin_s` covers the
+engine's gauge lag and the scrape's own latency.
 
-`sampled_at` should be the clock time at which the scrape was *sent*: the engine renders
-its page after that instant, so everything we knew at `sampled_at` is in the page. Engine
-gauges also lag by about one iteration, and a shell that stamps the time the page *arrived*
-adds up to one scrape timeout: `reflect_margin_s` (default 0.1 s) covers both.
+Reflection is incremental, with the same result as re-walking every live hold at every
+sample: a hold's `reflected` can only change when the sample's cutoff passes one of its
+three instants (first token, the two token-count points kept), so each hold is queued on its
+node under the next such instant and a sample recomputes only the holds whose instant its
+cutoff has reached: O(changed holds) per sample. The policy therefore learns of a first
+token or a count only through `on_first_token`/`on_tokens`, not from a ticket's fields.
 
-Reflection is incremental, with the same result as re-walking every live ticket at every
-sample: a ticket's `reflected` can only change when the sample's cutoff passes one of its
-three instants (first token, the two token-count points kept), so each hold is queued on
-its node under the next such instant (re-queued when `on_first_token`/`on_tokens` change
-it) and a sample recomputes only the holds whose instant its cutoff has reached: O(changed
-tickets) per sample instead of O(live tickets). Consequently the policy learns of a first
-token or a count only through `on_first_token`/`on_tokens` (the contract's way), not from
-a ticket's fields written directly.
-
-Limits, said plainly: a request preempted by the engine loses its blocks and is no longer
-in `reported` while we count it as reflected; that is under-counting, but preemption only
-happens at KV exhaustion, which the thrashing detector turns into "no new requests to this
-node". Requests sent with no `max_tokens` are assumed to stop at `default_max_tokens`; the
-shell should put that cap into the upstream body, or an engine may exceed the reservation.
-Engines without a KV gauge (llama.cpp, TGI): nothing is ever "reflected", so predicted
-usage is the sum of the full reservations on that node against the reported or configured
-(`default_capacity_tokens`) capacity; with no capacity at all predicted usage is unknown and
-such a node is gated by its queue (`waiting > 0` means "full") and thrashing signals.
+Limits, said plainly: a request the engine preempts loses its blocks while we count it as
+reflected (under-counting; preemption happens only at exhaustion, which the thrashing
+detector turns into "no new requests to this node"). Requests sent with no `max_tokens` are
+capped at `default_max_tokens`; the shell writes that cap into the upstream body. Engines
+without a KV gauge (llama.cpp, TGI): nothing is ever reflected, so the node's usage is the
+sum of its holds against the configured capacity (`default_capacity_tokens`); with none,
+such a node is gated by its queue (`waiting > 0` means full) and thrashing signals.
 """
 
 from __future__ import annotations
@@ -62,23 +58,23 @@ import heapq
 import itertools
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.clock import Clock
+from kvgate.core.envelope import Envelope
+from kvgate.core.lengths import OutputLengths
 from kvgate.core.nodes import NodeState, next_level
 from kvgate.core.rates import DecayingRate
-from kvgate.core.request import Priority, RequestCost
-from kvgate.core.reservations import InProcessReservationStore, ReservationStore
+from kvgate.core.request import AdmissionRequest
 from kvgate.core.retry_after import jittered, retry_after
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 
-TICKET_KEY = "kvgate.key"
-
-
 _NEG_INF = float("-inf")
+# Decode step time assumed for a node whose samples never reported one (seconds per token).
+DEFAULT_STEP_S = 0.03
 
 
 class _Hold:
@@ -91,10 +87,13 @@ class _Hold:
 
     __slots__ = (
         "cut",
+        "expected",
         "full",
         "key",
         "live",
+        "max_out",
         "node_id",
+        "prompt",
         "reflected",
         "ticket",
         "tok_cur",
@@ -104,11 +103,16 @@ class _Hold:
         "wake_at",
     )
 
-    def __init__(self, key: str, ticket: Ticket, node_id: str, full: int) -> None:
+    def __init__(
+        self, key: str, ticket: Ticket, node_id: str, prompt: int, max_out: int, overhead: int
+    ) -> None:
         self.key = key
         self.ticket = ticket
         self.node_id = node_id
-        self.full = full
+        self.prompt = prompt
+        self.max_out = max_out
+        self.expected = ticket.expected_output
+        self.full = prompt + max_out + overhead
         self.reflected = 0
         self.tok_prev = 0
         self.tok_prev_at = _NEG_INF
@@ -118,18 +122,16 @@ class _Hold:
         self.wake_at: float | None = None
         self.live = True
 
-    def output_known_by(self, cutoff: float) -> int:
-        """A lower bound of the output tokens produced by `cutoff` (two recent points kept)."""
-        if self.tok_cur_at <= cutoff:
-            return self.tok_cur
-        if self.tok_prev_at <= cutoff:
-            return self.tok_prev
-        return 0
+    def remaining(self) -> int:
+        """Steps still expected: to `expected`, or to the cap once it outlived that."""
+        done = self.tok_cur
+        target = self.expected if done < self.expected else self.max_out
+        return max(0, target - done)
 
 
 class _Wakeups:
     """One node's holds queued under instants: a FIFO for instants that arrive in order
-    (the common case: a count taken now) and a heap for the rest. Both O(1)-ish to pop.
+    (the common case: a count taken now) and a heap for the rest.
 
     Entries of released or re-queued holds are dropped when popped; a node whose samples
     never pop anything (no KV gauge) is compacted instead, so the queue stays O(live holds).
@@ -151,6 +153,21 @@ class _Wakeups:
         heapq.heapify(self.heap)
 
 
+class _Book:
+    """One node's live holds and their running sums."""
+
+    __slots__ = ("envelope", "full", "holds", "now", "upper", "version", "wakeups")
+
+    def __init__(self) -> None:
+        self.holds: dict[str, _Hold] = {}
+        self.full = 0  # sum of P + M + ovh
+        self.upper = 0  # sum of P + M + ovh - reflected
+        self.now = 0  # sum of P + output so far + ovh - reflected
+        self.wakeups = _Wakeups()
+        self.version = 0
+        self.envelope: tuple[int, Envelope] | None = None
+
+
 class BasePolicy:
     """Shared machinery; subclasses implement `_decide` (and optionally the hooks)."""
 
@@ -162,24 +179,20 @@ class BasePolicy:
         clock: Clock,
         *,
         rng_seed: int | None = None,
-        store: ReservationStore | None = None,
+        lengths: OutputLengths | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
         seed = rng_seed if rng_seed is not None else settings.seed
         self.rng = random.Random(seed)
-        self.store: ReservationStore = store if store is not None else InProcessReservationStore()
+        self.lengths = lengths if lengths is not None else OutputLengths()
         self.nodes: dict[str, NodeState] = {}
         self._holds: dict[str, _Hold] = {}
-        self._by_node: dict[str, dict[str, _Hold]] = {}
-        # Per node: holds queued under an instant - when a sample's cutoff reaches it, the
-        # hold's reflection may change (see "Reflection is incremental").
-        self._wakeups: dict[str, _Wakeups] = {}
+        self._books: dict[str, _Book] = {}
         self._wake_seq = itertools.count()
         self._seq = itertools.count()
         self._in_flight_tokens = 0
-        self._full_by_node: dict[str, int] = {}
-        self._freed = DecayingRate(settings.release_rate_halflife_s)
+        self._freed = DecayingRate(settings.tuning.release_rate_halflife_s)
         self._rr = 0
         # Bumped whenever anything a decision depends on changes (sample, ticket, node set),
         # so a policy may cache a "nothing fits" scan until the next change.
@@ -188,32 +201,65 @@ class BasePolicy:
     # --- the AdmissionPolicy contract ------------------------------------------------------
 
     def admit(
-        self,
-        request_id: str,
-        cost: RequestCost,
-        priority: Priority,
-        candidates: Sequence[str],
+        self, request: AdmissionRequest, promised: Mapping[str, float] | None = None
     ) -> Decision:
         now = self.clock.now()
-        if not candidates:
+        if not request.candidates:
             return self._reject_unavailable(
                 "no_backend", "No backend serves this model.", now, retry_s=1.0
             )
-        choice = self._decide(now, cost, priority, candidates)
+        expected = self.lengths.expected(
+            request.model, request.cost.max_output_tokens, request.exact_output
+        )
+        choice = self._decide(now, request, expected, promised or {})
         if isinstance(choice, Reject):
             return choice
-        return Admit(self._open(now, request_id, choice, cost, priority))
+        return Admit(self._open(now, request, choice, expected))
+
+    def start_estimate(self, request: AdmissionRequest) -> tuple[str, float] | None:
+        return None
+
+    def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:
+        """When the candidates will have freed `tokens`: from the envelope's ends (each
+        hold frees its final footprint after its remaining steps), extrapolated past the
+        last end at the average rate of those ends; else from the measured freeing rate."""
+        if tokens <= 0:
+            return 0.0
+        ends: list[tuple[float, float]] = []
+        for node_id in candidates:
+            book = self._books.get(node_id)
+            if not book or not book.holds:
+                continue
+            step = self.step_s(node_id)
+            for hold in book.holds.values():
+                final = (
+                    hold.prompt + hold.tok_cur + self.settings.tuning.reservation_overhead_tokens
+                )
+                remaining = hold.remaining()
+                ends.append((remaining * step, final + remaining))
+        if ends:
+            ends.sort()
+            freed = 0.0
+            for at, amount in ends:
+                freed += amount
+                if freed >= tokens:
+                    return at
+            last = max(ends[-1][0], 1e-3)
+            return last + (tokens - freed) / (freed / last)
+        rate = self.freed_tokens_per_s(self.clock.now())
+        return tokens / rate if rate > 0 else None
 
     def on_first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
             ticket.first_token_at = self.clock.now()
-        hold = self._holds.get(ticket.extra.get(TICKET_KEY, ""))
+        hold = self._holds.get(ticket.key)
         if hold is not None:
+            self._progress(hold.node_id, ticket.first_token_at)
             self._schedule(hold, ticket.first_token_at)
 
     def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
         now = self.clock.now()
-        hold = self._holds.get(ticket.extra.get(TICKET_KEY, ""))
+        hold = self._holds.get(ticket.key)
         if ticket.first_token_at is None:
             ticket.first_token_at = now
             if hold is not None:
@@ -221,6 +267,9 @@ class BasePolicy:
         if hold is None or output_tokens <= hold.tok_cur:
             return
         ticket.output_tokens = output_tokens
+        self._progress(hold.node_id, now)
+        book = self._books[hold.node_id]
+        book.now += output_tokens - hold.tok_cur
         hold.tok_prev = hold.tok_cur
         hold.tok_prev_at = hold.tok_cur_at
         hold.tok_cur = output_tokens
@@ -231,27 +280,27 @@ class BasePolicy:
         if ticket.released:
             return
         ticket.released = True
-        hold = self._holds.pop(ticket.extra.get(TICKET_KEY, ""), None)
+        hold = self._holds.pop(ticket.key, None)
         if hold is None:
             return
         hold.live = False
-        self.store.release(hold.node_id, hold.key)
-        on_node = self._by_node.get(hold.node_id)
-        if on_node is not None:
-            on_node.pop(hold.key, None)
-            if not on_node:
-                del self._by_node[hold.node_id]
-                self._wakeups.pop(hold.node_id, None)  # only dead holds left in it
+        book = self._books[hold.node_id]
+        del book.holds[hold.key]
+        book.full -= hold.full
+        book.upper -= hold.full - hold.reflected
+        book.now -= self._current(hold) - hold.reflected
+        book.version += 1
+        if not book.holds:
+            del self._books[hold.node_id]  # its wake-up queue held only dead holds
         self._in_flight_tokens -= hold.full
         self.generation += 1
-        left = self._full_by_node.get(hold.node_id, 0) - hold.full
-        if left:
-            self._full_by_node[hold.node_id] = left
-        else:
-            self._full_by_node.pop(hold.node_id, None)
         self._refresh_level(hold.node_id)
         now = self.clock.now()
         self._freed.add(now, hold.full)
+        if outcome is Outcome.DONE:
+            request = ticket.request
+            produced = max(ticket.output_tokens, hold.tok_cur)
+            self.lengths.learn(request.model, request.cost.max_output_tokens, produced)
         self._on_release(now, hold, outcome)
 
     def observe(self, node_id: str, sample: NodeSample) -> None:
@@ -262,7 +311,10 @@ class BasePolicy:
         if not node.accept(sample, now, self.settings):
             return
         self.generation += 1
-        self._reflect(node_id, sample)
+        book = self._books.get(node_id)
+        if book is not None:
+            book.version += 1
+            self._reflect(book, sample)
         self._refresh_level(node_id)
         self._on_observe(now, node)
 
@@ -292,12 +344,17 @@ class BasePolicy:
             "controller": self._controller_snapshot(now),
             "in_flight_requests": len(self._holds),
             "released_tokens_per_s": self._freed.value(now),
+            "expected_output": self.lengths.snapshot(),
         }
 
     # --- for subclasses ---------------------------------------------------------------------
 
     def _decide(
-        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+        self,
+        now: float,
+        request: AdmissionRequest,
+        expected: int,
+        promised: Mapping[str, float],
     ) -> str | Reject:
         raise NotImplementedError
 
@@ -308,12 +365,7 @@ class BasePolicy:
         """Called once per released ticket."""
 
     def _controller_snapshot(self, now: float) -> dict[str, Any]:
-        return {
-            "budget_tokens": None,
-            "in_flight_tokens": self._in_flight_tokens,
-            "setpoint": None,
-            "shed_probability": {"critical": 0.0, "standard": 0.0, "sheddable": 0.0},
-        }
+        return {"in_flight_tokens": self._in_flight_tokens}
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -326,31 +378,73 @@ class BasePolicy:
         return self._in_flight_tokens
 
     def in_flight_on(self, node_id: str) -> int:
-        on_node = self._by_node.get(node_id)
-        return len(on_node) if on_node else 0
+        book = self._books.get(node_id)
+        return len(book.holds) if book else 0
 
     def full_reserved_on(self, node_id: str) -> int:
-        """The full (not only unreflected) reservations of the live tickets on `node_id`."""
-        return self._full_by_node.get(node_id, 0)
+        """P + M + ovh summed over the live tickets on `node_id`."""
+        book = self._books.get(node_id)
+        return book.full if book else 0
+
+    def reserved_on(self, node_id: str) -> int:
+        """What the node's last sample cannot contain of its holds at their caps."""
+        book = self._books.get(node_id)
+        return book.upper if book else 0
+
+    def unreflected_now(self, node_id: str) -> int:
+        """What the node's last sample cannot contain of its holds as they are now."""
+        book = self._books.get(node_id)
+        return book.now if book else 0
 
     def freed_tokens_per_s(self, now: float) -> float:
         return self._freed.value(now)
 
-    def reservation_for(self, cost: RequestCost) -> int:
-        return cost.total + self.settings.reservation_overhead_tokens
+    def footprint(self, request: AdmissionRequest, expected: int) -> int:
+        """Tokens the request will hold at its end if it runs as expected."""
+        return (
+            request.cost.prompt_tokens + expected + self.settings.tuning.reservation_overhead_tokens
+        )
 
-    def predicted_tokens(self, node: NodeState) -> float | None:
-        """Reported used tokens plus what the sample cannot reflect yet; None if unknowable."""
+    def step_s(self, node_id: str) -> float:
+        """The node's recent seconds per decode step (a default before any sample says)."""
+        node = self.nodes.get(node_id)
+        step = None if node is None else node.step_s
+        return step if step is not None and step > 0 else DEFAULT_STEP_S
+
+    def upper_tokens(self, node: NodeState) -> float | None:
+        """`bound`: reported used tokens plus every hold run to its cap; None if unknowable."""
         if node.cap is None:
             return None
-        return node.used + self.store.reserved(node.node_id)
+        return node.used + self.reserved_on(node.node_id)
 
-    def predicted_usage(self, node: NodeState) -> float | None:
+    def now_tokens(self, node: NodeState) -> float | None:
+        """`now`: reported used tokens plus what the sample cannot contain yet."""
+        if node.cap is None:
+            return None
+        return node.used + self.unreflected_now(node.node_id)
+
+    def usage_now(self, node: NodeState) -> float | None:
         capacity = node.capacity(self.settings)
-        tokens = self.predicted_tokens(node)
+        tokens = self.now_tokens(node)
         if capacity is None or tokens is None:
             return None
         return tokens / capacity
+
+    def envelope(self, node: NodeState) -> Envelope:
+        """The node's envelope (see the module docstring), cached until its book changes."""
+        book = self._books.get(node.node_id)
+        if book is None:
+            return Envelope(node.used)
+        cached = book.envelope
+        if cached is not None and cached[0] == book.version:
+            return cached[1]
+        overhead = self.settings.tuning.reservation_overhead_tokens
+        env = Envelope(
+            node.used + book.now,
+            ((h.remaining(), h.prompt + h.tok_cur + overhead) for h in book.holds.values()),
+        )
+        book.envelope = (book.version, env)
+        return env
 
     def least_loaded(self, candidates: Sequence[str]) -> str:
         """Fewest live tickets; ties broken round-robin so equal nodes share the load.
@@ -358,7 +452,7 @@ class BasePolicy:
         From `p2c_min_nodes` candidates on: the less loaded of two random ones (O(1)).
         """
         n = len(candidates)
-        if n >= self.settings.p2c_min_nodes:
+        if n >= self.settings.tuning.p2c_min_nodes:
             i = self.rng.randrange(n)
             j = self.rng.randrange(n - 1)
             a, b = candidates[i], candidates[j + (j >= i)]
@@ -373,12 +467,14 @@ class BasePolicy:
                 best, best_load = cand, load
         return best
 
-    def reject_shed(self, reason: str, message: str, now: float, excess_tokens: float) -> Reject:
+    def reject_shed(
+        self, reason: str, message: str, now: float, excess_tokens: float, waitable: bool = False
+    ) -> Reject:
         """429: shed now, come back after the cluster has freed `excess_tokens`."""
         delay = retry_after(
             excess_tokens, self._freed.value(now), self.settings.retry_after_max_s, self.rng
         )
-        return Reject(status=429, reason=reason, retry_after_s=delay, message=message)
+        return Reject(429, reason, delay, message, waitable)
 
     def _reject_unavailable(
         self, reason: str, message: str, now: float, retry_s: float | None = None
@@ -389,55 +485,66 @@ class BasePolicy:
         delay = jittered(centre, self.rng, self.settings.retry_after_max_s)
         return Reject(status=503, reason=reason, retry_after_s=delay, message=message)
 
-    def _open(
-        self, now: float, request_id: str, node_id: str, cost: RequestCost, priority: Priority
-    ) -> Ticket:
-        key = f"{next(self._seq)}:{request_id}"
+    def _open(self, now: float, request: AdmissionRequest, node_id: str, expected: int) -> Ticket:
+        key = f"{next(self._seq)}:{request.request_id}"
         ticket = Ticket(
-            request_id=request_id,
-            node_id=node_id,
-            cost=cost,
-            priority=priority,
-            admitted_at=now,
-            extra={TICKET_KEY: key},
+            request=request, node_id=node_id, admitted_at=now, key=key, expected_output=expected
         )
-        full = self.reservation_for(cost)
-        hold = _Hold(key, ticket, node_id, full)
-        self.store.reserve(node_id, key, full)
+        overhead = self.settings.tuning.reservation_overhead_tokens
+        cost = request.cost
+        hold = _Hold(key, ticket, node_id, cost.prompt_tokens, cost.max_output_tokens, overhead)
         self._holds[key] = hold
-        self._by_node.setdefault(node_id, {})[key] = hold
-        self._in_flight_tokens += full
+        book = self._books.get(node_id)
+        if book is None:
+            book = self._books[node_id] = _Book()
+        book.holds[key] = hold
+        book.full += hold.full
+        book.upper += hold.full
+        held = hold.prompt + overhead
+        book.now += held
+        cached = book.envelope
+        book.version += 1
+        if cached is not None and cached[0] == book.version - 1:
+            cached[1].add(held, hold.remaining())  # keep the cache: O(n) insert, no re-sort
+            book.envelope = (book.version, cached[1])
+        self._in_flight_tokens += hold.full
         self.generation += 1
-        self._full_by_node[node_id] = self._full_by_node.get(node_id, 0) + full
         self._refresh_level(node_id)
         return ticket
 
-    def _reflect(self, node_id: str, sample: NodeSample) -> None:
-        """Lower each live ticket's reservation by what this sample already contains.
+    def _progress(self, node_id: str, now: float) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.progress(now)
 
-        For each live ticket whose first token came at least `reflect_margin_s` before the
+    def _current(self, hold: _Hold) -> int:
+        return hold.prompt + hold.tok_cur + self.settings.tuning.reservation_overhead_tokens
+
+    def _reflect(self, book: _Book, sample: NodeSample) -> None:
+        """Lower each live hold by what this sample already contains.
+
+        For each live hold whose first token came at least `reflect_margin_s` before the
         sample: reflected = prompt + output known by then, never lowered, at most the full
-        reservation less the overhead. Only the holds queued under an instant this cutoff
-        has reached are recomputed; every other hold would come out unchanged.
+        footprint less the overhead. Only the holds queued under an instant this cutoff has
+        reached are recomputed; every other hold would come out unchanged.
         """
-        queued = self._wakeups.get(node_id)
-        if queued is None or sample.kv_usage is None:
+        if sample.kv_usage is None:
             return
-        cutoff = sample.sampled_at - self.settings.reflect_margin_s
-        overhead = self.settings.reservation_overhead_tokens
-        recompute = self._reflect_hold
+        cutoff = sample.sampled_at - self.settings.tuning.reflect_margin_s
+        overhead = self.settings.tuning.reservation_overhead_tokens
+        queued = book.wakeups
         fifo, heap = queued.fifo, queued.heap
         popleft = fifo.popleft
         while fifo and fifo[0][0] <= cutoff:
             at, hold = popleft()
             if hold.live and hold.wake_at == at:  # else released, or queued again since
-                recompute(node_id, hold, cutoff, overhead)
+                self._reflect_hold(book, hold, cutoff, overhead)
         while heap and heap[0][0] <= cutoff:
             at, _, hold = heapq.heappop(heap)
             if hold.live and hold.wake_at == at:
-                recompute(node_id, hold, cutoff, overhead)
+                self._reflect_hold(book, hold, cutoff, overhead)
 
-    def _reflect_hold(self, node_id: str, hold: _Hold, cutoff: float, overhead: int) -> None:
+    def _reflect_hold(self, book: _Book, hold: _Hold, cutoff: float, overhead: int) -> None:
         """The walk's formula for one hold at one cutoff; re-queue it unless settled."""
         hold.wake_at = None
         ticket = hold.ticket
@@ -449,15 +556,17 @@ class BasePolicy:
                 known = hold.tok_prev
             else:
                 known = 0
-            reflected = ticket.cost.prompt_tokens + known
+            reflected = hold.prompt + known
             if reflected < hold.reflected:
                 reflected = hold.reflected
             most = hold.full - overhead
             if reflected > most:
                 reflected = most
-            if reflected != hold.reflected:
+            delta = reflected - hold.reflected
+            if delta:
                 hold.reflected = reflected
-                self.store.update(node_id, hold.key, hold.full - reflected)
+                book.upper -= delta
+                book.now -= delta
         hold.cut = cutoff
         if first is None or first > cutoff or hold.tok_cur_at > cutoff:
             self._schedule(hold)  # else settled: every instant is at or before the cutoff
@@ -472,7 +581,7 @@ class BasePolicy:
         just wrote: if it is not after `cut` (a zero margin, a count taken at the cutoff's
         very time) the next sample looks. A fully reflected hold never changes again.
         """
-        if hold.reflected >= hold.full - self.settings.reservation_overhead_tokens:
+        if hold.reflected >= hold.full - self.settings.tuning.reservation_overhead_tokens:
             return
         first = hold.ticket.first_token_at
         if first is None:
@@ -495,15 +604,14 @@ class BasePolicy:
         if queued is not None and queued <= wake:
             return  # already queued no later than needed; that look re-queues it
         hold.wake_at = wake
-        queue = self._wakeups.get(hold.node_id)
-        if queue is None:
-            queue = self._wakeups[hold.node_id] = _Wakeups()
+        book = self._books[hold.node_id]
+        queue = book.wakeups
         fifo = queue.fifo
         if not fifo or fifo[-1][0] <= wake:
             fifo.append((wake, hold))
         else:
             heapq.heappush(queue.heap, (wake, next(self._wake_seq), hold))
-        if len(fifo) + len(queue.heap) > 2 * len(self._by_node[hold.node_id]) + 64:
+        if len(fifo) + len(queue.heap) > 2 * len(book.holds) + 64:
             queue.compact()  # amortised O(1): at least half of it was dead
 
     def _refresh_level(self, node_id: str) -> None:
@@ -511,40 +619,17 @@ class BasePolicy:
         node = self.nodes.get(node_id)
         if node is None:
             return
-        usage = self.predicted_usage(node)
+        usage = self.usage_now(node)
         if usage is None:
             return
         s = self.settings
         node.level = next_level(
-            node.level, usage, s.high_watermark, s.panic_watermark, s.hysteresis
+            node.level, usage, s.high_watermark, s.panic_watermark, s.tuning.hysteresis
         )
 
-    def _node_state(self, now: float, node: NodeState) -> str:
-        if node.sample is None:
-            return "unknown"
-        if not node.is_fresh(now, self.settings):
-            return "stale"
-        if node.is_thrashing(now):
-            return "thrashing"
-        return node.level
-
     def _node_snapshot(self, now: float, node: NodeState) -> dict[str, Any]:
-        sample = node.sample
-        return {
-            "fresh": node.is_fresh(now, self.settings),
-            "age_s": node.age(now),
-            "state": self._node_state(now, node),
-            "sample": None
-            if sample is None
-            else {
-                "kv_usage": sample.kv_usage,
-                "kv_capacity_tokens": sample.kv_capacity_tokens,
-                "running": sample.running,
-                "waiting": sample.waiting,
-                "iteration_latency_s": sample.iteration_latency_s,
-                "sampled_at": sample.sampled_at,
-            },
-            "reserved_tokens": self.store.reserved(node.node_id),
-            "in_flight": self.in_flight_on(node.node_id),
-            "predicted_usage": self.predicted_usage(node),
-        }
+        entry = node.snapshot(now, self.settings)
+        entry["reserved_tokens"] = self.reserved_on(node.node_id)
+        entry["in_flight"] = self.in_flight_on(node.node_id)
+        entry["predicted_usage"] = self.usage_now(node)
+        return entry

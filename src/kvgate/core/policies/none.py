@@ -7,17 +7,22 @@ cluster's predicted usage would be and its books return to zero.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 from kvgate.core.admission import Reject
 from kvgate.core.policies.base import BasePolicy
-from kvgate.core.request import Priority, RequestCost
+from kvgate.core.request import AdmissionRequest
 
 
 class NonePolicy(BasePolicy):
     name = "none"
 
     def _decide(
-        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+        self,
+        now: float,
+        request: AdmissionRequest,
+        expected: int,
+        promised: Mapping[str, float],
     ) -> str | Reject:
+        candidates = request.candidates
         return self.least_loaded(candidates)

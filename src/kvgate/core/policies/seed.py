@@ -25,15 +25,15 @@ twice). Rejections are 429 with a Retry-After of 3 s +-20 %, as the sketch's tex
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from kvgate.core.admission import Reject
 from kvgate.core.clock import Clock
+from kvgate.core.lengths import OutputLengths
 from kvgate.core.nodes import NodeState
 from kvgate.core.policies.base import BasePolicy
-from kvgate.core.request import Priority, RequestCost
-from kvgate.core.reservations import ReservationStore
+from kvgate.core.request import AdmissionRequest
 from kvgate.core.retry_after import jittered
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
@@ -52,9 +52,9 @@ class SeedPolicy(BasePolicy):
         clock: Clock,
         *,
         rng_seed: int | None = None,
-        store: ReservationStore | None = None,
+        lengths: OutputLengths | None = None,
     ) -> None:
-        super().__init__(settings, clock, rng_seed=rng_seed, store=store)
+        super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
         self.rejection_rate = 0  # percent, like the sketch's atomic.Uint32
         self._next_tick = clock.now() + TICK_S
         self._received_at: dict[str, float] = {}
@@ -100,8 +100,13 @@ class SeedPolicy(BasePolicy):
         return 0
 
     def _decide(
-        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+        self,
+        now: float,
+        request: AdmissionRequest,
+        expected: int,
+        promised: Mapping[str, float],
     ) -> str | Reject:
+        candidates = request.candidates
         self._tick(now)
         rate = self.rejection_rate
         if rate > 0 and int(now * 1e9) % 100 < rate:

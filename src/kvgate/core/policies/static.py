@@ -7,13 +7,13 @@ either too low for short requests or far too high for long-context ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 from kvgate.core.admission import Reject
 from kvgate.core.clock import Clock
+from kvgate.core.lengths import OutputLengths
 from kvgate.core.policies.base import BasePolicy
-from kvgate.core.request import Priority, RequestCost
-from kvgate.core.reservations import ReservationStore
+from kvgate.core.request import AdmissionRequest
 from kvgate.core.retry_after import jittered
 from kvgate.core.settings import AdmissionSettings
 
@@ -29,11 +29,11 @@ class StaticQpsPolicy(BasePolicy):
         clock: Clock,
         *,
         rng_seed: int | None = None,
-        store: ReservationStore | None = None,
+        lengths: OutputLengths | None = None,
     ) -> None:
-        super().__init__(settings, clock, rng_seed=rng_seed, store=store)
-        self._rate = settings.static_qps
-        self._depth = float(settings.static_burst)
+        super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
+        self._rate = settings.baseline.qps
+        self._depth = float(settings.baseline.burst)
         self._tokens = self._depth
         self._filled_at = clock.now()
 
@@ -44,8 +44,13 @@ class StaticQpsPolicy(BasePolicy):
             self._filled_at = now
 
     def _decide(
-        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+        self,
+        now: float,
+        request: AdmissionRequest,
+        expected: int,
+        promised: Mapping[str, float],
     ) -> str | Reject:
+        candidates = request.candidates
         self._refill(now)
         if self._tokens < 1.0:
             wait = (1.0 - self._tokens) / self._rate
@@ -66,13 +71,18 @@ class StaticConcurrencyPolicy(BasePolicy):
     name = "static-concurrency"
 
     def _decide(
-        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+        self,
+        now: float,
+        request: AdmissionRequest,
+        expected: int,
+        promised: Mapping[str, float],
     ) -> str | Reject:
-        if self.in_flight_requests >= self.settings.static_concurrency:
+        candidates = request.candidates
+        if self.in_flight_requests >= self.settings.baseline.concurrency:
             return self.reject_shed(
                 "concurrency_limit",
-                f"{self.settings.static_concurrency} requests already in flight; retry later.",
+                f"{self.settings.baseline.concurrency} requests already in flight; retry later.",
                 now,
-                self.reservation_for(cost),
+                self.footprint(request, expected),
             )
         return self.least_loaded(candidates)

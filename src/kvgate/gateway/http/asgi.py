@@ -15,3 +15,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Where the front door leaves the authenticated tenant in the ASGI scope (the relay reads it).
+TENANT_SCOPE_KEY = "kvgate.tenant"

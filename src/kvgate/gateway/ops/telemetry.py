@@ -3,8 +3,8 @@
 Hot-path cost matters (the proxy's budget is a quarter of a millisecond of CPU per
 request), so counters are plain dict increments exposed by a custom collector at scrape
 time, histogram children are looked up once and cached, and everything derived from the
-admission policy or the scraper (node usage, shedding probability, scrape latency) is read
-from their snapshots only when `/metrics` is scraped.
+admission core or the scraper (node usage, the queue, scrape latency) is read from their
+snapshots only when `/metrics` is scraped.
 """
 
 from __future__ import annotations
@@ -86,6 +86,12 @@ class GatewayMetrics:
             buckets=_RETRY_AFTER_BUCKETS,
             registry=self.registry,
         )
+        self._queue_wait = LabelledHistogram(
+            "kvgate_queue_wait_seconds",
+            "Time requests spent waiting in the gateway's queue, however the wait ended.",
+            _LATENCY_BUCKETS,
+            "priority",
+        )
         self.retry_after_count = 0
         self.retry_after_sum_s = 0.0
         self.policy_snapshot: SnapshotFn | None = None
@@ -115,6 +121,9 @@ class GatewayMetrics:
         self.client_gone_streams += 1
         self.client_gone_events += relayed
         self.events_after_client_gone += after_disconnect
+
+    def observe_queue_wait(self, priority: str, seconds: float) -> None:
+        self._queue_wait.observe(priority, seconds)
 
     def observe_retry_after(self, seconds: float) -> None:
         self.retry_after_count += 1
@@ -343,20 +352,51 @@ def _policy_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
             if value is not None:
                 family.add_metric([node_id], value)
         yield family
-    shed = GaugeMetricFamily(
-        "kvgate_shed_probability",
-        "Probability that a new request of this priority is shed now.",
+    queue = snapshot.get("queue")
+    if isinstance(queue, Mapping):
+        yield from _queue_metrics(queue)
+
+
+def _queue_metrics(queue: Mapping[str, Any]) -> Iterator[Metric]:
+    """`kvgate_queue_*`: what waits now, per priority and per tenant, and what became of it."""
+    waiting = GaugeMetricFamily(
+        "kvgate_queue_waiting", "Requests waiting in the gateway's queue.", labels=["priority"]
+    )
+    tokens = GaugeMetricFamily(
+        "kvgate_queue_tokens",
+        "KV tokens (prompt + max_tokens) of the requests waiting.",
         labels=["priority"],
     )
-    probabilities = snapshot.get("shed_probability")
-    if not isinstance(probabilities, Mapping) and isinstance(snapshot.get("controller"), Mapping):
-        probabilities = snapshot["controller"].get("shed_probability")
-    if isinstance(probabilities, Mapping):
-        for priority, value in probabilities.items():
-            number = _number(value)
-            if number is not None:
-                shed.add_metric([str(priority).lower()], number)
-    yield shed
+    oldest = GaugeMetricFamily(
+        "kvgate_queue_oldest_seconds",
+        "How long the oldest waiting request has waited.",
+        labels=["priority"],
+    )
+    bands = queue.get("bands")
+    if isinstance(bands, Mapping):
+        for priority, band in bands.items():
+            if isinstance(band, Mapping):
+                waiting.add_metric([str(priority)], _number(band.get("waiting")) or 0.0)
+                tokens.add_metric([str(priority)], _number(band.get("tokens")) or 0.0)
+                oldest.add_metric([str(priority)], _number(band.get("oldest_s")) or 0.0)
+    tenants = GaugeMetricFamily(
+        "kvgate_queue_tenant_waiting", "Requests waiting, per tenant.", labels=["tenant"]
+    )
+    for tenant, count in (queue.get("tenants") or {}).items():
+        tenants.add_metric([str(tenant) or "-"], _number(count) or 0.0)
+    events = CounterMetricFamily(
+        "kvgate_queue_events",
+        "Requests queued, started after waiting, cancelled while waiting, or refused"
+        " (event `refused:<reason>`).",
+        labels=["event"],
+    )
+    for event, count in (queue.get("counters") or {}).items():
+        events.add_metric([str(event)], _number(count) or 0.0)
+    yield waiting
+    yield tokens
+    yield oldest
+    yield tenants
+    yield events
 
 
 def _scraper_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:

@@ -3,10 +3,14 @@
 One request's life:
 
 1. Read the body (413 past the limit), parse it once with orjson (400 on anything
-   malformed), resolve the model (404 when no backend serves it), estimate its KV cost and
-   ask the admission policy (429/503 with Retry-After on a refusal).
-2. Inside one `CancelScope`, listening for the client's departure (`disconnect.py`), send
-   the request to the chosen backend and relay its answer: whole for ordinary responses,
+   malformed), resolve the model (404 when no backend serves it), estimate its KV cost, and
+   build the request's `Call`: everything its later steps need, in one object.
+2. Inside one `CancelScope`, listening for the client's departure (`disconnect.py`), hand
+   the request to the core's flow controller: it starts now, waits in the gateway's queue
+   until the core grants it room (or refuses it: 429 with the predicted wait as
+   Retry-After), or is refused at once (429/503/400). A client that leaves while waiting
+   leaves the queue at once. Then send the request to the granted backend and relay its
+   answer: whole for ordinary responses,
    chunk by chunk for server-sent events. A stream is spliced when both ends allow it
    (`splice.py`: each read is written to the client from the upstream socket's callback),
    else relayed by a loop that awaits `send()` before the next read. Either way a slow
@@ -29,17 +33,18 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
 from kvgate.adapters.backend import Backend
-from kvgate.core.admission import AdmissionPolicy, Outcome, Reject, Ticket
-from kvgate.core.request import Priority, RequestCost
-from kvgate.core.settings import AdmissionSettings
+from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
+from kvgate.core.cost import CostEstimator
+from kvgate.core.flow import FlowController, Waiter
+from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.gateway.http import disconnect, splice
-from kvgate.gateway.http.asgi import Receive, Scope, Send
+from kvgate.gateway.http.asgi import TENANT_SCOPE_KEY, Receive, Scope, Send
 from kvgate.gateway.http.errors import (
     GatewayError,
     UpstreamConnectError,
@@ -67,26 +72,11 @@ Spawn = Callable[[Awaitable[Any]], "asyncio.Task[Any]"]
 #: Upstream response headers the server or this relay sets itself.
 _DROP_RESPONSE = HOP_BY_HOP | {b"x-request-id", b"date", b"server"}
 #: Client headers meant for kvgate only.
-_DROP_REQUEST = frozenset({b"x-kvgate-priority"})
+_DROP_REQUEST = frozenset({b"x-kvgate-priority", b"x-kvgate-max-wait-ms"})
 _EVENT_STREAM = b"text/event-stream"
 _DATA = b"data:"
 _DONE = b"[DONE]"
 _PROMPT_TOKENS = b'"prompt_tokens"'
-
-
-class CostEstimator(Protocol):
-    """Turns a parsed request into its KV cost, and learns from the usage engines report.
-
-    `kvgate.core.cost.CostEstimator` is the implementation; `estimate` raises a ValueError
-    carrying an optional `param` for a body it cannot cost (answered as a 400). Its
-    settings' `default_max_tokens` is the output cap assumed for a body without one.
-    """
-
-    settings: AdmissionSettings
-
-    def estimate(self, model: str, body: dict[str, Any]) -> RequestCost: ...
-
-    def learn(self, model: str, estimated_prompt: int, actual_prompt_tokens: int) -> None: ...
 
 
 class ClientGone(Exception):
@@ -116,6 +106,8 @@ class Exchange:
     completion_tokens: int | None = None
     retried: bool = False
     estimated_prompt: int = 0
+    queued_s: float | None = None  # time spent waiting in the gateway's queue
+    reason: str | None = None  # why a refused request was refused
     # SSE data events relayed so far (a stream's tokens, or more when an engine merges
     # several into one event), and those received after the client's disconnect was noticed.
     events: int = 0
@@ -130,6 +122,27 @@ class ParsedRequest:
     max_tokens: int | None
     data: dict[str, Any]
 
+    @property
+    def exact_output(self) -> bool:
+        """Runs to exactly `max_tokens`: end-of-sequence ignored (a vLLM/SGLang extension)."""
+        return self.max_tokens is not None and self.data.get("ignore_eos") is True
+
+
+@dataclass(slots=True)
+class Call:
+    """One request's passage through the relay: what each step needs, in one place."""
+
+    scope: Scope
+    receive: Receive
+    send: Send
+    ex: Exchange
+    body: bytes = b""
+    parsed: ParsedRequest | None = None
+    request: AdmissionRequest = field(
+        default_factory=lambda: AdmissionRequest("", RequestCost(0, 0))
+    )
+    cscope: CancelScope | None = None
+
 
 class Relay:
     """Everything a proxied request needs, shared by all requests of one gateway."""
@@ -138,7 +151,7 @@ class Relay:
         self,
         pool: UpstreamPool,
         catalog: ModelCatalog,
-        policy: AdmissionPolicy,
+        admission: FlowController,
         estimator: CostEstimator,
         metrics: GatewayMetrics,
         upstream: UpstreamSettings,
@@ -147,7 +160,7 @@ class Relay:
     ) -> None:
         self.pool = pool
         self.catalog = catalog
-        self.policy = policy
+        self.admission = admission
         self.estimator = estimator
         self.metrics = metrics
         self.upstream = upstream
@@ -198,11 +211,11 @@ class Relay:
         receive: Receive,
         send: Send,
         route: str,
-        plan: Callable[[bytes, Exchange], Awaitable[tuple[RequestCost, tuple[str, ...], Any]]],
+        plan: Callable[[Call], Awaitable[None]],
     ) -> None:
-        rid, priority_text, declared = _request_fields(scope["headers"])
-        ex = Exchange(request_id=rid, route=route, started=time.monotonic())
-        rid_bytes = rid.encode()
+        fields = _request_fields(scope["headers"])
+        ex = Exchange(request_id=fields.request_id, route=route, started=time.monotonic())
+        call = Call(scope, receive, send, ex)
         self.metrics.in_flight += 1
         try:
             if not self.accepting:
@@ -212,32 +225,23 @@ class Relay:
                     "shutting_down",
                     headers=[(b"retry-after", b"1")],
                 )
-            body = await _read_body(receive, self.limits.max_body_bytes, declared)
-            try:
-                priority = Priority.parse(priority_text)
-            except ValueError as exc:
-                raise GatewayError(
-                    400, str(exc), "invalid_priority", param="X-Kvgate-Priority"
-                ) from None
-            ex.priority = priority.name.lower()
-            cost, nodes, parsed = await plan(body, ex)
-            if parsed is not None and parsed.max_tokens is None:
-                body = self._with_default_max_tokens(parsed)
-            await self._admit_and_relay(
-                scope, receive, send, ex, body, cost, priority, nodes, parsed
-            )
+            call.body = await _read_body(receive, self.limits.max_body_bytes, fields.declared)
+            call.request = fields.admission_request(scope)
+            ex.priority = call.request.priority.label
+            await plan(call)
+            await self._admit_and_relay(call)
         except GatewayError as err:
             ex.status = err.status
             if ex.ending == "done":
                 ex.ending = "rejected" if err.status in (429, 503) else "bad_request"
             ex.first_byte_at = time.monotonic()
             with contextlib.suppress(OSError):
-                await send_error(send, err, rid_bytes)
+                await send_error(send, err, ex.request_id.encode())
         except ClientGone:
             ex.status, ex.ending = 499, "client_cancel"
         except Exception:
             # Never a traceback as a response: log it, answer 500 if nothing was sent yet.
-            log.exception("request %s failed", rid)
+            log.exception("request %s failed", ex.request_id)
             ex.ending = "internal_error"
             if ex.first_byte_at is None:
                 ex.status = 500
@@ -245,7 +249,7 @@ class Relay:
                     await send_error(
                         send,
                         GatewayError(500, "Internal gateway error.", "internal_error"),
-                        rid_bytes,
+                        ex.request_id.encode(),
                     )
         finally:
             self.metrics.in_flight -= 1
@@ -262,30 +266,33 @@ class Relay:
         cap = self.estimator.settings.default_max_tokens
         return orjson.dumps({**parsed.data, "max_tokens": cap})
 
-    async def _completion_plan(
-        self, body: bytes, ex: Exchange
-    ) -> tuple[RequestCost, tuple[str, ...], ParsedRequest]:
-        parsed = parse_completion(body, self.limits.max_tokens_limit)
-        ex.model = parsed.model
+    async def _completion_plan(self, call: Call) -> None:
+        parsed = parse_completion(call.body, self.limits.max_tokens_limit)
+        call.parsed = parsed
+        call.ex.model = parsed.model
         try:
             cost = self.estimator.estimate(parsed.model, parsed.data)
         except ValueError as exc:
             raise _bad(f"{exc}.", getattr(exc, "param", None)) from None
-        ex.estimated_prompt = cost.prompt_tokens
-        nodes = await self._nodes_for(parsed.model)
-        return cost, nodes, parsed
+        call.ex.estimated_prompt = cost.prompt_tokens
+        request = call.request
+        request.cost = cost
+        request.model = parsed.model
+        request.exact_output = parsed.exact_output
+        request.candidates = await self._nodes_for(parsed.model)
+        if parsed.max_tokens is None:
+            call.body = self._with_default_max_tokens(parsed)
 
-    async def _passthrough_plan(
-        self, body: bytes, ex: Exchange
-    ) -> tuple[RequestCost, tuple[str, ...], None]:
-        model = _model_of(body)
+    async def _passthrough_plan(self, call: Call) -> None:
+        model = _model_of(call.body)
+        request = call.request
         if model is None:
-            nodes = tuple(self.pool.backends)
+            request.candidates = tuple(self.pool.backends)
         else:
-            ex.model = model
-            nodes = await self._nodes_for(model)
+            call.ex.model = request.model = model
+            request.candidates = await self._nodes_for(model)
         # Embeddings and the like hold KV only for their input, roughly a token per 4 bytes.
-        return RequestCost(prompt_tokens=len(body) // 4, max_output_tokens=0), nodes, None
+        request.cost = RequestCost(prompt_tokens=len(call.body) // 4, max_output_tokens=0)
 
     async def _nodes_for(self, model: str) -> tuple[str, ...]:
         nodes = await self.catalog.resolve(model)
@@ -304,33 +311,23 @@ class Relay:
 
     # ---- admission, retry, cancellation ------------------------------------------------------
 
-    async def _admit_and_relay(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        ex: Exchange,
-        body: bytes,
-        cost: RequestCost,
-        priority: Priority,
-        nodes: Sequence[str],
-        parsed: ParsedRequest | None,
-    ) -> None:
+    async def _admit_and_relay(self, call: Call) -> None:
         loop = self._loop or self._bind_loop()
-        cscope = CancelScope(loop)
+        cscope = call.cscope = CancelScope(loop)
         self.active.add(cscope)
+        ex = call.ex
 
         def client_gone() -> None:
             if not ex.response_done:
                 ex.disconnected_at = time.monotonic()
                 cscope.cancel("client_cancel")
 
-        watching = disconnect.watch(scope, receive, client_gone, loop)
+        watching = disconnect.watch(call.scope, call.receive, client_gone, loop)
         try:
             with cscope:
-                await self._attempts(scope, send, ex, cscope, body, cost, priority, nodes, parsed)
+                await self._attempts(call)
         except ScopeCancelled as stop:
-            await self._after_cancel(send, ex, stop.reason)
+            await self._after_cancel(call.send, ex, stop.reason)
         finally:
             self.active.discard(cscope)
             await disconnect.stop_watching(watching)
@@ -340,44 +337,31 @@ class Relay:
         self._loop = asyncio.get_running_loop()
         return self._loop
 
-    async def _attempts(
-        self,
-        scope: Scope,
-        send: Send,
-        ex: Exchange,
-        cscope: CancelScope,
-        body: bytes,
-        cost: RequestCost,
-        priority: Priority,
-        nodes: Sequence[str],
-        parsed: ParsedRequest | None,
-    ) -> None:
+    async def _attempts(self, call: Call) -> None:
+        ex, cscope = call.ex, call.cscope
+        assert cscope is not None
+        nodes = call.request.candidates
         tried: list[str] = []
         last_error: UpstreamError | None = None
-        # The retry comes after an await: a reload may have removed a node of `nodes` since.
-        backends = self.pool.backends
         for attempt in range(2):
-            candidates = [n for n in nodes if n not in tried and n in backends]
+            # The retry comes after an await: a reload may have removed a node since.
+            backends = self.pool.backends
+            candidates = tuple(n for n in nodes if n not in tried and n in backends)
             if attempt and not candidates:
                 break
-            decision = self.policy.admit(ex.request_id, cost, priority, candidates)
-            if isinstance(decision, Reject):
-                self.metrics.admissions["rejected", ex.priority or "-", decision.reason] += 1
-                self.metrics.observe_retry_after(decision.retry_after_s)
-                raise _rejection(decision, after_failure=attempt > 0)
-            self.metrics.admissions["admitted", ex.priority or "-", "admitted"] += 1
-            ticket = decision.ticket
-            backend = backends[ticket.node_id]
-            ex.backend = backend.node_id
+            call.request.candidates = candidates
+            ticket = await self._admit(call, after_failure=attempt > 0)
+            backend = self.pool.backends.get(ticket.node_id)
             outcome = Outcome.UPSTREAM_ERROR
             try:
-                outcome = await self._exchange(
-                    scope, send, ex, cscope, backend, ticket, body, parsed
-                )
+                if backend is None:  # removed by a reload while the request waited
+                    raise UpstreamConnectError("the backend was removed", "removed")
+                ex.backend = backend.node_id
+                outcome = await self._exchange(call, backend, ticket)
                 return
             except UpstreamConnectError as exc:
-                self.metrics.upstream_errors[backend.node_id, exc.kind] += 1
-                tried.append(backend.node_id)
+                self.metrics.upstream_errors[ticket.node_id, exc.kind] += 1
+                tried.append(ticket.node_id)
                 last_error = exc
                 ex.retried = attempt == 0
                 if attempt == 0:
@@ -386,7 +370,9 @@ class Relay:
                 outcome = _OUTCOMES.get(cscope.reason or "", Outcome.CLIENT_CANCEL)
                 raise
             finally:
-                self.policy.release(ticket, outcome)
+                if ex.completion_tokens is not None and not ex.streamed:
+                    self.admission.on_tokens(ticket, ex.completion_tokens)
+                self.admission.release(ticket, outcome)
         ex.ending = "upstream_error"
         message = str(last_error) if last_error else "No other backend to retry on."
         raise GatewayError(
@@ -396,18 +382,59 @@ class Relay:
             headers=[(b"retry-after", b"1"), (b"x-kvgate-reason", b"upstream_unavailable")],
         )
 
-    async def _exchange(
-        self,
-        scope: Scope,
-        send: Send,
-        ex: Exchange,
-        cscope: CancelScope,
-        backend: Backend,
-        ticket: Ticket,
-        body: bytes,
-        parsed: ParsedRequest | None,
-    ) -> Outcome:
+    async def _admit(self, call: Call, after_failure: bool) -> Ticket:
+        """The flow controller's answer: a ticket now, after waiting, or a refusal raised."""
+        ex = call.ex
+        decision = self.admission.submit(call.request)
+        if isinstance(decision, Waiter):
+            decision = await self._wait(call, decision)
+        if isinstance(decision, Reject):
+            self.metrics.admissions["rejected", ex.priority or "-", decision.reason] += 1
+            self.metrics.observe_retry_after(decision.retry_after_s)
+            ex.reason = decision.reason
+            raise _rejection(decision, after_failure=after_failure)
+        self.metrics.admissions["admitted", ex.priority or "-", "admitted"] += 1
+        return decision.ticket
+
+    async def _wait(self, call: Call, waiter: Waiter) -> Decision:
+        """Wait for the core's decision, until the waiter's deadline.
+
+        The core calls `notify` from inside whichever call freed the room. A client that
+        leaves (the scope is cancelled) leaves the queue; if the grant raced its departure,
+        the granted ticket is given back at once, so nothing stays held for nobody.
+        """
+        loop = self._loop or self._bind_loop()
+        future: asyncio.Future[Decision] = loop.create_future()
+
+        def notify(decision: Decision) -> None:
+            if not future.done():
+                future.set_result(decision)
+
+        waiter.notify = notify
+        ex = call.ex
+        ex.stage = "queued"
+        started = time.monotonic()
+        remaining = waiter.deadline - self.admission.clock.now()
+        try:
+            async with asyncio.timeout(max(0.0, remaining)):
+                return await future
+        except TimeoutError:
+            return self.admission.expire(waiter)
+        except BaseException:
+            self.admission.cancel(waiter)
+            granted = waiter.decision
+            if isinstance(granted, Admit):
+                self.admission.release(granted.ticket, Outcome.CLIENT_CANCEL)
+            raise
+        finally:
+            ex.queued_s = time.monotonic() - started
+            self.metrics.observe_queue_wait(ex.priority or "-", ex.queued_s)
+
+    async def _exchange(self, call: Call, backend: Backend, ticket: Ticket) -> Outcome:
         """One attempt on one backend; closes the upstream response on every early exit."""
+        scope, ex, parsed, body = call.scope, call.ex, call.parsed, call.body
+        cscope = call.cscope
+        assert cscope is not None
         path_qs = scope["path"] + (
             "?" + scope["query_string"].decode() if scope["query_string"] else ""
         )
@@ -423,12 +450,9 @@ class Relay:
             response = await self.pool.open(backend, scope["method"], path_qs, headers, body)
             content_type = response.content_type
             if response.status == 200 and content_type.startswith("text/event-stream"):
-                outcome = await self._relay_stream(
-                    scope, send, ex, cscope, response, ticket, parsed
-                )
+                outcome = await self._relay_stream(call, response, ticket)
             else:
-                head = scope["method"] == "HEAD"
-                outcome = await self._relay_whole(send, ex, response, ticket, parsed, head)
+                outcome = await self._relay_whole(call, response, ticket)
             clean = outcome is Outcome.DONE
             return outcome
         except UpstreamConnectError:
@@ -502,15 +526,9 @@ class Relay:
 
     # ---- relaying ------------------------------------------------------------------------------
 
-    async def _relay_whole(
-        self,
-        send: Send,
-        ex: Exchange,
-        response: UpstreamResponse,
-        ticket: Ticket,
-        parsed: ParsedRequest | None,
-        head: bool = False,
-    ) -> Outcome:
+    async def _relay_whole(self, call: Call, response: UpstreamResponse, ticket: Ticket) -> Outcome:
+        send, ex, parsed = call.send, call.ex, call.parsed
+        head = call.scope["method"] == "HEAD"
         ex.stage = "waiting"
         try:
             data = await response.read()
@@ -522,7 +540,7 @@ class Relay:
             ) from exc
         now = time.monotonic()
         ex.first_token_at = now
-        self.policy.on_first_token(ticket)
+        self.admission.on_first_token(ticket)
         if response.status >= 500:
             self.metrics.upstream_errors[ex.backend, "status"] += 1
         headers = _response_headers(response.raw_headers, ex.request_id)
@@ -540,24 +558,19 @@ class Relay:
         return Outcome.DONE
 
     async def _relay_stream(
-        self,
-        scope: Scope,
-        send: Send,
-        ex: Exchange,
-        cscope: CancelScope,
-        response: UpstreamResponse,
-        ticket: Ticket,
-        parsed: ParsedRequest | None,
+        self, call: Call, response: UpstreamResponse, ticket: Ticket
     ) -> Outcome:
+        send, ex, cscope = call.send, call.ex, call.cscope
+        assert cscope is not None
         ex.streamed = True
         ex.status = 200
         headers = _response_headers(response.raw_headers, ex.request_id)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         ex.first_byte_at = time.monotonic()
         ex.stage = "first_token"
-        tally = _StreamTally(self, ex, cscope, ticket, parsed)
+        tally = _StreamTally(self, call, ticket)
         native = response if isinstance(response, H1Response) else None
-        writer = splice.writer_for(scope) if native is not None else None
+        writer = splice.writer_for(call.scope) if native is not None else None
         try:
             if writer is not None and native is not None:
                 await _splice(writer, native, tally)
@@ -618,6 +631,8 @@ class Relay:
                 "ttft_s": None if first is None else _us(first - ex.started),
                 "total_s": _us(total),
                 "ending": ex.ending,
+                "reason": ex.reason,
+                "queue_s": None if ex.queued_s is None else _us(ex.queued_s),
                 "retried": ex.retried,
             }
         )
@@ -633,19 +648,13 @@ class _StreamTally:
 
     __slots__ = ("_cscope", "_done_marks", "_ex", "_found", "_parsed", "_relay", "_tail", "_ticket")
 
-    def __init__(
-        self,
-        relay: Relay,
-        ex: Exchange,
-        cscope: CancelScope,
-        ticket: Ticket,
-        parsed: ParsedRequest | None,
-    ) -> None:
+    def __init__(self, relay: Relay, call: Call, ticket: Ticket) -> None:
+        assert call.cscope is not None
         self._relay = relay
-        self._ex = ex
-        self._cscope = cscope
+        self._ex = call.ex
+        self._cscope = call.cscope
         self._ticket = ticket
-        self._parsed = parsed
+        self._parsed = call.parsed
         self._found = 0  # `data:` fields, `[DONE]` included
         self._done_marks = 0
         self._tail = b""
@@ -671,7 +680,7 @@ class _StreamTally:
         if ex.disconnected_at is not None:
             ex.events_after_disconnect += found
         relay = self._relay
-        relay.policy.on_tokens(self._ticket, ex.events)
+        relay.admission.on_tokens(self._ticket, ex.events)
         if _PROMPT_TOKENS in chunk:
             relay._learn_usage(ex, self._parsed, _usage_from_sse(chunk))
 
@@ -680,7 +689,7 @@ class _StreamTally:
         ex.first_token_at = ex.last_chunk_at
         ex.stage = "streaming"
         relay = self._relay
-        relay.policy.on_first_token(self._ticket)
+        relay.admission.on_first_token(self._ticket)
         self._cscope.idle_deadline(relay.upstream.read_timeout_s, lambda: ex.last_chunk_at)
 
 
@@ -733,10 +742,49 @@ async def _end_stream_with_error(
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _request_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[str, str | None, int | None]:
-    """Request id, priority header and declared length, in one pass over the headers."""
+@dataclass(frozen=True, slots=True)
+class _Fields:
+    """What kvgate reads from a request's headers, in one pass."""
+
+    request_id: str
+    priority: str | None
+    max_wait_ms: str | None
+    declared: int | None
+
+    def admission_request(self, scope: Scope) -> AdmissionRequest:
+        """The admission request's header-borne fields (400 on a bad priority or bound);
+        the tenant is the one the front door authenticated (`kvgate.gateway.security`)."""
+        try:
+            priority = Priority.parse(self.priority)
+        except ValueError as exc:
+            raise GatewayError(
+                400, str(exc), "invalid_priority", param="X-Kvgate-Priority"
+            ) from None
+        max_wait_s: float | None = None
+        if self.max_wait_ms is not None:
+            text = self.max_wait_ms.strip()
+            if not text.isdigit() or len(text) > 9:
+                raise GatewayError(
+                    400,
+                    "X-Kvgate-Max-Wait-Ms must be a whole number of milliseconds.",
+                    "invalid_max_wait",
+                    param="X-Kvgate-Max-Wait-Ms",
+                )
+            max_wait_s = int(text) / 1000.0
+        return AdmissionRequest(
+            self.request_id,
+            RequestCost(0, 0),
+            priority,
+            tenant=scope.get(TENANT_SCOPE_KEY) or "",
+            max_wait_s=max_wait_s,
+        )
+
+
+def _request_fields(headers: Sequence[tuple[bytes, bytes]]) -> _Fields:
+    """Request id, priority, wait bound and declared length, in one pass over the headers."""
     rid: str | None = None
     priority: str | None = None
+    max_wait: str | None = None
     declared: int | None = None
     for name, value in headers:
         if name == b"x-request-id":
@@ -745,10 +793,12 @@ def _request_fields(headers: Sequence[tuple[bytes, bytes]]) -> tuple[str, str | 
                 rid = text
         elif name == b"x-kvgate-priority":
             priority = value.decode("latin-1")
+        elif name == b"x-kvgate-max-wait-ms":
+            max_wait = value.decode("latin-1")
         elif name == b"content-length" and value.isdigit():
             declared = int(value)
     # 128 random bits without the syscall `uuid4()` makes: ids need to be unique, not secret.
-    return rid or f"{random.getrandbits(128):032x}", priority, declared
+    return _Fields(rid or f"{random.getrandbits(128):032x}", priority, max_wait, declared)
 
 
 def _with_field(body: bytes, name: str, value: str) -> bytes:
@@ -843,11 +893,21 @@ def _rejection(decision: Reject, *, after_failure: bool) -> GatewayError:
         (b"retry-after-ms", str(max(1, round(retry_s * 1000))).encode()),
         (b"x-kvgate-reason", decision.reason.encode("latin-1", "replace")),
     ]
-    status = 503 if after_failure else decision.status
-    code = "cluster_saturated" if status == 429 else "service_unavailable"
-    if status == 429 and decision.reason == "tenant_limit":  # security.auth.TenantGate
-        code = "tenant_limit_exceeded"
+    status = 503 if after_failure and decision.status != 400 else decision.status
+    code = _CODES.get((status, decision.reason)) or _CODES[status, ""]
+    if status == 400:  # it can never be served as sent: nothing to retry
+        return GatewayError(400, decision.message, code, param="max_tokens", headers=headers[2:])
     return GatewayError(status, decision.message, code, headers=headers)
+
+
+_CODES = {
+    (429, ""): "cluster_saturated",
+    (429, "tenant_limit"): "tenant_limit_exceeded",
+    (429, "queue_full"): "queue_full",
+    (503, ""): "service_unavailable",
+    (400, ""): "context_length_exceeded",
+    (400, "tenant_limit"): "tenant_limit_exceeded",
+}
 
 
 def _response_headers(

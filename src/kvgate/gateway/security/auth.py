@@ -19,48 +19,39 @@ looked up among the configured digests and confirmed with `hmac.compare_digest`,
 timing tells an attacker nothing about how close a guess was (see `KeyRing`). Digests,
 not keys, are kept in memory, and nothing here logs a key or a token.
 
-Tenant limits are enforced by `TenantGate`, a wrapper around the admission policy: the
-tenant's lease is taken before the cluster admission and kept on the ticket, and both are
-given back by the one `release()` the relay already calls exactly once per ticket.
+The front door leaves the key's tenant in the ASGI scope (`TENANT_SCOPE_KEY`); the relay
+puts it on the request's `AdmissionRequest`, and the core's flow controller enforces the
+tenant's limits next to its fairness (`kvgate.core.flow`, `kvgate.core.tenants`). This
+module owns the `TenantLedger` those limits live in, so a reload can change them.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import contextvars
 import hashlib
 import hmac
 import ipaddress
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvgate.core.admission import AdmissionPolicy, Admit, Decision, Outcome, Reject, Ticket
-from kvgate.core.request import Priority, RequestCost
-from kvgate.core.signals import NodeSample
-from kvgate.core.tenants import Lease, TenantLedger, TenantLimits, TenantRefusal
-from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
+from kvgate.core.request import Priority
+from kvgate.core.tenants import TenantLedger, TenantLimits
+from kvgate.gateway.http.asgi import TENANT_SCOPE_KEY, ASGIApp, Receive, Scope, Send
 from kvgate.gateway.http.errors import GatewayError, send_error
 from kvgate.gateway.security.settings import AuthSettings, TenantSettings
 
 log = logging.getLogger(__name__)
 
 
-#: The tenant of the request being served, read by `TenantGate.admit` (same task).
-current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "kvgate_tenant", default=None
-)
-
 _CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
 _PRIORITY_HEADER = b"x-kvgate-priority"
 _ADMIN_PREFIXES = ("/admin/", "/dashboard")
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
-_TENANT_RETRY_AFTER_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,14 +170,9 @@ class FrontDoor:
             self.refused += 1
             await send_error(send, err)
             return
-        if tenant is None:
-            await app(scope, receive, send)
-            return
-        token = current_tenant.set(tenant)
-        try:
-            await app(scope, receive, send)
-        finally:
-            current_tenant.reset(token)
+        if tenant is not None:
+            scope[TENANT_SCOPE_KEY] = tenant
+        await app(scope, receive, send)
 
     def _check(self, scope: Scope, path: str) -> str | None:
         """Raise for a refused request; return the tenant of an authenticated client."""
@@ -240,72 +226,6 @@ def _retag(headers: Sequence[tuple[bytes, bytes]], entry: KeyEntry) -> list[tupl
     return out
 
 
-# ---- tenant limits around the admission policy ---------------------------------------------
-
-
-class TenantGate:
-    """An `AdmissionPolicy` that charges the current tenant before asking the real policy."""
-
-    def __init__(self, inner: AdmissionPolicy, ledger: TenantLedger) -> None:
-        self.inner = inner
-        self.ledger = ledger
-        self.name = inner.name
-
-    def __getattr__(self, item: str) -> Any:  # settings, counters of the wrapped policy
-        return getattr(self.inner, item)
-
-    def admit(
-        self, request_id: str, cost: RequestCost, priority: Priority, candidates: Sequence[str]
-    ) -> Decision:
-        tenant = current_tenant.get()
-        if tenant is None:
-            return self.inner.admit(request_id, cost, priority, candidates)
-        held = self.ledger.acquire(tenant, cost.total)
-        if isinstance(held, TenantRefusal):
-            return Reject(429, "tenant_limit", _TENANT_RETRY_AFTER_S, held.message)
-        try:
-            decision = self.inner.admit(request_id, cost, priority, candidates)
-        except BaseException:
-            self.ledger.release(held)
-            raise
-        if isinstance(decision, Admit):
-            decision.ticket.extra["tenant_lease"] = held
-        else:
-            self.ledger.release(held)
-        return decision
-
-    def release(self, ticket: Ticket, outcome: Outcome) -> None:
-        try:
-            self.inner.release(ticket, outcome)
-        finally:
-            lease = ticket.extra.get("tenant_lease")
-            if isinstance(lease, Lease):
-                self.ledger.release(lease)
-
-    def on_first_token(self, ticket: Ticket) -> None:
-        self.inner.on_first_token(ticket)
-
-    def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
-        self.inner.on_tokens(ticket, output_tokens)
-
-    def observe(self, node_id: str, sample: NodeSample) -> None:
-        self.inner.observe(node_id, sample)
-
-    def observe_failure(self, node_id: str) -> None:
-        self.inner.observe_failure(node_id)
-
-    def add_node(self, node_id: str) -> None:
-        self.inner.add_node(node_id)
-
-    def remove_node(self, node_id: str) -> None:
-        self.inner.remove_node(node_id)
-
-    def snapshot(self) -> dict[str, Any]:
-        snap = dict(self.inner.snapshot())
-        snap["tenants"] = self.ledger.snapshot()
-        return snap
-
-
 class TenantCollector(Collector):
     """`kvgate_tenant_*` metrics, read from the ledger when `/metrics` is scraped."""
 
@@ -343,39 +263,35 @@ class Security:
     """What the gateway needs from this module: the front door and the tenant ledger."""
 
     front: FrontDoor
-    ledger: TenantLedger | None
+    ledger: TenantLedger
 
     @classmethod
     def from_config(cls, auth: AuthSettings, admin_token: str | None) -> Security:
         keys = KeyRing(load_keys(auth))
-        ledger = None
-        if len(keys):
-            ledger = TenantLedger(
-                limits={name: _limits(t) for name, t in auth.tenants.items()},
-                default_limits=_limits(auth.default_tenant_limits),
-            )
+        ledger = TenantLedger(
+            limits={name: _limits(t) for name, t in auth.tenants.items()},
+            default_limits=_limits(auth.default_tenant_limits),
+        )
         return cls(FrontDoor(keys, admin_token), ledger)
+
+    @property
+    def tenants(self) -> bool:
+        """Are requests authenticated, and so charged to tenants?"""
+        return self.front.enabled
 
     def update(self, auth: AuthSettings) -> bool:
         """Take the keys and tenant limits of a reloaded configuration (key files are read
         again). False, changing nothing, when keys would be switched on or off: that puts
-        the front door on or off the request path and the tenant wrapper around the
-        policy, which only a restart does. Requests in flight keep their tenants' leases;
-        a removed key is refused from the next request on."""
+        the front door on or off the request path, which only a restart does. Requests in
+        flight keep their tenants' leases; a removed key is refused from the next request
+        on."""
         keys = KeyRing(load_keys(auth))
-        if (len(keys) > 0) != (self.ledger is not None):
+        if (len(keys) > 0) != self.front.enabled:
             return False
         self.front.keys = keys
-        if self.ledger is not None:
-            self.ledger.limits = {name: _limits(t) for name, t in auth.tenants.items()}
-            self.ledger.default_limits = _limits(auth.default_tenant_limits)
+        self.ledger.limits = {name: _limits(t) for name, t in auth.tenants.items()}
+        self.ledger.default_limits = _limits(auth.default_tenant_limits)
         return True
-
-    def wrap_policy(self, policy: AdmissionPolicy) -> AdmissionPolicy:
-        """The policy itself without keys; with keys, the tenant-charging wrapper."""
-        if self.ledger is None:
-            return policy
-        return TenantGate(policy, self.ledger)
 
 
 def exposure_message(host: str, port: int, keys: int, admin: bool) -> tuple[int, str]:

@@ -1,0 +1,20 @@
+"""Flow control: the gateway's queue, its order and its wake-ups, in the pure core.
+
+`FlowController` is what the shell and the simulator hold. See `controller` for the
+design, `queue` for the order (priority bands, tenant fairness, FIFO) and `fairness` for
+the two ways of sharing a band between tenants.
+"""
+
+from kvgate.core.flow.controller import FlowController
+from kvgate.core.flow.fairness import ArrivalOrder, Fairness, TokenFairness
+from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
+
+__all__ = [
+    "ArrivalOrder",
+    "Fairness",
+    "FlowController",
+    "TokenFairness",
+    "WaitQueue",
+    "WaitState",
+    "Waiter",
+]

@@ -1,0 +1,422 @@
+"""The flow controller: start a request now, let it wait for room, or refuse it.
+
+The shell (and the simulator) hand every request to `submit()` and get one of three answers:
+
+- `Admit`: it starts now on the ticket's node;
+- `Reject`: 429 (no room within the request's bound), 503 (no backend can take it), or 400
+  (it can never be served as sent), each with its Retry-After;
+- a `Waiter`: it waits in the gateway, not in an engine's KV cache. The caller sets
+  `waiter.notify` and waits; the controller calls it exactly once with an `Admit` or a
+  `Reject`. The caller gives up on its own at `waiter.deadline` with `expire()` (a 429 whose
+  Retry-After is the predicted remaining wait) or when its client leaves with `cancel()`.
+
+**Waiting is a prediction, not a hope.** A request is queued only if the placement policy
+predicts it can start within its bound (`queue.max_wait_s` for its priority, lowered by the
+client's `X-Kvgate-Max-Wait-Ms`): from the nodes' envelopes (when their running requests end,
+at each node's measured step time) and the tokens already waiting ahead of it. When the
+wait cannot be predicted to fit (no node could ever hold it next to what it cannot see
+draining, or the queue ahead takes longer than the bound), it is refused at once with a 429
+whose Retry-After is that prediction; clients are not held for a bound that was never going
+to be met. A waiter whose prediction later passes its deadline is refused then.
+
+**Order** (`queue.WaitQueue`): priority bands (critical, standard, sheddable), then fairness
+between tenants (`fairness.TokenFairness`, VTC's token counters), then arrival order.
+
+**Wake-ups.** Whenever room may have appeared (a request ended, a sample arrived, a node
+joined) `dispatch()` walks the waiters in order and starts every one that fits. The first
+waiter that does not fit promises the node where it would start soonest, from the time it
+would start there: later waiters may still start on that node, but only if they are
+expected to end by then (backfill that never delays the head). Room therefore accumulates
+for a large request whose turn has come, while small ones fill the gap before it. A walk
+stops after `MAX_MISSES` waiters in a row that did not fit, so a long queue costs a bounded
+amount per wake-up.
+
+**Bounds.** `queue.max_waiting` and `queue.max_waiting_tokens` cap the waiters per priority
+and in total; when a band is full, an arrival of a more important band takes the place of
+the newest waiter of the least important band (that one gets its 429), otherwise the
+arrival is refused.
+
+**Tenants.** Each tenant's in-flight limits (`TenantLedger`) are checked when a request is
+about to start: a tenant at its limit has its requests wait for one of its own to end (the
+Retry-After of its refusals comes from the rate at which that tenant frees room), and a
+request larger than its tenant's whole limit is refused at once.
+
+**Books.** A waiter holds nothing on any node. Admission takes the tenant's lease and the
+policy's hold together; `release()` returns both, exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
+from kvgate.core.flow.fairness import Fairness, TokenFairness
+from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
+from kvgate.core.policies.base import BasePolicy
+from kvgate.core.request import AdmissionRequest, Priority
+from kvgate.core.retry_after import MIN_RETRY_AFTER_S, jittered
+from kvgate.core.settings import QueueSettings
+from kvgate.core.signals import NodeSample
+from kvgate.core.tenants import Lease, TenantLedger, TenantRefusal
+
+# A dispatch walk stops after this many waiters in a row found no room.
+MAX_MISSES = 16
+# Retry-After when nothing predicts a wait (no rate measured, nothing running to end).
+DEFAULT_RETRY_S = 2.0
+
+
+class FlowController:
+    """The admission object the shell holds: queue, fairness and tenants around a policy."""
+
+    def __init__(
+        self,
+        policy: BasePolicy,
+        queue: QueueSettings | None = None,
+        *,
+        tenants: TenantLedger | None = None,
+        fairness: Fairness | None = None,
+        strict: bool = False,
+    ) -> None:
+        """`strict`: nothing passes a waiter that does not fit (plain FCFS: no backfill,
+        no promises), for comparison."""
+        self.policy = policy
+        self.clock = policy.clock
+        self.settings = policy.settings
+        self.queue_settings = queue if queue is not None else QueueSettings()
+        self.queue = WaitQueue(fairness if fairness is not None else TokenFairness())
+        self.tenants = tenants if tenants is not None else TenantLedger()
+        self.name = policy.name
+        self._leases: dict[str, Lease] = {}
+        self._dispatching = False
+        self.strict = strict
+        self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
+        self.wait_total_s = 0.0
+
+    # --- the three answers ---------------------------------------------------------------------
+
+    def submit(self, request: AdmissionRequest) -> Decision | Waiter:
+        now = self.clock.now()
+        tokens = request.cost.total
+        too_big = self.tenants.never_fits(request.tenant, tokens)
+        if too_big is not None:
+            self.tenants.refused(request.tenant)
+            return Reject(400, "tenant_limit", 0.0, f"{too_big.message} It can never start.")
+        bound = self._bound(request)
+        blocked = self.tenants.check(request.tenant, tokens)
+        ahead = self._tokens_ahead(request)
+        decision: Decision | None = None
+        if ahead == 0 and blocked is None:
+            decision = self.policy.admit(request)
+            if isinstance(decision, Admit):
+                self._started(decision.ticket, now, 0.0)
+                return decision
+            if not decision.waitable:
+                return decision
+        if bound <= 0:
+            return self._refusal_now(request, decision, blocked, ahead, now)
+        wait = self._predicted_wait(request, ahead, blocked, now)
+        if wait is None or wait > bound:
+            return self._refusal_now(request, decision, blocked, ahead, now, wait)
+        full = self._make_room(request)
+        if full is not None:
+            return self._refusal("queue_full", full, request, wait)
+        waiter = Waiter(
+            request=request,
+            enqueued_at=now,
+            deadline=now + bound,
+            seq=self.queue.next_seq(),
+            tokens=tokens,
+        )
+        self.queue.push(waiter)
+        self.counts["queued"] += 1
+        if ahead:
+            self.dispatch()
+        if waiter.decision is not None:
+            return waiter.decision
+        return waiter
+
+    def cancel(self, waiter: Waiter) -> None:
+        """The client left while waiting: drop it (it holds nothing)."""
+        if waiter.waiting:
+            self.queue.remove(waiter, WaitState.CANCELLED)
+            self.counts["cancelled"] += 1
+            self.dispatch()  # it may have been the head that held a promise
+
+    def expire(self, waiter: Waiter) -> Decision:
+        """The waiter's deadline passed: refuse it (or return what was decided meanwhile)."""
+        if waiter.decision is not None:
+            return waiter.decision
+        now = self.clock.now()
+        request = waiter.request
+        blocked = self.tenants.check(request.tenant, waiter.tokens)
+        wait = self._predicted_wait(request, self._tokens_ahead(request), blocked, now)
+        reason = "tenant_limit" if blocked is not None else "queue_timeout"
+        message = _TIMEOUT_MESSAGE.format(waited=now - waiter.enqueued_at)
+        decision = self._refusal(reason, message, request, wait)
+        self._decide(waiter, decision, WaitState.REFUSED)
+        return decision
+
+    # --- wake-ups -------------------------------------------------------------------------------
+
+    def dispatch(self) -> None:
+        """Start every waiter that fits now, in order, respecting the heads' promises."""
+        if not self.queue.count or self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            self._walk(self.clock.now())
+        finally:
+            self._dispatching = False
+
+    def _walk(self, now: float) -> None:
+        promised: dict[str, float] = {}
+        misses = 0
+        policy = self.policy
+        for waiter in self.queue.order():
+            request = waiter.request
+            if now >= waiter.deadline:
+                self.expire(waiter)
+                continue
+            if self.tenants.check(request.tenant, waiter.tokens) is not None:
+                continue  # waits for one of its own tenant's requests to end
+            decision = policy.admit(request, promised)
+            if isinstance(decision, Admit):
+                self._started(decision.ticket, now, now - waiter.enqueued_at)
+                self._decide(waiter, decision, WaitState.ADMITTED)
+                misses = 0
+                continue
+            if not decision.waitable:
+                self._decide(waiter, decision, WaitState.REFUSED)
+                continue
+            misses += 1
+            if self.strict:
+                break
+            estimate = policy.start_estimate(request)
+            if estimate is not None:
+                node_id, seconds = estimate
+                if now + seconds > waiter.deadline:
+                    refusal = self._refusal("wait_exceeded", _EXCEEDED_MESSAGE, request, seconds)
+                    self._decide(waiter, refusal, WaitState.REFUSED)
+                    continue
+                promised.setdefault(node_id, now + seconds)
+            if misses >= MAX_MISSES:
+                break
+
+    # --- the admitted request's life -------------------------------------------------------------
+
+    def on_first_token(self, ticket: Ticket) -> None:
+        self.policy.on_first_token(ticket)
+
+    def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
+        self.policy.on_tokens(ticket, output_tokens)
+
+    def release(self, ticket: Ticket, outcome: Outcome) -> None:
+        """Give back the ticket's hold and its tenant's lease; idempotent."""
+        if ticket.released:
+            return
+        try:
+            self.policy.release(ticket, outcome)
+        finally:
+            lease = self._leases.pop(ticket.key, None)
+            if lease is not None:
+                self.tenants.release(lease, self.clock.now())
+            if outcome is Outcome.DONE:
+                delta = ticket.output_tokens - ticket.expected_output
+                self.queue.fairness.correct(ticket.request.tenant, delta)
+        self.dispatch()
+
+    def observe(self, node_id: str, sample: NodeSample) -> None:
+        self.policy.observe(node_id, sample)
+        self.dispatch()
+
+    def observe_failure(self, node_id: str) -> None:
+        self.policy.observe_failure(node_id)
+
+    def add_node(self, node_id: str) -> None:
+        self.policy.add_node(node_id)
+        self.dispatch()
+
+    def remove_node(self, node_id: str) -> None:
+        self.policy.remove_node(node_id)
+
+    # --- state ------------------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return self.queue.count
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = self.policy.snapshot()
+        snap["queue"] = self.queue_snapshot()
+        snap["tenants"] = self.tenants.snapshot()
+        return snap
+
+    def queue_snapshot(self) -> dict[str, Any]:
+        now = self.clock.now()
+        bands: dict[str, dict[str, Any]] = {
+            p.label: {"waiting": 0, "tokens": 0, "oldest_s": 0.0} for p in Priority
+        }
+        tenants: Counter[str] = Counter()
+        for waiter in self.queue.waiting():
+            band = bands[waiter.request.priority.label]
+            band["waiting"] += 1
+            band["tokens"] += waiter.tokens
+            band["oldest_s"] = max(band["oldest_s"], now - waiter.enqueued_at)
+            tenants[waiter.request.tenant] += 1
+        return {
+            "waiting": self.queue.count,
+            "tokens": self.queue.tokens,
+            "bands": bands,
+            "tenants": dict(tenants),
+            "fairness": self.queue.fairness.name,
+            "counters": dict(self.counts),
+            "wait_total_s": self.wait_total_s,
+            "service": self.queue.fairness.snapshot(),
+        }
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _bound(self, request: AdmissionRequest) -> float:
+        bound = self.queue_settings.wait_for(request.priority)
+        if request.max_wait_s is not None:
+            bound = min(bound, max(0.0, request.max_wait_s))
+        return bound
+
+    def _tokens_ahead(self, request: AdmissionRequest) -> int:
+        """Tokens waiting that would be served before this request: every more important
+        band, and its own band as its tenant's fair share would order it."""
+        priority = request.priority
+        ahead = 0
+        for band in Priority:
+            if band >= priority:
+                break
+            ahead += self.queue.band_tokens(band)
+        same = self.queue.band_tokens(priority)
+        if same and self.queue.fairness.name != "fcfs":
+            own = self.queue.tenant_count(priority, request.tenant)
+            tenants = max(1, self.queue.backlogged_tenants(priority))
+            count = max(1, self.queue.band_count(priority))
+            share = same * min(1.0, (own + 1) * tenants / count)
+            same = int(share)
+        return ahead + same
+
+    def _predicted_wait(
+        self,
+        request: AdmissionRequest,
+        ahead: int,
+        blocked: TenantRefusal | None,
+        now: float,
+    ) -> float | None:
+        """Seconds until the request could start, or None when nothing predicts it."""
+        estimate = self.policy.start_estimate(request)
+        if estimate is None:
+            return None
+        wait = estimate[1]
+        if ahead:
+            drain = self.policy.drain_time(ahead + request.cost.total, request.candidates)
+            if drain is None:
+                return None
+            wait = max(wait, drain)
+        if blocked is not None:
+            tenant_wait = self.tenants.wait_estimate(request.tenant, request.cost.total, now)
+            if tenant_wait is None:
+                return None
+            wait = max(wait, tenant_wait)
+        return wait
+
+    def _refusal_now(
+        self,
+        request: AdmissionRequest,
+        decision: Decision | None,
+        blocked: TenantRefusal | None,
+        ahead: int,
+        now: float,
+        wait: float | None = None,
+    ) -> Reject:
+        """The 429 for a request that may not wait (bound 0, or its wait will not fit)."""
+        if wait is None:
+            wait = self._predicted_wait(request, ahead, blocked, now)
+        if blocked is not None:
+            self.tenants.refused(request.tenant)
+            return self._refusal("tenant_limit", blocked.message, request, wait)
+        if isinstance(decision, Reject):
+            return self._refusal(decision.reason, decision.message, request, wait)
+        return self._refusal("wait_exceeded", _EXCEEDED_MESSAGE, request, wait)
+
+    def _refusal(
+        self, reason: str, message: str, request: AdmissionRequest, wait: float | None
+    ) -> Reject:
+        """A 429 whose Retry-After is the predicted wait (a drain estimate or a small
+        default when nothing predicts one), jittered, never the clamp by default."""
+        if wait is None:
+            wait = self.policy.drain_time(request.cost.total, request.candidates)
+        centre = DEFAULT_RETRY_S if wait is None else wait
+        top = self.settings.retry_after_max_s
+        centre = min(max(MIN_RETRY_AFTER_S, centre), top)
+        self.counts[f"refused:{reason}"] += 1
+        delay = jittered(centre, self.policy.rng, top)
+        return Reject(429, reason, delay, message)
+
+    def _make_room(self, request: AdmissionRequest) -> str | None:
+        """None when the request may join the queue (after evicting a less important waiter
+        if its band is full); else why it may not."""
+        caps = self.queue_settings
+        band = request.priority
+        tokens = request.cost.total
+        while True:
+            full = self._full(band, tokens, caps)
+            if full is None:
+                return None
+            victim = self.queue.newest(below=band)
+            if victim is None:
+                return full
+            refusal = self._refusal(
+                "queue_full", _EVICTED_MESSAGE, victim.request, self._remaining(victim)
+            )
+            self._decide(victim, refusal, WaitState.REFUSED)
+
+    def _full(self, band: Priority, tokens: int, caps: QueueSettings) -> str | None:
+        queue = self.queue
+        checks = (
+            (caps.cap(caps.max_waiting, band.label), queue.band_count(band) + 1),
+            (caps.cap(caps.max_waiting, "total"), queue.count + 1),
+            (caps.cap(caps.max_waiting_tokens, band.label), queue.band_tokens(band) + tokens),
+            (caps.cap(caps.max_waiting_tokens, "total"), queue.tokens + tokens),
+        )
+        for cap, would in checks:
+            if cap is not None and would > cap:
+                return _FULL_MESSAGE
+        return None
+
+    def _remaining(self, waiter: Waiter) -> float | None:
+        estimate = self.policy.start_estimate(waiter.request)
+        return None if estimate is None else estimate[1]
+
+    def _started(self, ticket: Ticket, now: float, waited: float) -> None:
+        request = ticket.request
+        ticket.waited_s = waited
+        lease = self.tenants.acquire(request.tenant, request.cost.total)
+        if isinstance(lease, Lease):
+            self._leases[ticket.key] = lease
+        self.queue.fairness.charge(
+            request.tenant, request.cost.prompt_tokens, ticket.expected_output
+        )
+        if waited > 0:
+            self.counts["admitted_after_wait"] += 1
+            self.wait_total_s += waited
+
+    def _decide(self, waiter: Waiter, decision: Decision, state: WaitState) -> None:
+        self.queue.remove(waiter, state)
+        waiter.decision = decision
+        notify = waiter.notify
+        if notify is not None:
+            notify(decision)
+
+
+_EXCEEDED_MESSAGE = (
+    "The backends for this model cannot start this request within its wait bound; retry later."
+)
+_TIMEOUT_MESSAGE = "The request waited {waited:.1f} s without room to start; retry later."
+_FULL_MESSAGE = "The gateway's queue is full; retry later."
+_EVICTED_MESSAGE = "The request was dropped from a full queue for more important work; retry later."

@@ -1,0 +1,186 @@
+"""The waiting room: priority bands, then fairness between tenants, then FIFO.
+
+A `Waiter` is one request that could not start at once and may wait for room. The queue
+keeps, per band (critical, standard, sheddable), one FIFO per tenant, and yields waiters in
+dispatch order: the most important band first; within it, the tenant the fairness policy
+puts first (`fairness.key`, ties to the earlier arrival); within the tenant, arrival order.
+Removal is lazy: a waiter that leaves (admitted, refused, cancelled) is marked and skipped,
+while the counts and token sums are kept exact at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvgate.core.admission import Decision
+from kvgate.core.flow.fairness import Fairness
+from kvgate.core.request import AdmissionRequest, Priority
+
+
+class WaitState(enum.Enum):
+    WAITING = "waiting"
+    ADMITTED = "admitted"
+    REFUSED = "refused"
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """A request waiting for room. `notify` is set by whoever waits on it (the shell, the
+    simulator) and called once with the decision, from inside the core's call that made it.
+    """
+
+    request: AdmissionRequest
+    enqueued_at: float
+    deadline: float
+    seq: int
+    tokens: int
+    state: WaitState = WaitState.WAITING
+    decision: Decision | None = None
+    notify: Callable[[Decision], None] | None = field(default=None, repr=False)
+
+    @property
+    def waiting(self) -> bool:
+        return self.state is WaitState.WAITING
+
+
+class _Band:
+    __slots__ = ("count", "live", "tenants", "tokens")
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, deque[Waiter]] = {}  # may hold departed waiters until compacted
+        self.live: dict[str, int] = {}  # waiting waiters per tenant
+        self.count = 0
+        self.tokens = 0
+
+    def compact(self) -> None:
+        """Drop departed waiters from the front of each FIFO and empty FIFOs."""
+        for tenant in list(self.tenants):
+            fifo = self.tenants[tenant]
+            while fifo and not fifo[0].waiting:
+                fifo.popleft()
+            if not fifo:
+                del self.tenants[tenant]
+
+
+class WaitQueue:
+    """Bands of per-tenant FIFOs; `order()` walks them in dispatch order."""
+
+    def __init__(self, fairness: Fairness) -> None:
+        self.fairness = fairness
+        self._bands = {p: _Band() for p in Priority}
+        self._seq = itertools.count()
+        self.count = 0
+        self.tokens = 0
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def band_count(self, priority: Priority) -> int:
+        return self._bands[priority].count
+
+    def band_tokens(self, priority: Priority) -> int:
+        return self._bands[priority].tokens
+
+    def tenant_count(self, priority: Priority, tenant: str) -> int:
+        return self._bands[priority].live.get(tenant, 0)
+
+    def backlogged_tenants(self, priority: Priority) -> int:
+        return sum(1 for n in self._bands[priority].live.values() if n)
+
+    def push(self, waiter: Waiter) -> None:
+        band = self._bands[waiter.request.priority]
+        tenant = waiter.request.tenant
+        fifo = band.tenants.get(tenant)
+        if fifo is None:
+            fifo = band.tenants[tenant] = deque()
+        if not band.live.get(tenant):
+            waiting = [t for t, n in band.live.items() if n]
+            self.fairness.backlogged(tenant, waiting)
+        fifo.append(waiter)
+        band.live[tenant] = band.live.get(tenant, 0) + 1
+        band.count += 1
+        band.tokens += waiter.tokens
+        self.count += 1
+        self.tokens += waiter.tokens
+
+    def remove(self, waiter: Waiter, state: WaitState) -> None:
+        """Take a waiting waiter out. It stays in its FIFO, marked, until the next walk
+        compacts it away, so removing during a walk never disturbs the walk."""
+        if not waiter.waiting:
+            return
+        waiter.state = state
+        band = self._bands[waiter.request.priority]
+        tenant = waiter.request.tenant
+        left = band.live.get(tenant, 1) - 1
+        if left:
+            band.live[tenant] = left
+        else:
+            band.live.pop(tenant, None)
+        band.count -= 1
+        band.tokens -= waiter.tokens
+        self.count -= 1
+        self.tokens -= waiter.tokens
+
+    def order(self) -> Iterator[Waiter]:
+        """Waiting waiters in dispatch order. Fairness keys are read at each step, so a
+        tenant charged for an admission during the walk moves back at once. Waiters may be
+        removed during the walk; none may be pushed."""
+        for band in self._bands.values():
+            band.compact()
+        for priority in Priority:
+            band = self._bands[priority]
+            if not band.count:
+                continue
+            cursors = {t: iter(fifo) for t, fifo in band.tenants.items()}
+            heads: dict[str, Waiter] = {}
+            for tenant, cursor in cursors.items():
+                head = _next_waiting(cursor)
+                if head is not None:
+                    heads[tenant] = head
+            key = self.fairness.key
+            while heads:
+                tenant = min(heads, key=lambda t: (key(t), heads[t].seq))
+                waiter = heads[tenant]
+                yield waiter
+                following = _next_waiting(cursors[tenant])
+                if following is None:
+                    del heads[tenant]
+                else:
+                    heads[tenant] = following
+
+    def newest(self, below: Priority) -> Waiter | None:
+        """The most recent waiter of the least important band less important than `below`."""
+        for priority in reversed(Priority):
+            if priority <= below:
+                return None
+            band = self._bands[priority]
+            newest: Waiter | None = None
+            for fifo in band.tenants.values():
+                for waiter in reversed(fifo):
+                    if waiter.waiting:
+                        if newest is None or waiter.seq > newest.seq:
+                            newest = waiter
+                        break
+            if newest is not None:
+                return newest
+        return None
+
+    def waiting(self) -> Iterator[Waiter]:
+        for band in self._bands.values():
+            for fifo in band.tenants.values():
+                yield from (w for w in fifo if w.waiting)
+
+
+def _next_waiting(cursor: Iterator[Waiter]) -> Waiter | None:
+    for waiter in cursor:
+        if waiter.waiting:
+            return waiter
+    return None
