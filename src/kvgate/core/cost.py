@@ -99,6 +99,7 @@ class CostEstimator:
         tokenizers: Mapping[str, Tokenizer] | None = None,
     ) -> None:
         self.settings = settings
+        self.tuning = settings.tuning
         self._ratios: dict[str, float] = {}
         self._memory: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
         self._tokenizers: dict[str, Tokenizer] = dict(tokenizers or {})
@@ -157,7 +158,7 @@ class CostEstimator:
 
     def ratio(self, model: str) -> float:
         """The current chars-per-token ratio for `model`."""
-        return self._ratios.get(model, self.settings.tuning.chars_per_token)
+        return self._ratios.get(model, self.tuning.chars_per_token)
 
     def tokenizer(self, model: str) -> Tokenizer | None:
         """The tokenizer `model` was given; None when it has none."""
@@ -232,7 +233,7 @@ class CostEstimator:
             chars -= MESSAGE_OVERHEAD_CHARS * prompt.messages
         if chars <= 0:
             return exact, 0, 0
-        approx = math.ceil(chars / self.ratio(model) * self.settings.tuning.prompt_safety_factor)
+        approx = math.ceil(chars / self.ratio(model) * self.tuning.prompt_safety_factor)
         return exact, chars, approx
 
     def _output_tokens(self, body: dict[str, Any]) -> int:

@@ -61,6 +61,9 @@ class NodeState:
     # When the gateway last saw this node make progress on a request (a first token or a
     # count): the engine serves, whatever its metrics page is doing.
     progress_at: float = float("-inf")
+    # Tokens of requests that ended after the last sample was taken: still in `used` until
+    # the next sample, but already free.
+    freed_unseen: int = 0
 
     def age(self, now: float) -> float | None:
         if self.sample is None:
@@ -96,6 +99,7 @@ class NodeState:
             return False
         self.previous, self.sample = self.sample, sample
         self.consecutive_failures = 0
+        self.freed_unseen = 0
         self.cap = self.capacity(settings)
         usage = sample.kv_usage
         self.used = usage * self.cap if usage is not None and self.cap is not None else 0.0
@@ -120,11 +124,12 @@ class NodeState:
     def _update_thrashing(self, now: float, settings: AdmissionSettings) -> None:
         sample = self.sample
         assert sample is not None
+        tuning = settings.tuning
         if self.latency_baseline is None:
-            self.latency_baseline = Ewma(settings.tuning.latency_baseline_halflife_s)
+            self.latency_baseline = Ewma(tuning.latency_baseline_halflife_s)
         signal = self._thrash_signal(sample, settings)
         if signal:
-            self.thrash_until = max(self.thrash_until, now + settings.tuning.thrash_hold_s)
+            self.thrash_until = max(self.thrash_until, now + tuning.thrash_hold_s)
             self.thrashing = True
         elif self.thrashing and now >= self.thrash_until:
             self.thrashing = False

@@ -88,6 +88,7 @@ class FlowController:
         self.tenants = tenants if tenants is not None else TenantLedger()
         self.name = policy.name
         self._leases: dict[str, Lease] = {}
+        self._by_tenant: dict[str, dict[str, Ticket]] = {}  # live tickets, for tenant waits
         self._dispatching = False
         self.strict = strict
         self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
@@ -221,6 +222,11 @@ class FlowController:
             lease = self._leases.pop(ticket.key, None)
             if lease is not None:
                 self.tenants.release(lease, self.clock.now())
+            own = self._by_tenant.get(ticket.request.tenant)
+            if own is not None:
+                own.pop(ticket.key, None)
+                if not own:
+                    del self._by_tenant[ticket.request.tenant]
             if outcome is Outcome.DONE:
                 delta = ticket.output_tokens - ticket.expected_output
                 self.queue.fairness.correct(ticket.request.tenant, delta)
@@ -319,11 +325,30 @@ class FlowController:
                 return None
             wait = max(wait, drain)
         if blocked is not None:
-            tenant_wait = self.tenants.wait_estimate(request.tenant, request.cost.total, now)
+            tenant_wait = self._tenant_wait(request, blocked, now)
             if tenant_wait is None:
                 return None
             wait = max(wait, tenant_wait)
         return wait
+
+    def _tenant_wait(
+        self, request: AdmissionRequest, blocked: TenantRefusal, now: float
+    ) -> float | None:
+        """Seconds until the tenant's own running requests have freed what this one needs:
+        from when each is expected to end, else from the rate the tenant has been freeing."""
+        tickets = self._by_tenant.get(request.tenant)
+        if tickets:
+            ends = sorted(
+                (self.policy.time_left(t), t.request.cost.total) for t in tickets.values()
+            )
+            if blocked.limit == "requests":
+                return ends[0][0]
+            needed = blocked.held + blocked.requested - blocked.maximum
+            for at, tokens in ends:
+                needed -= tokens
+                if needed <= 0:
+                    return at
+        return self.tenants.wait_estimate(request.tenant, request.cost.total, now)
 
     def _refusal_now(
         self,
@@ -399,6 +424,7 @@ class FlowController:
         lease = self.tenants.acquire(request.tenant, request.cost.total)
         if isinstance(lease, Lease):
             self._leases[ticket.key] = lease
+        self._by_tenant.setdefault(request.tenant, {})[ticket.key] = ticket
         self.queue.fairness.charge(
             request.tenant, request.cost.prompt_tokens, ticket.expected_output
         )

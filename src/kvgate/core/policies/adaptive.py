@@ -114,7 +114,7 @@ class AdaptivePolicy(BasePolicy):
         promised: Mapping[str, float],
     ) -> str | Reject:
         candidates = request.candidates
-        if len(candidates) >= self.settings.tuning.p2c_min_nodes:
+        if len(candidates) >= self.tuning.p2c_min_nodes:
             node_id = self._two_choices(now, request, expected, promised)
             if node_id is not None:
                 return node_id
@@ -176,7 +176,7 @@ class AdaptivePolicy(BasePolicy):
         if node.level == LEVEL_PANIC:
             return _Fit(None, "panic")
         limit = self.ceiling(node, request.priority) * cap
-        held = request.cost.prompt_tokens + self.settings.tuning.reservation_overhead_tokens
+        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
         final = held + expected
         upper = node.used + self.reserved_on(node_id) + final
         if upper <= limit:
@@ -287,7 +287,7 @@ class AdaptivePolicy(BasePolicy):
             node = self.nodes.get(node_id)
             if node is None or node.cap is None or not node.usable(now, self.settings):
                 continue
-            limit = self.ceiling(node, request.priority) * node.cap
+            limit = self.ceiling(node, request.priority) * node.cap + self.unseen_overlap(node)
             steps = self.envelope(node).start_step(final, limit)
             if steps is None:
                 continue

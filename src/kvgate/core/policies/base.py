@@ -38,7 +38,9 @@ engine's gauge lag and the scrape's own latency.
 
 Reflection is incremental, with the same result as re-walking every live hold at every
 sample: a hold's `reflected` can only change when the sample's cutoff passes one of its
-three instants (first token, the two token-count points kept), so each hold is queued on its
+instants (its first token and its token-count checkpoints: counts arrive with every streamed
+event, so a checkpoint is kept only every third of the margin, the last five), so each hold
+is queued on its
 node under the next such instant and a sample recomputes only the holds whose instant its
 cutoff has reached: O(changed holds) per sample. The policy therefore learns of a first
 token or a count only through `on_first_token`/`on_tokens`, not from a ticket's fields.
@@ -54,6 +56,7 @@ such a node is gated by its queue (`waiting > 0` means full) and thrashing signa
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import random
@@ -73,6 +76,9 @@ from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 
 _NEG_INF = float("-inf")
+# Token-count checkpoints kept per request, at least a third of `reflect_margin_s` apart, so
+# a sample's cutoff (its time less the margin) always finds one however often counts come.
+_MARKS = 5
 # Decode step time assumed for a node whose samples never reported one (seconds per token).
 DEFAULT_STEP_S = 0.03
 
@@ -91,15 +97,13 @@ class _Hold:
         "full",
         "key",
         "live",
+        "marks",
         "max_out",
         "node_id",
         "prompt",
         "reflected",
         "ticket",
         "tok_cur",
-        "tok_cur_at",
-        "tok_prev",
-        "tok_prev_at",
         "wake_at",
     )
 
@@ -114,13 +118,20 @@ class _Hold:
         self.expected = ticket.expected_output
         self.full = prompt + max_out + overhead
         self.reflected = 0
-        self.tok_prev = 0
-        self.tok_prev_at = _NEG_INF
-        self.tok_cur = 0
-        self.tok_cur_at = _NEG_INF
+        self.tok_cur = 0  # output tokens seen so far
+        # (time, output count) checkpoints, oldest first, at least `_mark_spacing` apart:
+        # what a sample taken at some cutoff can be trusted to contain.
+        self.marks: list[tuple[float, int]] = []
         self.cut = _NEG_INF
         self.wake_at: float | None = None
         self.live = True
+
+    def known_by(self, cutoff: float) -> int:
+        """Output tokens the request had certainly produced by `cutoff`."""
+        for at, count in reversed(self.marks):
+            if at <= cutoff:
+                return count
+        return 0
 
     def remaining(self) -> int:
         """Steps still expected: to `expected`, or to the cap once it outlived that."""
@@ -182,6 +193,7 @@ class BasePolicy:
         lengths: OutputLengths | None = None,
     ) -> None:
         self.settings = settings
+        self.tuning = settings.tuning
         self.clock = clock
         seed = rng_seed if rng_seed is not None else settings.seed
         self.rng = random.Random(seed)
@@ -192,8 +204,10 @@ class BasePolicy:
         self._wake_seq = itertools.count()
         self._seq = itertools.count()
         self._in_flight_tokens = 0
-        self._freed = DecayingRate(settings.tuning.release_rate_halflife_s)
+        self._freed = DecayingRate(self.tuning.release_rate_halflife_s)
         self._rr = 0
+        self._mark_spacing = self.tuning.reflect_margin_s / 3
+        self._drain_cache: tuple[int, tuple[str, ...], list[float], list[float]] | None = None
         # Bumped whenever anything a decision depends on changes (sample, ticket, node set),
         # so a policy may cache a "nothing fits" scan until the next change.
         self.generation = 0
@@ -225,29 +239,43 @@ class BasePolicy:
         last end at the average rate of those ends; else from the measured freeing rate."""
         if tokens <= 0:
             return 0.0
+        times, freed = self._drain_schedule(tuple(candidates))
+        if times:
+            i = bisect.bisect_left(freed, tokens)
+            if i < len(times):
+                return times[i]
+            last = max(times[-1], 1e-3)
+            return last + (tokens - freed[-1]) / (freed[-1] / last)
+        rate = self.freed_tokens_per_s(self.clock.now())
+        return tokens / rate if rate > 0 else None
+
+    def _drain_schedule(self, candidates: tuple[str, ...]) -> tuple[list[float], list[float]]:
+        """(end times, tokens freed by then) of the candidates' holds, cached until anything
+        changes."""
+        cached = self._drain_cache
+        if cached is not None and cached[0] == self.generation and cached[1] == candidates:
+            return cached[2], cached[3]
         ends: list[tuple[float, float]] = []
         for node_id in candidates:
             book = self._books.get(node_id)
-            if not book or not book.holds:
+            if not book:
                 continue
             step = self.step_s(node_id)
             for hold in book.holds.values():
-                final = (
-                    hold.prompt + hold.tok_cur + self.settings.tuning.reservation_overhead_tokens
-                )
                 remaining = hold.remaining()
-                ends.append((remaining * step, final + remaining))
-        if ends:
-            ends.sort()
-            freed = 0.0
-            for at, amount in ends:
-                freed += amount
-                if freed >= tokens:
-                    return at
-            last = max(ends[-1][0], 1e-3)
-            return last + (tokens - freed) / (freed / last)
-        rate = self.freed_tokens_per_s(self.clock.now())
-        return tokens / rate if rate > 0 else None
+                ends.append((remaining * step, self._current(hold) + remaining))
+        ends.sort()
+        times = [at for at, _ in ends]
+        freed = list(itertools.accumulate(amount for _, amount in ends))
+        self._drain_cache = (self.generation, candidates, times, freed)
+        return times, freed
+
+    def time_left(self, ticket: Ticket) -> float:
+        """Seconds until the ticket's request is expected to end (0 once released)."""
+        hold = self._holds.get(ticket.key)
+        if hold is None:
+            return 0.0
+        return hold.remaining() * self.step_s(hold.node_id)
 
     def on_first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
@@ -270,11 +298,13 @@ class BasePolicy:
         self._progress(hold.node_id, now)
         book = self._books[hold.node_id]
         book.now += output_tokens - hold.tok_cur
-        hold.tok_prev = hold.tok_cur
-        hold.tok_prev_at = hold.tok_cur_at
         hold.tok_cur = output_tokens
-        hold.tok_cur_at = now
-        self._schedule(hold, now)
+        marks = hold.marks
+        if not marks or now - marks[-1][0] >= self._mark_spacing:
+            marks.append((now, output_tokens))
+            if len(marks) > _MARKS:
+                del marks[0]
+            self._schedule(hold, now)
 
     def release(self, ticket: Ticket, outcome: Outcome) -> None:
         if ticket.released:
@@ -294,6 +324,9 @@ class BasePolicy:
             del self._books[hold.node_id]  # its wake-up queue held only dead holds
         self._in_flight_tokens -= hold.full
         self.generation += 1
+        node = self.nodes.get(hold.node_id)
+        if node is not None:
+            node.freed_unseen += hold.reflected
         self._refresh_level(hold.node_id)
         now = self.clock.now()
         self._freed.add(now, hold.full)
@@ -401,9 +434,7 @@ class BasePolicy:
 
     def footprint(self, request: AdmissionRequest, expected: int) -> int:
         """Tokens the request will hold at its end if it runs as expected."""
-        return (
-            request.cost.prompt_tokens + expected + self.settings.tuning.reservation_overhead_tokens
-        )
+        return request.cost.prompt_tokens + expected + self.tuning.reservation_overhead_tokens
 
     def step_s(self, node_id: str) -> float:
         """The node's recent seconds per decode step (a default before any sample says)."""
@@ -431,20 +462,45 @@ class BasePolicy:
         return tokens / capacity
 
     def envelope(self, node: NodeState) -> Envelope:
-        """The node's envelope (see the module docstring), cached until its book changes."""
+        """The node's envelope (see the module docstring), cached until its book changes.
+
+        What ended since the last sample is still in `used` but already free: it enters as
+        a load that ends now, not as a lasting part of the base."""
         book = self._books.get(node.node_id)
+        freed = node.freed_unseen
         if book is None:
-            return Envelope(node.used)
+            return Envelope(node.used, [(0, freed)] if freed else ())
         cached = book.envelope
         if cached is not None and cached[0] == book.version:
             return cached[1]
-        overhead = self.settings.tuning.reservation_overhead_tokens
-        env = Envelope(
-            node.used + book.now,
-            ((h.remaining(), h.prompt + h.tok_cur + overhead) for h in book.holds.values()),
-        )
+        overhead = self.tuning.reservation_overhead_tokens
+        loads = [(h.remaining(), h.prompt + h.tok_cur + overhead) for h in book.holds.values()]
+        if freed:
+            loads.append((0, freed))
+        env = Envelope(node.used + book.now, loads)
         book.envelope = (book.version, env)
         return env
+
+    def unseen_overlap(self, node: NodeState) -> float:
+        """Tokens the node's last sample most likely holds twice for us: holds prefilled
+        before the sample but within the reflection margin count both in `used` and in full.
+
+        Admission keeps that over-count (the margin exists because a sample may not show a
+        prefill yet); predictions of when room frees subtract it, or a burst that has just
+        started would look as if part of it never ends."""
+        book = self._books.get(node.node_id)
+        sample = node.sample
+        if book is None or sample is None:
+            return 0.0
+        at = sample.sampled_at
+        overlap = 0.0
+        for hold in book.holds.values():
+            first = hold.ticket.first_token_at
+            if first is not None and first <= at:
+                likely = hold.prompt + hold.known_by(at)
+                if likely > hold.reflected:
+                    overlap += likely - hold.reflected
+        return overlap
 
     def least_loaded(self, candidates: Sequence[str]) -> str:
         """Fewest live tickets; ties broken round-robin so equal nodes share the load.
@@ -452,7 +508,7 @@ class BasePolicy:
         From `p2c_min_nodes` candidates on: the less loaded of two random ones (O(1)).
         """
         n = len(candidates)
-        if n >= self.settings.tuning.p2c_min_nodes:
+        if n >= self.tuning.p2c_min_nodes:
             i = self.rng.randrange(n)
             j = self.rng.randrange(n - 1)
             a, b = candidates[i], candidates[j + (j >= i)]
@@ -490,7 +546,7 @@ class BasePolicy:
         ticket = Ticket(
             request=request, node_id=node_id, admitted_at=now, key=key, expected_output=expected
         )
-        overhead = self.settings.tuning.reservation_overhead_tokens
+        overhead = self.tuning.reservation_overhead_tokens
         cost = request.cost
         hold = _Hold(key, ticket, node_id, cost.prompt_tokens, cost.max_output_tokens, overhead)
         self._holds[key] = hold
@@ -518,7 +574,7 @@ class BasePolicy:
             node.progress(now)
 
     def _current(self, hold: _Hold) -> int:
-        return hold.prompt + hold.tok_cur + self.settings.tuning.reservation_overhead_tokens
+        return hold.prompt + hold.tok_cur + self.tuning.reservation_overhead_tokens
 
     def _reflect(self, book: _Book, sample: NodeSample) -> None:
         """Lower each live hold by what this sample already contains.
@@ -530,8 +586,8 @@ class BasePolicy:
         """
         if sample.kv_usage is None:
             return
-        cutoff = sample.sampled_at - self.settings.tuning.reflect_margin_s
-        overhead = self.settings.tuning.reservation_overhead_tokens
+        cutoff = sample.sampled_at - self.tuning.reflect_margin_s
+        overhead = self.tuning.reservation_overhead_tokens
         queued = book.wakeups
         fifo, heap = queued.fifo, queued.heap
         popleft = fifo.popleft
@@ -550,13 +606,7 @@ class BasePolicy:
         ticket = hold.ticket
         first = ticket.first_token_at
         if first is not None and first <= cutoff:
-            if hold.tok_cur_at <= cutoff:
-                known = hold.tok_cur
-            elif hold.tok_prev_at <= cutoff:
-                known = hold.tok_prev
-            else:
-                known = 0
-            reflected = hold.prompt + known
+            reflected = hold.prompt + hold.known_by(cutoff)
             if reflected < hold.reflected:
                 reflected = hold.reflected
             most = hold.full - overhead
@@ -568,20 +618,21 @@ class BasePolicy:
                 book.upper -= delta
                 book.now -= delta
         hold.cut = cutoff
-        if first is None or first > cutoff or hold.tok_cur_at > cutoff:
+        marks = hold.marks
+        if first is None or first > cutoff or (marks and marks[-1][0] > cutoff):
             self._schedule(hold)  # else settled: every instant is at or before the cutoff
 
     def _schedule(self, hold: _Hold, touched_at: float | None = None) -> None:
         """Queue `hold` under the next instant at which a sample could change its reflection.
 
         From its last recomputation's cutoff (`cut`) up to the next of its instants (first
-        token, previous and current token-count times) after `cut`, what a sample reflects
+        token and its count checkpoints) after `cut`, what a sample reflects
         of it is constant, so no sample before that instant needs to look at it; with no
         such instant it is settled. `touched_at` is the instant `on_first_token`/`on_tokens`
         just wrote: if it is not after `cut` (a zero margin, a count taken at the cutoff's
         very time) the next sample looks. A fully reflected hold never changes again.
         """
-        if hold.reflected >= hold.full - self.settings.tuning.reservation_overhead_tokens:
+        if hold.reflected >= hold.full - self.tuning.reservation_overhead_tokens:
             return
         first = hold.ticket.first_token_at
         if first is None:
@@ -591,11 +642,11 @@ class BasePolicy:
         if touched_at is not None and touched_at <= cut:
             wake = cut
         else:
-            wake = hold.tok_prev_at  # the earliest instant after `cut` (prev_at <= cur_at)
-            if wake <= cut:
-                wake = hold.tok_cur_at
-                if wake <= cut:
-                    wake = None
+            wake = None
+            for at, _ in hold.marks:  # the earliest checkpoint after `cut`
+                if at > cut:
+                    wake = at
+                    break
             if first > cut and (wake is None or first < wake):
                 wake = first
             if wake is None:
@@ -624,7 +675,7 @@ class BasePolicy:
             return
         s = self.settings
         node.level = next_level(
-            node.level, usage, s.high_watermark, s.panic_watermark, s.tuning.hysteresis
+            node.level, usage, s.high_watermark, s.panic_watermark, self.tuning.hysteresis
         )
 
     def _node_snapshot(self, now: float, node: NodeState) -> dict[str, Any]:
