@@ -106,7 +106,7 @@ class Bench:
         for _ in range(steps):
             self.steps += 1
             self.clock.advance(STEP_S)
-            for node, live in self.running.items():
+            for live in self.running.values():
                 for run in list(live):
                     run.produced += 1
                     if run.produced == 1:
