@@ -79,6 +79,17 @@ class Reject:
 Decision = Admit | Reject
 
 
+@dataclass(frozen=True, slots=True)
+class StartEstimate:
+    """When a request could start on its best node: `seconds` at the node's recent step
+    time, and `soonest_s` at its fastest healthy step time (a lower bound, for deciding that
+    a wait cannot be met without mistaking a slow moment for a slow engine)."""
+
+    node_id: str
+    seconds: float
+    soonest_s: float
+
+
 class AdmissionPolicy(Protocol):
     """Placement: one small interface, several implementations (adaptive, baselines)."""
 
@@ -94,9 +105,9 @@ class AdmissionPolicy(Protocol):
         """
         ...
 
-    def start_estimate(self, request: AdmissionRequest) -> tuple[str, float] | None:
-        """(node, seconds from now) at which `request` could start at the earliest, from
-        what runs now; None when no candidate can say (no capacity, no rate known)."""
+    def start_estimate(self, request: AdmissionRequest) -> StartEstimate | None:
+        """Where and when `request` could start at the earliest, from what runs now; None
+        when no candidate can say (no capacity known, or it would not fit even then)."""
         ...
 
     def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:

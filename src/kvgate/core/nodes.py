@@ -7,11 +7,15 @@ fresh: nobody has heard from it.
 Thrashing (the engine is preempting and recomputing instead of making progress) is
 detected from the sample stream, because the preemption counter lags (vLLM counts a
 preemption only when the victim runs again):
-  * at high reported KV usage, `waiting` rises while `running` falls between two samples
-    (engines with a KV gauge only);
   * `preemptions_total` grows;
-  * the iteration latency exceeds `thrash_latency_factor` times its healthy baseline while
-    requests are waiting (a busy node without a queue is just busy, not thrashing).
+  * at the panic watermark or above, `waiting` rises while `running` falls between two
+    samples (a victim moved back to the queue). Below it the same pattern is a request that
+    ended and another that arrived: admission plans nodes up to their ceilings, so a full
+    but healthy node is the normal state, not a symptom;
+  * for engines that export no preemption counter only: the iteration latency exceeds
+    `thrash_latency_factor` times its healthy baseline while requests are waiting. With a
+    counter this signal adds nothing but false alarms: a step that prefills a long prompt
+    is many times slower than a decode step, and that is work, not thrashing.
 The baseline is a slow EWMA over healthy samples only (KV below the high watermark, nothing
 waiting, not thrashing). Once detected, thrashing lasts at least `thrash_hold_s` and until
 a sample no longer shows it, so a node does not flap in and out of rotation.
@@ -145,9 +149,9 @@ class NodeState:
         prev = self.previous
         # Without a KV gauge (llama.cpp) a finished request and a queued arrival in the same
         # interval look alike; such nodes are gated by their queue instead.
-        high_usage = sample.kv_usage is not None and sample.kv_usage >= settings.high_watermark
+        full = sample.kv_usage is not None and sample.kv_usage >= settings.panic_watermark
         if prev is not None:
-            if high_usage and sample.waiting > prev.waiting and sample.running < prev.running:
+            if full and sample.waiting > prev.waiting and sample.running < prev.running:
                 return True
             if (
                 sample.preemptions_total is not None
@@ -157,7 +161,8 @@ class NodeState:
                 return True
         baseline = self.latency_baseline
         return (
-            sample.waiting > 0
+            sample.preemptions_total is None
+            and sample.waiting > 0
             and sample.iteration_latency_s is not None
             and baseline is not None
             and baseline.value is not None

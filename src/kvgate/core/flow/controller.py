@@ -130,11 +130,11 @@ class FlowController:
             tokens=tokens,
         )
         self.queue.push(waiter)
-        self.counts["queued"] += 1
         if ahead:
             self.dispatch()
         if waiter.decision is not None:
             return waiter.decision
+        self.counts["queued"] += 1
         return waiter
 
     def cancel(self, waiter: Waiter) -> None:
@@ -195,12 +195,13 @@ class FlowController:
                 break
             estimate = policy.start_estimate(request)
             if estimate is not None:
-                node_id, seconds = estimate
-                if now + seconds > waiter.deadline:
-                    refusal = self._refusal("wait_exceeded", _EXCEEDED_MESSAGE, request, seconds)
+                if now + estimate.soonest_s > waiter.deadline:
+                    refusal = self._refusal(
+                        "wait_exceeded", _EXCEEDED_MESSAGE, request, estimate.seconds
+                    )
                     self._decide(waiter, refusal, WaitState.REFUSED)
                     continue
-                promised.setdefault(node_id, now + seconds)
+                promised.setdefault(estimate.node_id, now + estimate.seconds)
             if misses >= MAX_MISSES:
                 break
 
@@ -318,7 +319,7 @@ class FlowController:
         estimate = self.policy.start_estimate(request)
         if estimate is None:
             return None
-        wait = estimate[1]
+        wait = estimate.seconds
         if ahead:
             drain = self.policy.drain_time(ahead + request.cost.total, request.candidates)
             if drain is None:
@@ -416,7 +417,7 @@ class FlowController:
 
     def _remaining(self, waiter: Waiter) -> float | None:
         estimate = self.policy.start_estimate(waiter.request)
-        return None if estimate is None else estimate[1]
+        return None if estimate is None else estimate.seconds
 
     def _started(self, ticket: Ticket, now: float, waited: float) -> None:
         request = ticket.request

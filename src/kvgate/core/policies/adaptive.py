@@ -8,9 +8,11 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    only so far, leaving the rest for interactive work to start at once), the panic
    watermark for standard and critical work. A request's hold is taken at once, so no
    burst, however dense, pushes a node's peak past its ceiling. Among the nodes that fit,
-   the one with the most headroom left wins (power of two choices from `p2c_min_nodes`
-   candidates on, falling back to a full scan when neither fits). Nodes are never
-   averaged: one node at 99 % and one at 10 % are two different answers.
+   the one whose engine has the least prefill still queued wins (the prompts sent there
+   that have not produced a first token: a chat sent behind a 100k-token prefill waits for
+   it), and then the one with the most headroom left (power of two choices from
+   `p2c_min_nodes` candidates on, falling back to a full scan when neither fits). Nodes
+   are never averaged: one node at 99 % and one at 10 % are two different answers.
 
 2. **Room promised to a waiter is respected** (`promised`): on a node whose room is
    promised from time T to a request already waiting (the head of the queue), a newcomer is
@@ -49,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvgate.core.admission import Reject
+from kvgate.core.admission import Reject, StartEstimate
 from kvgate.core.clock import Clock
 from kvgate.core.lengths import OutputLengths
 from kvgate.core.limits import MarginController
@@ -119,14 +121,17 @@ class AdaptivePolicy(BasePolicy):
             if node_id is not None:
                 return node_id
         best: str | None = None
-        best_score = float("-inf")
+        best_score = (float("inf"), float("inf"))
         reasons: list[str] = []
+        backlog = self.prefill_backlog
         for node_id in candidates:
             fit = self._fit(now, node_id, request, expected, promised)
             if fit.headroom is None:
                 reasons.append(fit.reason)
-            elif fit.headroom > best_score:
-                best, best_score = node_id, fit.headroom
+                continue
+            score = (backlog(node_id), -fit.headroom)
+            if score < best_score:
+                best, best_score = node_id, score
         if best is not None:
             return best
         return self._refuse(now, request, expected, reasons)
@@ -143,11 +148,14 @@ class AdaptivePolicy(BasePolicy):
         i = self.rng.randrange(n)
         j = self.rng.randrange(n - 1)
         best: str | None = None
-        best_score = float("-inf")
+        best_score = (float("inf"), float("inf"))
         for node_id in (candidates[i], candidates[j + (j >= i)]):
             fit = self._fit(now, node_id, request, expected, promised)
-            if fit.headroom is not None and fit.headroom > best_score:
-                best, best_score = node_id, fit.headroom
+            if fit.headroom is None:
+                continue
+            score = (self.prefill_backlog(node_id), -fit.headroom)
+            if score < best_score:
+                best, best_score = node_id, score
         return best
 
     def _fit(
@@ -274,7 +282,7 @@ class AdaptivePolicy(BasePolicy):
 
     # --- scheduling questions -------------------------------------------------------------
 
-    def start_estimate(self, request: AdmissionRequest) -> tuple[str, float] | None:
+    def start_estimate(self, request: AdmissionRequest) -> StartEstimate | None:
         """The candidate where the request could start soonest, and in how many seconds,
         from each node's envelope (its ends at the node's measured step time)."""
         now = self.clock.now()
@@ -282,7 +290,7 @@ class AdaptivePolicy(BasePolicy):
             request.model, request.cost.max_output_tokens, request.exact_output
         )
         final = self.footprint(request, expected)
-        best: tuple[str, float] | None = None
+        best: StartEstimate | None = None
         for node_id in request.candidates:
             node = self.nodes.get(node_id)
             if node is None or node.cap is None or not node.usable(now, self.settings):
@@ -292,8 +300,8 @@ class AdaptivePolicy(BasePolicy):
             if steps is None:
                 continue
             seconds = steps * self.step_s(node_id)
-            if best is None or seconds < best[1]:
-                best = (node_id, seconds)
+            if best is None or seconds < best.seconds:
+                best = StartEstimate(node_id, seconds, steps * self.fastest_step_s(node_id))
         return best
 
     # --- feedback -------------------------------------------------------------------------------

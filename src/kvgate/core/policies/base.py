@@ -64,12 +64,12 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
+from kvgate.core.admission import Admit, Decision, Outcome, Reject, StartEstimate, Ticket
 from kvgate.core.clock import Clock
 from kvgate.core.envelope import Envelope
 from kvgate.core.lengths import OutputLengths
 from kvgate.core.nodes import NodeState, next_level
-from kvgate.core.rates import DecayingRate
+from kvgate.core.rates import DecayingRate, Ewma
 from kvgate.core.request import AdmissionRequest
 from kvgate.core.retry_after import jittered, retry_after
 from kvgate.core.settings import AdmissionSettings
@@ -79,6 +79,10 @@ _NEG_INF = float("-inf")
 # Token-count checkpoints kept per request, at least a third of `reflect_margin_s` apart, so
 # a sample's cutoff (its time less the margin) always finds one however often counts come.
 _MARKS = 5
+# How fast requests progress on a node is measured over this half-life: long enough that a
+# long prompt's prefill, which slows every decode for seconds, counts at its share of time.
+PACE_HALFLIFE_S = 10.0
+_PACE_MIN = 8  # measurements before the pace is trusted
 # Decode step time assumed for a node whose samples never reported one (seconds per token).
 DEFAULT_STEP_S = 0.03
 
@@ -100,6 +104,7 @@ class _Hold:
         "marks",
         "max_out",
         "node_id",
+        "prefilled",
         "prompt",
         "reflected",
         "ticket",
@@ -118,6 +123,7 @@ class _Hold:
         self.expected = ticket.expected_output
         self.full = prompt + max_out + overhead
         self.reflected = 0
+        self.prefilled = False  # its first token came: its prompt is no longer queued
         self.tok_cur = 0  # output tokens seen so far
         # (time, output count) checkpoints, oldest first, at least `_mark_spacing` apart:
         # what a sample taken at some cutoff can be trusted to contain.
@@ -167,13 +173,14 @@ class _Wakeups:
 class _Book:
     """One node's live holds and their running sums."""
 
-    __slots__ = ("envelope", "full", "holds", "now", "upper", "version", "wakeups")
+    __slots__ = ("envelope", "full", "holds", "now", "prefill", "upper", "version", "wakeups")
 
     def __init__(self) -> None:
         self.holds: dict[str, _Hold] = {}
         self.full = 0  # sum of P + M + ovh
         self.upper = 0  # sum of P + M + ovh - reflected
         self.now = 0  # sum of P + output so far + ovh - reflected
+        self.prefill = 0  # prompt tokens of the holds still waiting for their first token
         self.wakeups = _Wakeups()
         self.version = 0
         self.envelope: tuple[int, Envelope] | None = None
@@ -207,6 +214,7 @@ class BasePolicy:
         self._freed = DecayingRate(self.tuning.release_rate_halflife_s)
         self._rr = 0
         self._mark_spacing = self.tuning.reflect_margin_s / 3
+        self._paces: dict[str, Ewma] = {}  # seconds per token of each node's streams
         self._drain_cache: tuple[int, tuple[str, ...], list[float], list[float]] | None = None
         # Bumped whenever anything a decision depends on changes (sample, ticket, node set),
         # so a policy may cache a "nothing fits" scan until the next change.
@@ -230,7 +238,7 @@ class BasePolicy:
             return choice
         return Admit(self._open(now, request, choice, expected))
 
-    def start_estimate(self, request: AdmissionRequest) -> tuple[str, float] | None:
+    def start_estimate(self, request: AdmissionRequest) -> StartEstimate | None:
         return None
 
     def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:
@@ -282,6 +290,7 @@ class BasePolicy:
             ticket.first_token_at = self.clock.now()
         hold = self._holds.get(ticket.key)
         if hold is not None:
+            self._prefilled(hold)
             self._progress(hold.node_id, ticket.first_token_at)
             self._schedule(hold, ticket.first_token_at)
 
@@ -291,6 +300,7 @@ class BasePolicy:
         if ticket.first_token_at is None:
             ticket.first_token_at = now
             if hold is not None:
+                self._prefilled(hold)
                 self._schedule(hold, now)
         if hold is None or output_tokens <= hold.tok_cur:
             return
@@ -301,6 +311,9 @@ class BasePolicy:
         hold.tok_cur = output_tokens
         marks = hold.marks
         if not marks or now - marks[-1][0] >= self._mark_spacing:
+            if marks and output_tokens > marks[-1][1]:
+                at, count = marks[-1]
+                self._stream_pace(hold.node_id).update(now, (now - at) / (output_tokens - count))
             marks.append((now, output_tokens))
             if len(marks) > _MARKS:
                 del marks[0]
@@ -319,6 +332,8 @@ class BasePolicy:
         book.full -= hold.full
         book.upper -= hold.full - hold.reflected
         book.now -= self._current(hold) - hold.reflected
+        if not hold.prefilled:
+            book.prefill -= hold.prompt
         book.version += 1
         if not book.holds:
             del self._books[hold.node_id]  # its wake-up queue held only dead holds
@@ -366,6 +381,7 @@ class BasePolicy:
     def remove_node(self, node_id: str) -> None:
         """Forget the node's state; its live tickets stay held until the shell releases them."""
         self.nodes.pop(node_id, None)
+        self._paces.pop(node_id, None)
         self.generation += 1
 
     def snapshot(self) -> dict[str, Any]:
@@ -437,10 +453,32 @@ class BasePolicy:
         return request.cost.prompt_tokens + expected + self.tuning.reservation_overhead_tokens
 
     def step_s(self, node_id: str) -> float:
-        """The node's recent seconds per decode step (a default before any sample says)."""
+        """Seconds per token of a request running on the node: measured on its streams
+        (prefill steps that interrupt decoding included, averaged over `PACE_HALFLIFE_S`),
+        else from its samples' iteration latency, else a default."""
+        pace = self._paces.get(node_id)
+        if pace is not None and pace.value is not None and pace.count >= _PACE_MIN:
+            return pace.value
         node = self.nodes.get(node_id)
         step = None if node is None else node.step_s
         return step if step is not None and step > 0 else DEFAULT_STEP_S
+
+    def _stream_pace(self, node_id: str) -> Ewma:
+        pace = self._paces.get(node_id)
+        if pace is None:
+            pace = self._paces[node_id] = Ewma(PACE_HALFLIFE_S)
+        return pace
+
+    def fastest_step_s(self, node_id: str) -> float:
+        """The node's healthy step time (its latency baseline) when lower than the recent."""
+        step = self.step_s(node_id)
+        node = self.nodes.get(node_id)
+        baseline = (
+            None if node is None or node.latency_baseline is None else node.latency_baseline.value
+        )
+        if baseline is not None and 0 < baseline < step:
+            return baseline
+        return step
 
     def upper_tokens(self, node: NodeState) -> float | None:
         """`bound`: reported used tokens plus every hold run to its cap; None if unknowable."""
@@ -455,11 +493,13 @@ class BasePolicy:
         return node.used + self.unreflected_now(node.node_id)
 
     def usage_now(self, node: NodeState) -> float | None:
+        """What the node holds now as a fraction of its capacity (the panic gate's measure:
+        `now` less what the sample most likely holds twice)."""
         capacity = node.capacity(self.settings)
         tokens = self.now_tokens(node)
         if capacity is None or tokens is None:
             return None
-        return tokens / capacity
+        return (tokens - self.unseen_overlap(node)) / capacity
 
     def envelope(self, node: NodeState) -> Envelope:
         """The node's envelope (see the module docstring), cached until its book changes.
@@ -482,21 +522,24 @@ class BasePolicy:
         return env
 
     def unseen_overlap(self, node: NodeState) -> float:
-        """Tokens the node's last sample most likely holds twice for us: holds prefilled
-        before the sample but within the reflection margin count both in `used` and in full.
+        """Tokens the node's last sample most likely holds twice for us.
 
-        Admission keeps that over-count (the margin exists because a sample may not show a
-        prefill yet); predictions of when room frees subtract it, or a burst that has just
-        started would look as if part of it never ends."""
+        A hold counts in full until a sample taken `reflect_margin_s` after its first token
+        confirms its prompt; a long prompt's prefill can take seconds, during which the
+        engine's `used` grows with it while the hold still counts it whole. Here every hold
+        sent at least a margin before the sample is taken to be in it: its prompt, and the
+        output it had made by then. Admission keeps the over-count (it is the safe error);
+        the panic gate and the predictions of when room frees subtract it, or a node in the
+        middle of a long prefill would look fuller than it can ever be."""
         book = self._books.get(node.node_id)
         sample = node.sample
         if book is None or sample is None:
             return 0.0
         at = sample.sampled_at
+        sent_by = at - self.tuning.reflect_margin_s
         overlap = 0.0
         for hold in book.holds.values():
-            first = hold.ticket.first_token_at
-            if first is not None and first <= at:
+            if hold.ticket.admitted_at <= sent_by:
                 likely = hold.prompt + hold.known_by(at)
                 if likely > hold.reflected:
                     overlap += likely - hold.reflected
@@ -558,6 +601,7 @@ class BasePolicy:
         book.upper += hold.full
         held = hold.prompt + overhead
         book.now += held
+        book.prefill += hold.prompt
         cached = book.envelope
         book.version += 1
         if cached is not None and cached[0] == book.version - 1:
@@ -567,6 +611,17 @@ class BasePolicy:
         self.generation += 1
         self._refresh_level(node_id)
         return ticket
+
+    def _prefilled(self, hold: _Hold) -> None:
+        if not hold.prefilled:
+            hold.prefilled = True
+            self._books[hold.node_id].prefill -= hold.prompt
+
+    def prefill_backlog(self, node_id: str) -> int:
+        """Prompt tokens sent to the node that have not produced a first token yet: what a
+        newcomer's own prefill waits behind in the engine."""
+        book = self._books.get(node_id)
+        return book.prefill if book else 0
 
     def _progress(self, node_id: str, now: float) -> None:
         node = self.nodes.get(node_id)

@@ -1,0 +1,284 @@
+"""vLLM's own serving benchmark client, straight to the real vLLM CPU engine and through kvgate.
+
+A client that does not retry sends a burst (the `random` dataset, request rate inf,
+`ignore_eos`) once straight to the engine and once through `kvgate serve` with its
+defaults, alternating, `--runs` times each. Every run records what the client measured
+(`vllm.benchmarks.serve`'s own JSON: completed, duration, TTFT, end-to-end latency) and
+what the engine saw (its preemption counter before and after, and, polled every 50 ms, its
+peak KV usage and peak running/waiting counts).
+
+    python benchmarks/vllm_burst/run.py --prompts 32 --input 500 --output 500 --runs 2
+
+The real engine is installed by scripts/install-real-vllm.sh and started here with
+scripts/real-vllm/serve.sh (or give `--engine-url` for one already running). The `vllm`
+console script of the CPU build does not start, so the client runs as the
+`vllm.benchmarks.serve` module through a three-line entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+ROOT = Path(
+    os.environ.get("KVGATE_VLLM_ROOT")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate-vllm"
+)
+VLLM_PYTHON = ROOT / "venv" / "bin" / "python"
+TOKENIZER = ROOT / "tiny-llama"
+CLIENT = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))\n"
+)
+WANTED = {
+    "vllm:kv_cache_usage_perc": "kv",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_preemptions_total": "preemptions",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = WANTED.get(name)
+        if key is not None:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def metrics(engine: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        response = await client.get(engine + "/metrics")
+        return read_metrics(response.text)
+
+
+async def watch(engine: str, stop: asyncio.Event) -> dict[str, float]:
+    """Peak KV usage, running and waiting while the run lasts (polled every 50 ms)."""
+    peak = {"kv": 0.0, "running": 0.0, "waiting": 0.0}
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while not stop.is_set():
+            try:
+                page = read_metrics((await client.get(engine + "/metrics")).text)
+            except httpx.HTTPError:
+                page = {}
+            for key in peak:
+                peak[key] = max(peak[key], page.get(key, 0.0))
+            try:
+                await asyncio.wait_for(stop.wait(), 0.05)
+            except TimeoutError:
+                pass
+    return peak
+
+
+def client_command(target: str, args: argparse.Namespace, out_dir: Path, name: str) -> list[str]:
+    return [
+        str(VLLM_PYTHON),
+        "-c",
+        CLIENT,
+        "--backend",
+        "openai",
+        "--base-url",
+        target,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        "tiny-llama",
+        "--tokenizer",
+        str(TOKENIZER),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input),
+        "--random-output-len",
+        str(args.output),
+        "--random-range-ratio",
+        str(args.range_ratio),
+        "--num-prompts",
+        str(args.prompts),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--seed",
+        str(args.seed),
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        f"{name}.json",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+    ]
+
+
+async def one_run(
+    mode: str, target: str, engine: str, args: argparse.Namespace, out_dir: Path, i: int
+) -> dict[str, Any]:
+    name = f"{mode}-{i}"
+    before = await metrics(engine)
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(watch(engine, stop))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *client_command(target, args, out_dir, name),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+    )
+    output, _ = await proc.communicate()
+    wall = time.monotonic() - started
+    stop.set()
+    peak = await watcher
+    await asyncio.sleep(1.0)  # the last preemptions are counted when victims run again
+    after = await metrics(engine)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark client failed:\n{output.decode()[-3000:]}")
+    result = json.loads((out_dir / f"{name}.json").read_text())
+    errors = [e for e in result.get("errors", []) if e]
+    return {
+        "mode": mode,
+        "run": i,
+        "completed": result["completed"],
+        "failed": result.get("failed", args.prompts - result["completed"]),
+        "first_error": errors[0][:200] if errors else None,
+        "duration_s": result["duration"],
+        "client_wall_s": wall,
+        "output_tok_s": result["output_throughput"],
+        "mean_ttft_s": result["mean_ttft_ms"] / 1000,
+        "p99_ttft_s": result["p99_ttft_ms"] / 1000,
+        "mean_e2el_s": result["mean_e2el_ms"] / 1000,
+        "p99_e2el_s": result["p99_e2el_ms"] / 1000,
+        "preemptions": after.get("preemptions", 0.0) - before.get("preemptions", 0.0),
+        "peak_kv": peak["kv"],
+        "peak_running": peak["running"],
+        "peak_waiting": peak["waiting"],
+    }
+
+
+def start_engine(port: int, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["bash", str(REPO / "scripts" / "real-vllm" / "serve.sh"), str(port)],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def start_gateway(engine: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvgate", "serve", "--backend", engine, "--port", str(port)],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+async def wait_ready(url: str, path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                if (await client.get(url + path)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{url}{path} not ready after {timeout_s:.0f} s")
+
+
+async def wait_idle(engine: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        page = await metrics(engine)
+        if page.get("running", 0) == 0 and page.get("waiting", 0) == 0:
+            return
+        await asyncio.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    work = Path(tempfile.mkdtemp(prefix="vllm-burst-"))
+    engine_proc = None
+    engine = args.engine_url
+    if engine is None:
+        port = free_port()
+        engine = f"http://127.0.0.1:{port}"
+        engine_proc = start_engine(port, work / "engine.log")
+    gw_port = free_port()
+    gateway_url = f"http://127.0.0.1:{gw_port}"
+    gateway = None
+    rows: list[dict[str, Any]] = []
+    try:
+        await wait_ready(engine, "/health", 600)
+        gateway = start_gateway(engine, gw_port, work / "gateway.log")
+        await wait_ready(gateway_url, "/readyz", 60)
+        for i in range(1, args.runs + 1):
+            for mode, target in (("direct", engine), ("kvgate", gateway_url)):
+                await wait_idle(engine)
+                row = await one_run(mode, target, engine, args, work, i)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        if gateway is not None:
+            stop(gateway)
+        if engine_proc is not None:
+            stop(engine_proc)
+    print(f"logs and client JSON in {work}", file=sys.stderr)
+    return rows
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--input", type=int, default=500)
+    parser.add_argument("--output", type=int, default=500)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-url", help="an engine already running (not stopped)")
+    parser.add_argument("--json", type=Path, help="append the rows to this JSON file")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    options = parse()
+    results = asyncio.run(main(options))
+    if options.json is not None:
+        previous = json.loads(options.json.read_text()) if options.json.exists() else []
+        options.json.write_text(json.dumps(previous + results, indent=2) + "\n")
