@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvgate.core.admission import Admit, Reject
@@ -247,3 +249,36 @@ def test_random_traffic_keeps_the_peak_under_panic_and_the_books_balanced(seed: 
         assert bench.peak_usage() <= bench.settings.panic_watermark + 1e-9
     bench.run_until_idle()
     assert bench.books_empty()
+
+
+def test_backlogged_tenants_receive_service_within_twice_of_each_other() -> None:
+    """VTC's setting: two tenants kept backlogged, one with requests four times the other's
+    size. The service (prompt + 2 x output tokens) each receives over any window of a
+    hundred steps once both are waiting stays within a factor of two of the other's, and the
+    cumulative gap within twice the largest request's weighted size."""
+    bench = Bench(capacity=20_000)
+    sizes = {"big": (800, 400), "small": (200, 100)}
+    service = {"big": 0.0, "small": 0.0}
+    counted: set[str] = set()
+    ids = itertools.count()
+    marks = []
+    for step in range(4000):
+        for tenant, (prompt, output) in sizes.items():
+            while bench.flow.queue.tenant_count(Priority.STANDARD, tenant) < 40:
+                bench.submit(prompt, output, tenant=tenant, name=f"{tenant}-{next(ids)}")
+        for rid, decision in list(bench.decisions.items()):
+            if rid not in counted and isinstance(decision, Admit):
+                counted.add(rid)
+                tenant = rid.split("-")[0]
+                prompt, output = sizes[tenant]
+                service[tenant] += prompt + 2 * output
+        bench.step()
+        if step >= 800 and step % 400 == 0:
+            marks.append(dict(service))
+    largest = max(p + 2 * o for p, o in sizes.values())
+    for before, after in itertools.pairwise(marks):
+        big = after["big"] - before["big"]
+        small = after["small"] - before["small"]
+        assert 0.5 <= big / small <= 2.0, (big, small)
+    gap = (marks[-1]["big"] - marks[0]["big"]) - (marks[-1]["small"] - marks[0]["small"])
+    assert abs(gap) <= 2 * largest
