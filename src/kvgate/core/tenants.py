@@ -76,14 +76,88 @@ class TenantLedger:
     limits: Mapping[str, TenantLimits] = field(default_factory=dict)
     default_limits: TenantLimits = field(default_factory=TenantLimits)
     _usage: dict[str, _Usage] = field(default_factory=dict)
+    # Other replicas' usage per tenant (tokens, requests), and the number of replicas whose
+    # limits must be split statically when their usage cannot be seen (kvgate.core.peers).
+    peers: dict[str, tuple[int, int]] = field(default_factory=dict)
+    split: int = 1
+    # With other replicas: what this replica may add per tenant (tokens, requests) until
+    # the next sync, so two replicas never both take a tenant's last room; a tenant not
+    # listed gets `fallback_share` of what its limits leave. None: no other replicas.
+    allowance: dict[str, tuple[float, float]] | None = None
+    fallback_share: float = 1.0
+    _epoch: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def limits_for(self, tenant: str) -> TenantLimits:
-        return self.limits.get(tenant, self.default_limits)
+        """The tenant's limits as this replica must apply them (its part when isolated)."""
+        limits = self.limits.get(tenant, self.default_limits)
+        if self.split <= 1:
+            return limits
+        tokens, requests = limits.max_in_flight_tokens, limits.max_in_flight_requests
+        return TenantLimits(
+            None if tokens is None else tokens // self.split,
+            None if requests is None else max(1, requests // self.split),
+        )
+
+    def _held(self, tenant: str, usage: _Usage | None) -> _Usage:
+        """Usage counted against the limits: this replica's and the other replicas'."""
+        tokens, requests = self.peers.get(tenant, (0, 0))
+        if usage is None:
+            return _Usage(tokens=tokens, requests=requests)
+        if not tokens and not requests:
+            return usage
+        return _Usage(tokens=usage.tokens + tokens, requests=usage.requests + requests)
+
+    def local_usage(self) -> dict[str, tuple[int, int]]:
+        """(tokens, requests) per tenant held through this replica."""
+        return {t: (u.tokens, u.requests) for t, u in self._usage.items() if u.requests}
 
     def check(self, tenant: str, tokens: int) -> TenantRefusal | None:
         """Which limit would block taking `tokens` now (None: it may start)."""
-        usage = self._usage.get(tenant)
-        return _check(tenant, usage or _Usage(), self.limits_for(tenant), tokens)
+        usage = self._held(tenant, self._usage.get(tenant))
+        limits = self.limits_for(tenant)
+        refusal = _check(tenant, usage, limits, tokens)
+        if refusal is None and self.allowance is not None:
+            refusal = self._beyond_allowance(tenant, usage, limits, tokens)
+        return refusal
+
+    def remaining(self, tenant: str) -> tuple[float | None, float | None]:
+        """(tokens, requests) the tenant's limits leave across replicas (None: no limit)."""
+        usage = self._held(tenant, self._usage.get(tenant))
+        limits = self.limits_for(tenant)
+        tokens = limits.max_in_flight_tokens
+        requests = limits.max_in_flight_requests
+        return (
+            None if tokens is None else max(0, tokens - usage.tokens),
+            None if requests is None else max(0, requests - usage.requests),
+        )
+
+    def set_allowance(
+        self, allowance: dict[str, tuple[float, float]] | None, fallback_share: float
+    ) -> None:
+        """A new sync: this replica's allowances until the next one (see `allowance`)."""
+        self.allowance = allowance
+        self.fallback_share = fallback_share
+        self._epoch = {}
+
+    def _beyond_allowance(
+        self, tenant: str, usage: _Usage, limits: TenantLimits, tokens: int
+    ) -> TenantRefusal | None:
+        assert self.allowance is not None
+        allowed = self.allowance.get(tenant)
+        if allowed is None:
+            left_tokens, left_requests = self.remaining(tenant)
+            allowed = (
+                float("inf") if left_tokens is None else left_tokens * self.fallback_share,
+                float("inf") if left_requests is None else left_requests * self.fallback_share,
+            )
+        added_tokens, added_requests = self._epoch.get(tenant, (0, 0))
+        cap = limits.max_in_flight_requests
+        if cap is not None and added_requests + 1 > allowed[1] + 1e-9:
+            return TenantRefusal(tenant, "requests", usage.requests, 1, cap)
+        cap = limits.max_in_flight_tokens
+        if cap is not None and added_tokens + tokens > allowed[0] + 1e-9:
+            return TenantRefusal(tenant, "tokens", usage.tokens, tokens, cap)
+        return None
 
     def never_fits(self, tenant: str, tokens: int) -> TenantRefusal | None:
         """The limit a request of `tokens` exceeds even with the tenant idle, if any."""
@@ -96,9 +170,12 @@ class TenantLedger:
         usage = self._usage.get(tenant)
         if usage is None:
             usage = self._usage[tenant] = _Usage()
-        refusal = _check(tenant, usage, self.limits_for(tenant), tokens)
+        refusal = self.check(tenant, tokens)
         if refusal is not None:
             return refusal
+        if self.allowance is not None:
+            added_tokens, added_requests = self._epoch.get(tenant, (0, 0))
+            self._epoch[tenant] = (added_tokens + tokens, added_requests + 1)
         usage.tokens += tokens
         usage.requests += 1
         usage.admitted_total += 1

@@ -51,7 +51,8 @@ from kvgate.core.signals import NodeSample
 from kvgate.sim.engine import Engine, EngineConfig, EngineError, StepResult
 from kvgate.sim.workload import RequestSpec, WorkloadSpec, generate
 
-_STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES, _DECIDED, _WAIT_END = range(9)
+(_STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES, _DECIDED, _WAIT_END,
+ _SYNC) = range(10)  # fmt: skip
 _PRIORITY_NAMES = {p: p.name.lower() for p in Priority}
 # A gateway without a queue: every request is admitted or refused at once.
 NO_QUEUE = QueueSettings(max_wait_s={})
@@ -163,6 +164,11 @@ class VirtualConfig:
     order: Literal["fair", "fcfs"] = "fair"
     # The adaptive policy's feedback on measured usage (off: ceilings alone).
     feedback: bool = True
+    # Replicas share their state through a store (kvgate.core.peers): each publishes its view
+    # and reads the others' every `sync_interval_s`; a view becomes visible `store_latency_s`
+    # after it is written. None: replicas know only their own requests.
+    sync_interval_s: float | None = None
+    store_latency_s: float = 0.001
     scrape_interval_s: float = 0.05
     scrape_lag_s: float = 0.01
     client: ClientModel = field(default_factory=ClientModel)
@@ -347,6 +353,8 @@ class VirtualCluster:
             ("arrivals", "admissions", "rejections", "timeouts", "completions", "queued"), 0
         )
         self._candidates = tuple(self.node_ids)
+        # Replica -> (visible from, view, the previous entry): the shared store's contents.
+        self._store: dict[int, tuple[float, dict[str, Any], Any]] = {}
         self._last_totals = (0, 0, 0)
         self._workload: Iterator[RequestSpec] = iter(())
 
@@ -354,9 +362,12 @@ class VirtualCluster:
         policy = build_policy(config.admission, self.clock, rng_seed=config.seed * 7919 + g)
         if hasattr(policy, "feedback"):
             policy.feedback = config.feedback
+        name = f"gw-{g}"
         if config.order == "fcfs":
-            return FlowController(policy, config.queue, fairness=ArrivalOrder(), strict=True)
-        return FlowController(policy, config.queue, fairness=TokenFairness())
+            return FlowController(
+                policy, config.queue, fairness=ArrivalOrder(), strict=True, replica=name
+            )
+        return FlowController(policy, config.queue, fairness=TokenFairness(), replica=name)
 
     # ------------------------------------------------------------------ running
     def run(self) -> VirtualResult:
@@ -400,12 +411,14 @@ class VirtualCluster:
         self._push_next_arrival()
         for g in range(cfg.gateways):
             self._push(g * cfg.scrape_interval_s / cfg.gateways, _SCRAPE, g)
+            if cfg.sync_interval_s is not None and cfg.gateways > 1:
+                self._push(g * cfg.sync_interval_s / cfg.gateways, _SYNC, g)
         self._push(cfg.series_interval_s, _SERIES, None)
         end = cfg.duration_s + cfg.drain_s
         heap, pop, events = self._heap, heapq.heappop, 0
         handlers = (self._on_step, self._on_arrival, self._on_attempt, self._on_scrape,
                     self._on_deliver, self._on_timeout, self._on_series, self._on_decided,
-                    self._on_wait_end)  # fmt: skip
+                    self._on_wait_end, self._on_sync)  # fmt: skip
         while heap and heap[0][0] <= end:
             now, _, kind, payload = pop(heap)
             self.clock.set(now)
@@ -719,6 +732,26 @@ class VirtualCluster:
                         on_tokens(attempt.ticket, output_tokens(rid))
         for i, sample in enumerate(samples):
             policy.observe(self.node_ids[i], sample)
+
+    # ------------------------------------------------------------------ shared store
+    def _on_sync(self, now: float, g: int) -> None:
+        """Replica g writes its view to the store and reads the others' visible ones."""
+        cfg = self.config
+        assert cfg.sync_interval_s is not None
+        flow = self.policies[g]
+        previous = self._store.get(g)  # readable until the new one is (latency < interval)
+        kept = None if previous is None else (previous[0], previous[1], None)
+        self._store[g] = (now + cfg.store_latency_s, flow.local_view(), kept)
+        views = []
+        for other, entry in self._store.items():
+            if other == g:
+                continue
+            while entry is not None and entry[0] > now:  # the latest one visible by now
+                entry = entry[2]
+            if entry is not None:
+                views.append(entry[1])
+        flow.set_peer_views(views, cfg.gateways)
+        self._push(now + cfg.sync_interval_s, _SYNC, g)
 
     # ------------------------------------------------------------------ time series
     def _on_series(self, now: float, _: None) -> None:

@@ -48,8 +48,10 @@ policy's hold together; `release()` returns both, exactly once.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvgate.core import peers
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.flow.fairness import Fairness, TokenFairness
 from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
@@ -77,6 +79,7 @@ class FlowController:
         tenants: TenantLedger | None = None,
         fairness: Fairness | None = None,
         strict: bool = False,
+        replica: str = "local",
     ) -> None:
         """`strict`: nothing passes a waiter that does not fit (plain FCFS: no backfill,
         no promises), for comparison."""
@@ -91,6 +94,7 @@ class FlowController:
         self._by_tenant: dict[str, dict[str, Ticket]] = {}  # live tickets, for tenant waits
         self._dispatching = False
         self.strict = strict
+        self.replica = replica  # its name among the gateway's replicas (kvgate.core.peers)
         self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
         self.wait_total_s = 0.0
 
@@ -247,6 +251,106 @@ class FlowController:
     def remove_node(self, node_id: str) -> None:
         self.policy.remove_node(node_id)
 
+    # --- replicas (kvgate.core.peers) ---------------------------------------------------------
+
+    def local_view(self) -> dict[str, Any]:
+        """What this replica tells the others: its holds per node, its queue's demand, its
+        tenants' usage and the service it gave them. JSON-able."""
+        now = self.clock.now()
+        head = next(iter(self.queue.order()), None)
+        head_tokens = 0
+        if head is not None:
+            request = head.request
+            expected = self.policy.lengths.expected(
+                request.model, request.cost.max_output_tokens, request.exact_output
+            )
+            head_tokens = self.policy.footprint(request, expected)
+        return {
+            "replica": self.replica,
+            "nodes": self.policy.local_holds(),
+            "queue": {
+                "waiting_tokens": self.queue.tokens,
+                "head_tokens": head_tokens,
+                "head_age_s": 0.0 if head is None else now - head.enqueued_at,
+            },
+            "tenants": {t: list(u) for t, u in self.tenants.local_usage().items()},
+            "tenant_queue": self._tenant_demand(now),
+            "service": self.queue.fairness.served(),
+        }
+
+    def _tenant_demand(self, now: float) -> dict[str, list[float]]:
+        """Per tenant with a limit and waiters: [waiting requests, waiting tokens, head's
+        tokens, head's age] (for splitting the tenant's room between replicas)."""
+        out: dict[str, list[float]] = {}
+        for waiter in self.queue.waiting():
+            tenant = waiter.request.tenant
+            limits = self.tenants.limits_for(tenant)
+            if limits.max_in_flight_tokens is None and limits.max_in_flight_requests is None:
+                continue
+            entry = out.get(tenant)
+            age = now - waiter.enqueued_at
+            if entry is None:
+                out[tenant] = [1.0, float(waiter.tokens), float(waiter.tokens), age]
+            else:
+                entry[0] += 1
+                entry[1] += waiter.tokens
+                if age > entry[3]:
+                    entry[2], entry[3] = float(waiter.tokens), age
+        return out
+
+    def set_peer_views(self, views: Sequence[Mapping[str, Any]], members: int) -> None:
+        """The other live replicas' latest views (`members` counts this one too)."""
+        others = [v for v in views if v.get("replica") != self.replica]
+        state = peers.merge(others)
+        state.members = max(members, len(others) + 1)
+        demands = [peers.demand_of(v) for v in others]
+        demands.append(peers.demand_of(self.local_view()))
+        me = self.replica
+        self.policy.set_peers(state, lambda slack: peers.share_of(me, demands, slack))
+        self.tenants.peers = state.tenants
+        self.tenants.split = 1
+        self._split_tenants([*others, self.local_view()], state.members)
+        self.queue.fairness.set_peer_service(state.service)
+        self.dispatch()
+
+    def _split_tenants(self, views: Sequence[Mapping[str, Any]], members: int) -> None:
+        """Each limited tenant's remaining room, split between the replicas as node slack
+        is: what the longest-waiting head needs first, the rest by demand."""
+        allowance: dict[str, tuple[float, float]] = {}
+        tenants = {t for v in views for t in (v.get("tenant_queue") or {})}
+        for tenant in tenants:
+            left_tokens, left_requests = self.tenants.remaining(tenant)
+            by_tokens, by_requests = [], []
+            for view in views:
+                entry = (view.get("tenant_queue") or {}).get(tenant)
+                name = str(view.get("replica", ""))
+                count, tokens, head, age = entry if entry else (0.0, 0.0, 0.0, 0.0)
+                by_tokens.append(peers.Demand(name, tokens, head, age))
+                by_requests.append(peers.Demand(name, count, 1.0 if count else 0.0, age))
+            me = self.replica
+            allowance[tenant] = (
+                float("inf")
+                if left_tokens is None
+                else peers.share_of(me, by_tokens, left_tokens) * left_tokens,
+                float("inf")
+                if left_requests is None
+                else float(
+                    int(peers.share_of(me, by_requests, left_requests) * left_requests + 1e-9)
+                ),
+            )
+        self.tenants.set_allowance(allowance, 1.0 / max(1, members))
+
+    def set_isolated(self, members: int) -> None:
+        """The other replicas cannot be seen: keep to a static `1/members` part of every
+        node's room and every tenant's limits until `set_peer_views` is called again."""
+        state = peers.PeerState(members=max(1, members), isolated=members > 1)
+        self.policy.set_peers(state, lambda slack: 1.0)
+        self.tenants.peers = {}
+        self.tenants.split = max(1, members)
+        self.tenants.set_allowance(None, 1.0)
+        self.queue.fairness.set_peer_service({})
+        self.dispatch()
+
     # --- state ------------------------------------------------------------------------------------
 
     @property
@@ -257,6 +361,14 @@ class FlowController:
         snap = self.policy.snapshot()
         snap["queue"] = self.queue_snapshot()
         snap["tenants"] = self.tenants.snapshot()
+        state = self.policy.peers
+        snap["cluster"] = {
+            "replica": self.replica,
+            "members": state.members,
+            "isolated": state.isolated,
+            "peer_requests": {n: len(p.loads) for n, p in state.nodes.items()},
+            "allowance_tokens": {n: self.policy.allowance(n) for n in self.policy.nodes},
+        }
         return snap
 
     def queue_snapshot(self) -> dict[str, Any]:

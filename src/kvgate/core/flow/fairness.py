@@ -44,6 +44,14 @@ class Fairness(Protocol):
 
     def snapshot(self) -> dict[str, float]: ...
 
+    def served(self) -> dict[str, float]:
+        """Weighted tokens given to each tenant through this replica (for the others)."""
+        ...
+
+    def set_peer_service(self, service: dict[str, float]) -> None:
+        """What the other replicas have given each tenant: it counts here too."""
+        ...
+
 
 class TokenFairness:
     """VTC counters by tenant (see the module docstring)."""
@@ -53,25 +61,37 @@ class TokenFairness:
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
         self._last = 0.0
+        self._served: dict[str, float] = {}
+        self._peers: dict[str, float] = {}
 
     def key(self, tenant: str) -> float:
-        return self.counters.get(tenant, self._last)
+        return self.counters.get(tenant, self._last) + self._peers.get(tenant, 0.0)
 
     def backlogged(self, tenant: str, waiting: Iterable[str]) -> None:
         floor = min((self.key(t) for t in waiting if t != tenant), default=self._last)
         self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
 
     def charge(self, tenant: str, prompt: int, output: int) -> None:
-        value = self.key(tenant) + PROMPT_WEIGHT * prompt + OUTPUT_WEIGHT * output
+        amount = PROMPT_WEIGHT * prompt + OUTPUT_WEIGHT * output
+        value = self.counters.get(tenant, self._last) + amount
         self.counters[tenant] = value
         self._last = value
+        self._served[tenant] = self._served.get(tenant, 0.0) + amount
 
     def correct(self, tenant: str, output_delta: int) -> None:
         if tenant in self.counters:
             self.counters[tenant] = max(0.0, self.counters[tenant] + OUTPUT_WEIGHT * output_delta)
+            served = self._served.get(tenant, 0.0) + OUTPUT_WEIGHT * output_delta
+            self._served[tenant] = max(0.0, served)
 
     def snapshot(self) -> dict[str, float]:
-        return dict(self.counters)
+        return {t: self.key(t) for t in self.counters}
+
+    def served(self) -> dict[str, float]:
+        return dict(self._served)
+
+    def set_peer_service(self, service: dict[str, float]) -> None:
+        self._peers = dict(service)
 
 
 class ArrivalOrder:
@@ -93,3 +113,9 @@ class ArrivalOrder:
 
     def snapshot(self) -> dict[str, float]:
         return {}
+
+    def served(self) -> dict[str, float]:
+        return {}
+
+    def set_peer_service(self, service: dict[str, float]) -> None:
+        return None

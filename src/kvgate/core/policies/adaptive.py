@@ -186,16 +186,28 @@ class AdaptivePolicy(BasePolicy):
         limit = self.ceiling(node, request.priority) * cap
         held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
         final = held + expected
-        upper = node.used + self.reserved_on(node_id) + final
+        allowance = self.allowance(node_id)
+        if allowance is not None and final > allowance:
+            return _Fit(None, "share")  # other replicas hold the rest until the next sync
+        if self.peers.isolated:
+            return self._fit_isolated(node, limit, held, expected)
+        upper = node.used + self.reserved_on(node_id) + self.peers_upper(node_id) + final
         if upper <= limit:
             return _Fit((limit - upper) / cap)
-        now_tokens = node.used + self.unreflected_now(node_id)
-        if now_tokens + held > limit:
-            return _Fit(None, "full")  # not even its prompt fits now
         peak = self.envelope(node).peak(held, expected)
         if peak > limit:
-            return _Fit(None, "full" if final <= limit else "too_large")
+            return _Fit(None, "full")
         return _Fit((limit - peak) / cap)
+
+    def _fit_isolated(self, node: NodeState, limit: float, held: int, expected: int) -> _Fit:
+        """Without the other replicas' views: this replica's own requests against its
+        static part of the node, under the panic gate the measured usage keeps."""
+        assert node.cap is not None
+        part = limit / max(1, self.peers.members)
+        peak = self.own_envelope(node.node_id).peak(held, expected)
+        if peak > part or node.used + held > limit:
+            return _Fit(None, "full")
+        return _Fit((part - peak) / node.cap)
 
     def _refuse(
         self, now: float, request: AdmissionRequest, expected: int, reasons: list[str]

@@ -61,7 +61,7 @@ import heapq
 import itertools
 import random
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, StartEstimate, Ticket
@@ -69,6 +69,7 @@ from kvgate.core.clock import Clock
 from kvgate.core.envelope import Envelope
 from kvgate.core.lengths import OutputLengths
 from kvgate.core.nodes import NodeState, next_level
+from kvgate.core.peers import PeerState
 from kvgate.core.rates import DecayingRate, Ewma
 from kvgate.core.request import AdmissionRequest
 from kvgate.core.retry_after import jittered, retry_after
@@ -173,7 +174,7 @@ class _Wakeups:
 class _Book:
     """One node's live holds and their running sums."""
 
-    __slots__ = ("envelope", "full", "holds", "now", "prefill", "upper", "version", "wakeups")
+    __slots__ = ("full", "holds", "now", "prefill", "upper", "version", "wakeups")
 
     def __init__(self) -> None:
         self.holds: dict[str, _Hold] = {}
@@ -183,7 +184,6 @@ class _Book:
         self.prefill = 0  # prompt tokens of the holds still waiting for their first token
         self.wakeups = _Wakeups()
         self.version = 0
-        self.envelope: tuple[int, Envelope] | None = None
 
 
 class BasePolicy:
@@ -215,6 +215,12 @@ class BasePolicy:
         self._rr = 0
         self._mark_spacing = self.tuning.reflect_margin_s / 3
         self._paces: dict[str, Ewma] = {}  # seconds per token of each node's streams
+        # Other replicas (kvgate.core.peers): their requests, this replica's share of each
+        # node's slack until the next sync, and what it has added since.
+        self.peers = PeerState()
+        self._peers_version = 0
+        self._allowance: dict[str, float] = {}
+        self._envelopes: dict[str, tuple[tuple[int, int], Envelope]] = {}
         self._drain_cache: tuple[int, tuple[str, ...], list[float], list[float]] | None = None
         # Bumped whenever anything a decision depends on changes (sample, ticket, node set),
         # so a policy may cache a "nothing fits" scan until the next change.
@@ -502,24 +508,86 @@ class BasePolicy:
         return (tokens - self.unseen_overlap(node)) / capacity
 
     def envelope(self, node: NodeState) -> Envelope:
-        """The node's envelope (see the module docstring), cached until its book changes.
-
-        What ended since the last sample is still in `used` but already free: it enters as
-        a load that ends now, not as a lasting part of the base."""
-        book = self._books.get(node.node_id)
-        freed = node.freed_unseen
-        if book is None:
-            return Envelope(node.used, [(0, freed)] if freed else ())
-        cached = book.envelope
-        if cached is not None and cached[0] == book.version:
+        """The node's envelope (see the module docstring), cached until its book or the
+        peers change: this replica's holds, other replicas' (kvgate.core.peers), and what
+        ended since the last sample (still in `used` but already free: a load that ends
+        now, not a lasting part of the base)."""
+        node_id = node.node_id
+        book = self._books.get(node_id)
+        key = (-1 if book is None else book.version, self._peers_version)
+        cached = self._envelopes.get(node_id)
+        if cached is not None and cached[0] == key and not node.freed_unseen:
             return cached[1]
         overhead = self.tuning.reservation_overhead_tokens
-        loads = [(h.remaining(), h.prompt + h.tok_cur + overhead) for h in book.holds.values()]
-        if freed:
-            loads.append((0, freed))
-        env = Envelope(node.used + book.now, loads)
-        book.envelope = (book.version, env)
+        loads: list[tuple[float, float]] = []
+        base = node.used
+        if book is not None:
+            loads = [(h.remaining(), h.prompt + h.tok_cur + overhead) for h in book.holds.values()]
+            base += book.now
+        peers = self.peers.nodes.get(node_id)
+        if peers is not None:
+            loads.extend(peers.loads)
+            base += peers.unreflected
+        if node.freed_unseen:
+            loads.append((0, node.freed_unseen))
+        env = Envelope(base, loads)
+        if not node.freed_unseen:
+            self._envelopes[node_id] = (key, env)
         return env
+
+    def own_envelope(self, node_id: str) -> Envelope:
+        """This replica's requests alone, from zero (for its static share when isolated)."""
+        book = self._books.get(node_id)
+        if book is None:
+            return Envelope(0.0)
+        overhead = self.tuning.reservation_overhead_tokens
+        loads = [(h.remaining(), h.prompt + h.tok_cur + overhead) for h in book.holds.values()]
+        return Envelope(sum(c for _, c in loads), loads)
+
+    def peers_upper(self, node_id: str) -> float:
+        """Other replicas' requests on the node if all grew to their end and none ended."""
+        peers = self.peers.nodes.get(node_id)
+        return 0.0 if peers is None else peers.upper
+
+    def allowance(self, node_id: str) -> float | None:
+        """Tokens (final footprints) this replica may still add to the node before the next
+        sync; None when it is alone (no peers, not isolated)."""
+        return self._allowance.get(node_id)
+
+    def set_peers(self, state: PeerState, share: Callable[[float], float]) -> None:
+        """Take the other replicas' state. `share(slack)` is this replica's fraction of a
+        node's slack (its panic ceiling less its planned peak) until the next call; isolated,
+        the node's room is split statically instead (see `kvgate.core.peers`)."""
+        self.peers = state
+        self._peers_version += 1
+        self.generation += 1
+        self._allowance = {}
+        if state.isolated or state.members <= 1:
+            return
+        for node_id in self.nodes:
+            slack = self.slack(node_id)
+            self._allowance[node_id] = share(slack) * slack
+
+    def local_holds(self) -> dict[str, list[list[int]]]:
+        """This replica's requests per node as `[unreflected, held, remaining]`."""
+        overhead = self.tuning.reservation_overhead_tokens
+        out: dict[str, list[list[int]]] = {}
+        for node_id, book in self._books.items():
+            out[node_id] = [
+                [
+                    h.prompt + h.tok_cur + overhead - h.reflected,
+                    h.prompt + h.tok_cur + overhead,
+                    h.remaining(),
+                ]
+                for h in book.holds.values()
+            ]
+        return out
+
+    def slack(self, node_id: str) -> float:
+        node = self.nodes.get(node_id)
+        if node is None or node.cap is None:
+            return 0.0
+        return max(0.0, self.settings.panic_watermark * node.cap - self.envelope(node).peak())
 
     def unseen_overlap(self, node: NodeState) -> float:
         """Tokens the node's last sample most likely holds twice for us.
@@ -602,11 +670,14 @@ class BasePolicy:
         held = hold.prompt + overhead
         book.now += held
         book.prefill += hold.prompt
-        cached = book.envelope
+        cached = self._envelopes.get(node_id)
+        version = (book.version, self._peers_version)
         book.version += 1
-        if cached is not None and cached[0] == book.version - 1:
+        if cached is not None and cached[0] == version:
             cached[1].add(held, hold.remaining())  # keep the cache: O(n) insert, no re-sort
-            book.envelope = (book.version, cached[1])
+            self._envelopes[node_id] = ((book.version, self._peers_version), cached[1])
+        if node_id in self._allowance:
+            self._allowance[node_id] -= self.footprint(request, expected)
         self._in_flight_tokens += hold.full
         self.generation += 1
         self._refresh_level(node_id)
