@@ -327,16 +327,9 @@ class FlowController:
                 count, tokens, head, age = entry if entry else (0.0, 0.0, 0.0, 0.0)
                 by_tokens.append(peers.Demand(name, tokens, head, age))
                 by_requests.append(peers.Demand(name, count, 1.0 if count else 0.0, age))
-            me = self.replica
             allowance[tenant] = (
-                float("inf")
-                if left_tokens is None
-                else peers.share_of(me, by_tokens, left_tokens) * left_tokens,
-                float("inf")
-                if left_requests is None
-                else float(
-                    int(peers.share_of(me, by_requests, left_requests) * left_requests + 1e-9)
-                ),
+                _part(self.replica, by_tokens, left_tokens, whole=False),
+                _part(self.replica, by_requests, left_requests, whole=True),
             )
         self.tenants.set_allowance(allowance, 1.0 / max(1, members))
 
@@ -551,6 +544,14 @@ class FlowController:
         notify = waiter.notify
         if notify is not None:
             notify(decision)
+
+
+def _part(me: str, demands: list[peers.Demand], left: float | None, whole: bool) -> float:
+    """This replica's part of what a tenant's limit leaves (whole requests when `whole`)."""
+    if left is None:
+        return float("inf")
+    part = peers.share_of(me, demands, left) * left
+    return float(int(part + 1e-9)) if whole else part
 
 
 _EXCEEDED_MESSAGE = (
