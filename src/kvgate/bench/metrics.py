@@ -144,6 +144,10 @@ def summarize(run: RunResult) -> dict[str, Any]:
             f"served_{kind}": sum(r.success is not None for r in group) / len(group)
             for kind, group in by_kind.items()
         },
+        **{
+            f"slo_{kind}": sum(within_slo(r, run.slo) for r in group) / len(group)
+            for kind, group in by_kind.items()
+        },
         "ttft_p50_s": _pct(ttfts, 50),
         "ttft_p99_s": _pct(ttfts, 99),
         "tpot_p50_s": _pct(tpots, 50),
