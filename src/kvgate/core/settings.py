@@ -140,6 +140,10 @@ def _default_waiting() -> dict[BandName, int]:
     return {"total": 4096}
 
 
+def _default_waiting_tokens() -> dict[BandName, int]:
+    return {"total": 16_000_000}
+
+
 class QueueSettings(BaseModel):
     """The gateway's queue (`kvgate.core.flow`): how long and how much may wait."""
 
@@ -155,7 +159,7 @@ class QueueSettings(BaseModel):
         description="Waiting requests at most, per priority and in `total` (none: no cap).",
     )
     max_waiting_tokens: dict[BandName, int] = Field(
-        default_factory=dict,
+        default_factory=_default_waiting_tokens,
         description="KV tokens (prompt + max_tokens) waiting at most, per priority and in"
         " `total` (none: no cap).",
     )
