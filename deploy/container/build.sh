@@ -28,6 +28,7 @@ base="docker.io/library/python:3.11-slim"
 local_base=""
 suite="bookworm"
 mirror=""
+deb_cache=""
 tag=""
 extras=""
 wheelhouse=""
@@ -40,6 +41,7 @@ Options:
   --local-base TAG     make the base from Debian's packages first, tag it TAG and build on it
   --suite NAME         Debian suite of --local-base (default: bookworm, Python 3.11)
   --mirror URL         Debian mirror of --local-base (default: mmdebstrap's)
+  --deb-cache DIR      keep the .deb files of --local-base in DIR and reuse them next time
   --tag TAG            the image's tag (default: localhost/kvgate:<version>)
   --extras LIST        kvgate extras to install, e.g. tokenizers
   --wheelhouse DIR     keep the wheelhouse in DIR (default: a temporary directory)
@@ -52,6 +54,7 @@ while [ $# -gt 0 ]; do
     --local-base) local_base="$2"; shift 2 ;;
     --suite) suite="$2"; shift 2 ;;
     --mirror) mirror="$2"; shift 2 ;;
+    --deb-cache) deb_cache="$2"; shift 2 ;;
     --tag) tag="$2"; shift 2 ;;
     --extras) extras="$2"; shift 2 ;;
     --wheelhouse) wheelhouse="$2"; shift 2 ;;
@@ -81,7 +84,18 @@ if [ -n "$local_base" ]; then
   # merged-usr: /bin etc. as links into /usr without the usrmerge package (and its perl).
   # Docs, man pages and translations are left out: nobody reads them in a container.
   # The tarball goes straight into `podman import` (TARGET "-" is stdout).
-  mmdebstrap --variant=minbase --include=python3,python3-venv \
+  # --deb-cache: apt's archive directory is filled from DIR before and copied back after
+  # (mmdebstrap's sync-in/sync-out hooks), so a second build downloads nothing it has.
+  cache=()
+  if [ -n "$deb_cache" ]; then
+    mkdir -p "$deb_cache"
+    deb_cache="$(cd "$deb_cache" && pwd)"
+    cache=(--skip=essential/unlink
+      --setup-hook='mkdir -p "$1"/var/cache/apt/archives/'
+      --setup-hook="sync-in $deb_cache /var/cache/apt/archives/"
+      --customize-hook="sync-out /var/cache/apt/archives $deb_cache")
+  fi
+  mmdebstrap --variant=minbase --include=python3,python3-venv "${cache[@]}" \
     --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
     --dpkgopt='path-exclude=/usr/share/doc/*' \
     --dpkgopt='path-exclude=/usr/share/man/*' \
