@@ -38,7 +38,7 @@ from deploy.tools import (
 from kvgate.config import KvgateConfig
 
 OLDEST_KUBERNETES = (1, 29)
-# kvgate's HTTP server keeps waiting up to 3 s after the drain (kvgate.gateway.server);
+# kvgate's HTTP server keeps waiting up to 3 s after the drain (kvgate.gateway.http.server);
 # the grace period must cover that and the process exit, with room to spare.
 SHUTDOWN_MARGIN_S = 5.0
 CUSTOM_RESOURCES = {"monitoring.coreos.com/v1": {"ServiceMonitor"}}
