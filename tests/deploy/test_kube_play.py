@@ -18,9 +18,10 @@ does. What the test changes in the rendered objects, and why (nothing else is ch
 
 What podman does not do at all, and this test therefore cannot check: Services (the
 kvgate ClusterIP, the headless Service's DNS records following pods that come and go),
-readiness gating of traffic, liveness restarts (podman turns the liveness probe into a
-healthcheck that needs systemd timers, and readiness probes are ignored), the preStop
-hook and terminationGracePeriodSeconds (podman stops with its own 10 s), the
+readiness gating of traffic (there is no Service whose endpoints it would gate),
+liveness restarts (podman 4.3 turns the liveness probe into a `curl` healthcheck, which
+this image could not run, driven by systemd timers, which this machine does not have),
+the preStop hook and terminationGracePeriodSeconds (podman stops with its own 10 s), the
 PodDisruptionBudget, anti-affinity and topology spread, resource requests, the
 Namespace, ServiceAccount, NetworkPolicy and ServiceMonitor. The schemas and how those
 pieces fit are checked offline in test_manifests.py; SIGTERM draining in test_image.py.
