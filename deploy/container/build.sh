@@ -34,7 +34,7 @@ extras=""
 wheelhouse=""
 
 usage() {
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
   cat <<'EOF'
 Options:
   --base IMAGE         base image with python3 and its venv module (default: python:3.11-slim)
