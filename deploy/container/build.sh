@@ -90,6 +90,7 @@ if [ -n "$local_base" ]; then
   if [ -n "$deb_cache" ]; then
     mkdir -p "$deb_cache"
     deb_cache="$(cd "$deb_cache" && pwd)"
+    # shellcheck disable=SC2016  # "$1" is the chroot, expanded by mmdebstrap's shell
     cache=(--skip=essential/unlink
       --setup-hook='mkdir -p "$1"/var/cache/apt/archives/'
       --setup-hook="sync-in $deb_cache /var/cache/apt/archives/"
@@ -135,7 +136,7 @@ if [ "$wheels" != "$work/context/wheelhouse" ]; then
   mkdir -p "$work/context/wheelhouse"
   cp "$wheels"/*.whl "$work/context/wheelhouse/"
 fi
-say "wheelhouse: $(ls "$work/context/wheelhouse" | wc -l) wheels for kvgate $version"
+say "wheelhouse: $(find "$work/context/wheelhouse" -name '*.whl' | wc -l) wheels for kvgate $version"
 
 # ---- 3. the image ----------------------------------------------------------------------
 tag="${tag:-localhost/kvgate:$version}"
