@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar, cast
 
@@ -90,6 +91,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._linger_until: float | None = None
         self._linger_heard = 0.0
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._cycle_transport: _CycleTransport | None = None  # made with the connection
 
     @classmethod
     def with_limits(cls, limits: LimitSettings) -> type[GuardedHttpToolsProtocol]:
@@ -100,6 +102,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._cycle_transport = _CycleTransport(self)
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, "Too many open connections; retry shortly.", "too_many_connections")
             return
@@ -153,9 +156,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         extensions[SPLICE] = self._splicer
         super().on_headers_complete()
         cycle = self.cycle
-        if cycle is not None and cycle.scope is self.scope:
+        if cycle is not None and self._cycle_transport is not None:
             # Duck-typed: the cycle only writes, asks is_closing and closes.
-            cycle.transport = cast(asyncio.Transport, _CycleTransport(self, cycle))
+            cycle.transport = cast(asyncio.Transport, self._cycle_transport)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -252,22 +255,25 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class _CycleTransport:
-    """The connection as one request's cycle sees it: uvicorn closes it after an answer
-    with `connection: close`; while that request's body is still arriving, the protocol
-    lingers instead (`GuardedHttpToolsProtocol.linger`). Writes go straight through."""
+    """The connection as its requests' cycles see it: uvicorn closes it after an answer
+    with `connection: close`; while the latest request's body is still arriving, the
+    protocol lingers instead (`GuardedHttpToolsProtocol.linger`). Writes go straight
+    through. One per connection; it holds its protocol weakly, so that no reference cycle
+    outlives the connection."""
 
-    __slots__ = ("_cycle", "_protocol", "_transport", "is_closing", "write")
+    __slots__ = ("_protocol", "_transport", "is_closing", "write")
 
-    def __init__(self, protocol: GuardedHttpToolsProtocol, cycle: Any) -> None:
-        self._protocol = protocol
-        self._cycle = cycle
+    def __init__(self, protocol: GuardedHttpToolsProtocol) -> None:
+        self._protocol = weakref.ref(protocol)
         self._transport: asyncio.Transport = protocol.transport
         self.write = self._transport.write
         self.is_closing = self._transport.is_closing
 
     def close(self) -> None:
-        if self._cycle.more_body:  # the client may be writing its body still
-            self._protocol.linger()
+        protocol = self._protocol()
+        cycle = None if protocol is None else protocol.cycle
+        if protocol is not None and cycle is not None and cycle.more_body:
+            protocol.linger()  # the client may be writing its body still
         else:
             self._transport.close()
 
