@@ -3,8 +3,8 @@
 Two layers, so that safety never depends on a control loop that runs at sample rate:
 
 1. **Deterministic ceilings, per node, at admission time.** A request of priority q may go
-   to node n only if n is fresh, not thrashing, not in the panic state, and
-   `predicted_tokens(n) + reservation <= ceiling(q) * capacity(n)`, where
+   to node n only if n is fresh or lagging (`core.nodes`), not thrashing, not in the
+   panic state, and `predicted_tokens(n) + reservation <= ceiling(q) * capacity(n)`, where
    ceiling(sheddable) = high watermark, ceiling(standard) = `standard_ceiling` (midway to
    panic by default) and ceiling(critical) = panic watermark. Predicted tokens include
    every reservation the engine cannot reflect yet (see `policies.base`), and the
@@ -55,7 +55,7 @@ Refusals (`Reject.reason`, also the `X-Kvgate-Reason` header):
   * 429 `claimed` - the request would fit, but only in room claimed by a larger one;
   * 429 `kv_panic` - every node is at (or would pass) the panic watermark;
   * 429 `thrashing` - every fresh candidate is thrashing;
-  * 503 `no_fresh_node` - no candidate is fresh (fail-closed);
+  * 503 `no_fresh_node` - no candidate is fresh or lagging (fail-closed);
   * 503 `no_capacity` - the request is larger than any candidate could ever hold;
   * 503 `no_backend` - the candidate list is empty.
 Retry-After comes from `retry_after.py`: tokens to free over the measured freeing rate.
@@ -218,8 +218,9 @@ class AdaptivePolicy(BasePolicy):
     def _room(self, node: NodeState, now: float, priority: Priority) -> float | None:
         """Tokens `node` can still take under the priority's ceiling; None when unusable.
 
-        Unusable: stale, never heard from, thrashing, or in the panic state. A node with no
-        known capacity has unbounded room while nothing waits on it, and none otherwise.
+        Unusable: neither fresh nor lagging (`core.nodes`), thrashing, or in the panic
+        state. A node with no known capacity has unbounded room while nothing waits on it,
+        and none otherwise.
         """
         sample = node.sample
         settings = self.settings
@@ -227,8 +228,7 @@ class AdaptivePolicy(BasePolicy):
             sample is None
             or node.thrashing
             or node.level == LEVEL_PANIC
-            or now - sample.sampled_at > settings.stale_after_s
-            or node.consecutive_failures >= settings.failures_to_stale
+            or now > node.live_until(settings)  # neither fresh nor lagging
         ):
             return None
         cap = node.cap
@@ -296,11 +296,13 @@ class AdaptivePolicy(BasePolicy):
             if node is None:
                 continue
             sample = node.sample
-            if sample is None or node.consecutive_failures >= failures_to_stale:
+            if sample is None:
                 continue
             expires = sample.sampled_at + stale_after
-            if now > expires:
-                continue
+            if now > expires or node.consecutive_failures >= failures_to_stale:
+                expires = node.live_until(settings)  # lagging: it is seen serving
+                if now > expires:
+                    continue
             fresh += 1
             if expires < valid_until:
                 valid_until = expires

@@ -207,12 +207,16 @@ class BasePolicy:
     def on_first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
             ticket.first_token_at = self.clock.now()
+        if (node := self.nodes.get(ticket.node_id)) is not None:
+            node.progress(ticket.first_token_at)
         hold = self._holds.get(ticket.extra.get(TICKET_KEY, ""))
         if hold is not None:
             self._schedule(hold, ticket.first_token_at)
 
     def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
         now = self.clock.now()
+        if (node := self.nodes.get(ticket.node_id)) is not None:
+            node.progress(now)
         hold = self._holds.get(ticket.extra.get(TICKET_KEY, ""))
         if ticket.first_token_at is None:
             ticket.first_token_at = now
@@ -266,11 +270,11 @@ class BasePolicy:
         self._refresh_level(node_id)
         self._on_observe(now, node)
 
-    def observe_failure(self, node_id: str) -> None:
+    def observe_failure(self, node_id: str, hard: bool = True) -> None:
         node = self.nodes.get(node_id)
         if node is None:
             node = self.nodes[node_id] = NodeState(node_id)
-        node.fail()
+        node.fail(hard)
         self.generation += 1
 
     def add_node(self, node_id: str) -> None:
@@ -519,32 +523,9 @@ class BasePolicy:
             node.level, usage, s.high_watermark, s.panic_watermark, s.hysteresis
         )
 
-    def _node_state(self, now: float, node: NodeState) -> str:
-        if node.sample is None:
-            return "unknown"
-        if not node.is_fresh(now, self.settings):
-            return "stale"
-        if node.is_thrashing(now):
-            return "thrashing"
-        return node.level
-
     def _node_snapshot(self, now: float, node: NodeState) -> dict[str, Any]:
-        sample = node.sample
-        return {
-            "fresh": node.is_fresh(now, self.settings),
-            "age_s": node.age(now),
-            "state": self._node_state(now, node),
-            "sample": None
-            if sample is None
-            else {
-                "kv_usage": sample.kv_usage,
-                "kv_capacity_tokens": sample.kv_capacity_tokens,
-                "running": sample.running,
-                "waiting": sample.waiting,
-                "iteration_latency_s": sample.iteration_latency_s,
-                "sampled_at": sample.sampled_at,
-            },
-            "reserved_tokens": self.store.reserved(node.node_id),
-            "in_flight": self.in_flight_on(node.node_id),
-            "predicted_usage": self.predicted_usage(node),
-        }
+        entry = node.snapshot(now, self.settings)
+        entry["reserved_tokens"] = self.store.reserved(node.node_id)
+        entry["in_flight"] = self.in_flight_on(node.node_id)
+        entry["predicted_usage"] = self.predicted_usage(node)
+        return entry

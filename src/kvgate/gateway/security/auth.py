@@ -291,8 +291,8 @@ class TenantGate:
     def observe(self, node_id: str, sample: NodeSample) -> None:
         self.inner.observe(node_id, sample)
 
-    def observe_failure(self, node_id: str) -> None:
-        self.inner.observe_failure(node_id)
+    def observe_failure(self, node_id: str, hard: bool = True) -> None:
+        self.inner.observe_failure(node_id, hard)
 
     def add_node(self, node_id: str) -> None:
         self.inner.add_node(node_id)
