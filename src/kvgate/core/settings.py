@@ -53,8 +53,8 @@ class AdmissionSettings(BaseModel):
     failures_to_stale: int = Field(
         10,
         ge=1,
-        description="Consecutive scrape failures after which a node is stale before"
-        " `stale_after_s` (10 x 50 ms: a slow page on a busy host is not a dead engine).",
+        description="Hard scrape failures in a row (refused, HTTP error, unparseable page)"
+        " after which a node is dead before `stale_after_s`; a slow page is not a failure.",
     )
 
     # --- reservations --------------------------------------------------------------------
