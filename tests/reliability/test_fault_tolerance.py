@@ -76,12 +76,7 @@ def _body(**extra: Any) -> dict[str, Any]:
 async def test_bad_metrics_node_is_routed_around_then_used_again(
     nodes: list[ChaosNode], gateway_factory, caplog, fault: str
 ) -> None:
-    # Slower scrapes and a longer freshness window than the module's default: on a loaded
-    # machine the healthy node's 80 ms scrape timeout was missed often enough for both
-    # nodes to go stale (503s); the fault under test is unchanged.
-    gw = await _gateway(
-        gateway_factory, nodes, **{"scrape.interval_s": 0.2, "admission.stale_after_s": 1.0}
-    )
+    gw = await _gateway(gateway_factory, nodes)
     caplog.set_level(logging.INFO, logger="kvgate.gateway.engines.scraper")
     nodes[0].metrics_mode = fault  # type: ignore[assignment]
     assert await eventually(lambda: _fresh(gw) == {"node1"}, 3.0)
