@@ -70,6 +70,7 @@ class FakeEngine:
     port: int = 0
     host: str = "127.0.0.1"  # any of 127.0.0.0/8: several engines may share one port
     kv_usage: float = 0.1
+    metrics_delay: float = 0.0  # seconds before /metrics answers (a busy engine's page)
     metrics_hits: int = 0  # GETs of /metrics (not kept in `requests`)
     _server: asyncio.base_events.Server | None = None
     _handlers: set[asyncio.Task[None]] = field(default_factory=set)
@@ -140,6 +141,8 @@ class FakeEngine:
             return await _send(writer, 200, b"", "text/plain")
         if req.path == "/metrics":
             self.metrics_hits += 1
+            if self.metrics_delay:
+                await asyncio.sleep(self.metrics_delay)
             return await _send(writer, 200, self._metrics_page(), "text/plain; version=0.0.4")
         self.requests.append(req)
         if req.path == "/v1/models":

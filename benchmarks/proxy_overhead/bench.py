@@ -5,8 +5,8 @@ Side by side, in one run, on one fast fake engine:
 - `direct`: the client talks to the engine (the TTFT baseline; no proxy CPU).
 - `nginx`: `proxy_buffering off`, HTTP/1.1 keep-alive upstream, access log off.
 - `kvgate-uvicorn-aiohttp`: `kvgate serve` (uvloop + httptools) with `upstream.client:
-  aiohttp`, policy `none` unless `--policy`, access log on (written to a file), the scraper
-  polling the engine.
+  aiohttp`, its default policy (`adaptive`) unless `--policy`, access log on (written to a
+  file), the scraper polling the engine.
 - `kvgate-uvicorn-native`: the same with `upstream.client: native` (the default since the
   numbers below were taken: kvgate's keep-alive pool on httptools).
 - `kvgate-hypercorn-native`: the same app under hypercorn (the HTTP/2 server), HTTP/1.1.
@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,8 +229,11 @@ async def _read_response(reader: asyncio.StreamReader) -> bytes:
     return data
 
 
-async def nonstream_phase(port: int, requests: int, connections: int = 16) -> float:
-    """Send `requests` non-streaming completions; returns the wall time."""
+async def nonstream_phase(
+    port: int, requests: int, statuses: Counter[int] | None = None, connections: int = 16
+) -> float:
+    """Send `requests` non-streaming completions; returns the wall time. Answers other
+    than 200 are counted in `statuses` (a refusal carries a body: the connection goes on)."""
     body = json.dumps({"model": MODEL, "prompt": "hello world", "max_tokens": 4}).encode()
     payload = _request(port, body)
     remaining = requests
@@ -243,7 +247,9 @@ async def nonstream_phase(port: int, requests: int, connections: int = 16) -> fl
                 writer.write(payload)
                 response = await _read_response(reader)
                 if not response.startswith(b"HTTP/1.1 200"):
-                    raise RuntimeError(response[:200].decode(errors="replace"))
+                    if statuses is None:
+                        raise RuntimeError(response[:200].decode(errors="replace"))
+                    statuses[int(response[9:12])] += 1
         finally:
             writer.close()
 
@@ -258,6 +264,7 @@ class StreamResult:
     chunks: int = 0
     streams: int = 0
     errors: int = 0
+    statuses: Counter[int] = field(default_factory=Counter)  # answers other than 200
 
 
 async def stream_phase(
@@ -299,6 +306,7 @@ async def stream_phase(
                 head = await reader.readuntil(b"\r\n\r\n")
                 if not head.startswith(b"HTTP/1.1 200"):
                     result.errors += 1
+                    result.statuses[int(head[9:12])] += 1
                     return
                 data = b""
                 first = True
@@ -478,6 +486,9 @@ class StackResult:
     ttft_p50_ms: float = 0.0
     ttft_p99_ms: float = 0.0
     stream_errors: int = 0
+    # Answers other than 200 over every phase and round, by status ("503": 3); the bench
+    # must run under the default policy without a single 503.
+    refused: Counter[int] = field(default_factory=Counter)
     cpu_best_ms: float | None = None
     cpu_per_1k_fast_chunks_ms: float | None = None
 
@@ -491,9 +502,9 @@ def measure(name: str, engine_port: int, args: argparse.Namespace, workdir: Path
     result = StackResult(name)
     stack = start_stack(name, engine_port, workdir, args.policy, args.before_src or "", args.pin)
     with stack as (port, pid):
-        asyncio.run(nonstream_phase(port, 200))  # warm-up: connections, caches
+        asyncio.run(nonstream_phase(port, 200, result.refused))  # warm-up: connections, caches
         before = cpu_seconds(pid) if pid else 0.0
-        wall = asyncio.run(nonstream_phase(port, args.requests))
+        wall = asyncio.run(nonstream_phase(port, args.requests, result.refused))
         if pid:
             result.cpu_per_request_ms = (cpu_seconds(pid) - before) / args.requests * 1e3
         result.requests_per_s = args.requests / wall
@@ -514,10 +525,12 @@ def measure(name: str, engine_port: int, args: argparse.Namespace, workdir: Path
                 )
             )  # fmt: skip
             result.cpu_per_1k_fast_chunks_ms = (cpu_seconds(pid) - before) / fast.chunks * 1e6
+            result.refused.update(fast.statuses)
     result.chunks, result.streams = streamed.chunks, streamed.streams
     result.ttft_p50_ms = _pct(streamed.ttft_s, 0.50) * 1e3
     result.ttft_p99_ms = _pct(streamed.ttft_s, 0.99) * 1e3
     result.stream_errors = streamed.errors
+    result.refused.update(streamed.statuses)
     return result
 
 
@@ -615,13 +628,15 @@ def _median(name: str, results: list[StackResult]) -> StackResult:
 
     out = StackResult(name)
     for key in StackResult.__dataclass_fields__:
-        if key != "name":
+        if key not in ("name", "refused"):
             value = med([getattr(r, key) for r in results])
             setattr(out, key, value if value is not None else getattr(out, key))
     out.cpu_best_ms = min(
         (r.cpu_per_request_ms for r in results if r.cpu_per_request_ms is not None),
         default=None,
     )
+    for r in results:
+        out.refused.update(r.refused)
     return out
 
 
@@ -640,8 +655,8 @@ def render(results: list[StackResult], args: argparse.Namespace) -> str:
     lines = [
         "| stack | CPU ms / request (best) | req/s | CPU ms / 1,000 chunks"
         " | CPU ms / 1,000 chunks, fast streams | TTFT p50 ms"
-        " | TTFT p99 ms | added TTFT p50 / p99 ms | streams | errors |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        " | TTFT p99 ms | added TTFT p50 / p99 ms | streams | errors | not 200 (all rounds) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
         added = "-"
@@ -655,6 +670,7 @@ def render(results: list[StackResult], args: argparse.Namespace) -> str:
             f" {fmt(r.cpu_per_1k_fast_chunks_ms, 2)} |"
             f" {r.ttft_p50_ms:.2f} | {r.ttft_p99_ms:.2f} | {added} | {r.streams:.0f} |"
             f" {r.stream_errors:.0f} |"
+            f" {', '.join(f'{k}: {v}' for k, v in sorted(r.refused.items())) or 'none'} |"
         )
     pinned = (
         f"the proxy pinned to CPU {PROXY_CPU}, the client and the engine to the others; "
@@ -686,7 +702,7 @@ def main() -> int:
     bench.add_argument("--tokens", type=int, default=50)
     bench.add_argument("--token-ms", type=float, default=20.0)
     bench.add_argument("--duration", type=float, default=8.0)
-    bench.add_argument("--policy", default="none")
+    bench.add_argument("--policy", default="adaptive", help="kvgate's admission policy")
     bench.add_argument("--fast-streams", type=int, default=20, help="0: no fast-stream phase")
     bench.add_argument("--fast-tokens", type=int, default=500)
     bench.add_argument("--fast-token-ms", type=float, default=0.05)

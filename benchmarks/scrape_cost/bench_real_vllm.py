@@ -1,7 +1,8 @@
 """The lean client and aiohttp against a real vLLM engine's /metrics, interleaved.
 
 Polls alternate between the two clients every 50 ms (so both see the same machine load)
-with the scraper's default 40 ms timeout and the real vLLM parse; prints how many polls
+with a 40 ms timeout (the scraper's timeout until polls were sized to the engine) and the
+real vLLM parse; prints how many polls
 each lost to the timeout and their latency. Also checks the adapter's abort on a server
 started without --enable-scale-out (expect False, remembered).
 Start an engine first (`bash /work/shared/real-vllm/serve.sh PORT`), then:
@@ -16,9 +17,10 @@ import sys
 import time
 
 import aiohttp
+from aiohttp_fetcher import AiohttpFetcher
 
 from kvgate.adapters import adapter_for
-from kvgate.gateway.engines.scrape_http import AiohttpFetcher, LeanHttpFetcher, MetricsFetcher
+from kvgate.gateway.engines.scrape_http import LeanHttpFetcher, MetricsFetcher
 
 
 async def main(port: int, polls: int) -> None:

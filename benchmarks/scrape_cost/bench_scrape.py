@@ -23,6 +23,7 @@ from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
+from aiohttp_fetcher import AiohttpFetcher
 
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
@@ -30,6 +31,7 @@ from kvgate.adapters.vllm import VllmAdapter
 from kvgate.core.clock import MonotonicClock
 from kvgate.core.policies import build_policy
 from kvgate.core.settings import AdmissionSettings
+from kvgate.gateway.engines.scrape_http import LeanHttpFetcher, MetricsFetcher
 from kvgate.gateway.engines.scraper import Scraper
 from kvgate.sim.metrics import only_samples
 
@@ -39,7 +41,7 @@ INTERVAL = 0.05
 
 
 def _page_file(page: Literal["full", "narrowed"]) -> Path:
-    """The real vLLM page, or the part of it the scraper asks vLLM for (`narrow_pages`)."""
+    """The real vLLM page, or the part of it the scraper asks vLLM for (the narrowed page)."""
     if page == "full":
         return PAGE
     url = VllmAdapter().narrowed_metrics_url("http://engine/metrics")
@@ -69,6 +71,10 @@ def _server_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _fetcher(http: Literal["lean", "aiohttp"], session: aiohttp.ClientSession) -> MetricsFetcher:
+    return LeanHttpFetcher() if http == "lean" else AiohttpFetcher(session)
+
+
 async def run(
     n: int, port: int, seconds: float, server_pid: int, http: Literal["lean", "aiohttp"]
 ) -> dict[str, float | str]:
@@ -86,8 +92,8 @@ async def run(
     ]
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector) as session:
-        settings = ScrapeSettings(interval_s=INTERVAL, http_client=http)
-        scraper = Scraper(backends, settings, policy, session, clock)
+        settings = ScrapeSettings(interval_s=INTERVAL)
+        scraper = Scraper(backends, settings, policy, _fetcher(http, session), clock)
         async with scraper:
             await asyncio.sleep(1.0)  # warm-up: connections opened, caches filled
             before = {k: (s.scrapes_total, s.failures_total) for k, s in scraper.stats().items()}
@@ -100,6 +106,7 @@ async def run(
             scrapes = sum(s.scrapes_total - before[k][0] for k, s in stats.items())
             failures = sum(s.failures_total - before[k][1] for k, s in stats.items())
             latencies = [x for s in stats.values() for x in s.drain_latencies()]
+        await scraper.fetcher.close()
     wall = wall1 - wall0
     target = n * wall / INTERVAL
     return {
@@ -129,8 +136,8 @@ async def sequential(
     policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
     backend = Backend.from_settings(BackendSettings(url=f"http://127.0.0.1:{port}", name="seq"))
     async with aiohttp.ClientSession() as session:
-        settings = ScrapeSettings(interval_s=1.0, http_client=http)
-        scraper = Scraper([backend], settings, policy, session, clock)
+        settings = ScrapeSettings(interval_s=1.0)
+        scraper = Scraper([backend], settings, policy, _fetcher(http, session), clock)
         rounds = []
         for _ in range(6):
             start = time.process_time()
@@ -138,6 +145,7 @@ async def sequential(
                 await scraper.scrape_once(backend)
             rounds.append((time.process_time() - start) / count * 1e6)
         failures = scraper.stats()["seq"].failures_total
+        await scraper.fetcher.close()
     if failures:
         raise RuntimeError(f"{failures} sequential scrapes failed")
     rounds = rounds[1:]  # the first round warms up

@@ -1,11 +1,13 @@
 """What kvgate's scraping costs the engine: the real vLLM API server's CPU, full page vs
-narrowed page (`scrape.narrow_pages`), side by side.
+narrowed page, side by side.
 
 vLLM renders `/metrics` in its API server, the process that also takes requests and
 streams tokens. This starts the real CPU engine (`scripts/real-vllm/serve.sh`, installed by
 `scripts/install-real-vllm.sh`), then measures, in alternating phases of `--seconds` each,
 the API server's CPU time (`/proc/<pid>/stat`, user + system) while idle and while one
-`kvgate serve` scrapes it every 50 ms (the default) with `narrow_pages` off and on. It also
+`kvgate serve` scrapes it every 50 ms (the default) on the full page (a `metrics_url` with
+a query, which kvgate never narrows and vLLM's `/metrics` route ignores) and on the
+narrowed one (what kvgate chooses by itself). It also
 times single GETs of both pages, and reads kvgate's own scrape latency from
 `/admin/state`. Run from the repository root:
 
@@ -54,12 +56,14 @@ def get_ms(url: str, n: int = 40) -> tuple[float, int]:
 
 def start_gateway(engine_url: str, narrow: bool, log: Path) -> eng.ServerProcess:
     port = eng.free_port()
+    metrics_url = engine_url + ("/metrics" if narrow else "/metrics?page=full")
+    config = log.with_suffix(".yaml")
+    config.write_text(json.dumps({"backends": [{"url": engine_url, "metrics_url": metrics_url}]}))
     argv = [
-        sys.executable, "-m", "kvgate", "serve", "--backend", engine_url,
+        sys.executable, "-m", "kvgate", "serve", "--config", str(config),
         "--port", str(port), "--log-level", "warning",
     ]  # fmt: skip
-    env = {"KVGATE_SCRAPE__NARROW_PAGES": "true" if narrow else "false"}
-    gateway = eng.spawn("kvgate", argv, port, log, env)
+    gateway = eng.spawn("kvgate", argv, port, log, {})
     eng.wait_ready(gateway, "/readyz", 30)
     return gateway
 

@@ -180,8 +180,9 @@ def overview(lay: Layout) -> None:
     lay.add(
         stat(
             "Stale nodes",
-            "Engines whose last good sample is older than 1 s: kvgate sends them no new work.",
-            "count(kvgate_node_sample_age_seconds > 1) or vector(0)",
+            "Engines kvgate sends no new work for want of signals: stale, dead or never"
+            " heard from (docs/operating.md, node states).",
+            'sum(kvgate_node_state{state=~"stale|dead|unknown"}) or vector(0)',
             "short",
             [(None, "green"), (1, "red")],
         ),
@@ -492,7 +493,8 @@ def health(lay: Layout) -> None:
         timeseries(
             "Sample age per node",
             "Age of each engine's last good sample; above 1 s (admission.stale_after_s) the "
-            "node is stale and takes no new work.",
+            "node is lagging if kvgate sees it serve tokens (admission goes on from its books),"
+            " else stale (no new work).",
             [(f"kvgate_node_sample_age_seconds{{{NODE}}}", "{{node}}")],
             "s",
             thresholds=[(1.0, "red")],
@@ -503,9 +505,11 @@ def health(lay: Layout) -> None:
     lay.add(
         timeseries(
             "Scrape latency and failures",
-            "How long kvgate's last scrape of each engine took, and failed scrapes per second.",
+            "How long kvgate's last scrape of each engine took, how long the one in flight"
+            " has waited, and failed scrapes per second.",
             [
                 (f"kvgate_scrape_latency_seconds{{{NODE}}}", "latency {{node}}"),
+                (f"kvgate_scrape_in_flight_seconds{{{NODE}}}", "waiting {{node}}"),
                 (
                     f"sum by (node) (rate(kvgate_scrape_failures_total{{{NODE}}}[{RI}]))",
                     "failures/s {{node}}",

@@ -28,6 +28,8 @@ STATE_STYLE = {
     "panic": "bold red",
     "thrashing": "bold magenta",
     "stale": "bold white on red",
+    "dead": "bold white on red",
+    "lagging": "cyan",
     "unknown": "dim",
 }
 
@@ -260,7 +262,7 @@ def _node_cells(node_id: str, node: dict[str, Any], scrape: dict[str, Any]) -> l
         scrape_text += " (full page)"
     style = STATE_STYLE.get(state, "")
     return [
-        Text(node_id, style="bold red" if state == "stale" else ""),
+        Text(node_id, style="bold red" if state in ("stale", "dead") else ""),
         Text(state.upper(), style=style),
         _age(_num(node.get("age_s"))),
         _pct(_num(sample.get("kv_usage"))),
@@ -304,7 +306,16 @@ def _watch(args: argparse.Namespace, console: Console) -> int:
 
 # ---------------------------------------------------------------- small helpers
 
-_SEVERITY = {"panic": 0, "thrashing": 1, "stale": 2, "high": 3, "unknown": 4, "ok": 5}
+_SEVERITY = {
+    "panic": 0,
+    "thrashing": 1,
+    "dead": 2,
+    "stale": 3,
+    "lagging": 4,
+    "high": 5,
+    "unknown": 6,
+    "ok": 7,
+}
 
 
 def _node_state(node: dict[str, Any]) -> str:

@@ -45,18 +45,6 @@ BURST_MAX_TOKENS = 120
 
 T = TypeVar("T")
 
-# The engine's 53 KB metrics page takes 5-18 ms on a quiet machine, but often more than the
-# scraper's default timeout (40 ms at a 50 ms period) while the 2 cores are busy (during
-# the burst, or beside other builds): after `failures_to_stale` failed scrapes in a row (3,
-# now 10), or 1 s without a good one, the node is stale and kvgate answers 503 (measured:
-# 41% of scrapes timed out at a load average of 14). Tests about relaying, cancelling and
-# shedding keep the last good sample usable for longer; the freshness test
-# (test_scraper_reads_the_real_metrics_page) uses the defaults.
-TOLERANT_OF_SLOW_SCRAPES = {
-    "admission__stale_after_s": "30",
-    "admission__failures_to_stale": "1000",
-}
-
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in {"1", "true", "yes"}

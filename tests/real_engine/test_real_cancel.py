@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from real_engine.conftest import TOLERANT_OF_SLOW_SCRAPES, GatewayFactory
+from real_engine.conftest import GatewayFactory
 from real_engine.engine import (
     MODEL_NAME,
     EngineMetrics,
@@ -42,7 +42,7 @@ def _idle(m: EngineMetrics) -> bool:
 async def test_disconnect_mid_stream(
     start_gateway: GatewayFactory, idle_engine: ServerProcess
 ) -> None:
-    gateway = start_gateway(**TOLERANT_OF_SLOW_SCRAPES)
+    gateway = start_gateway()
     results = await disconnect_attempts(
         lambda: measure_disconnect(
             gateway.url,
@@ -61,7 +61,7 @@ async def test_disconnect_mid_stream(
 async def test_disconnect_while_waiting_for_a_non_streaming_answer(
     start_gateway: GatewayFactory, idle_engine: ServerProcess
 ) -> None:
-    gateway = start_gateway(**TOLERANT_OF_SLOW_SCRAPES)
+    gateway = start_gateway()
     results = await disconnect_attempts(
         lambda: measure_disconnect(
             gateway.url,
@@ -87,7 +87,7 @@ async def test_disconnect_while_waiting_for_a_non_streaming_answer(
 async def test_disconnect_before_the_first_token_while_queued(
     start_gateway: GatewayFactory, idle_engine: ServerProcess
 ) -> None:
-    gateway = start_gateway("none", **TOLERANT_OF_SLOW_SCRAPES)
+    gateway = start_gateway("none")
     async with httpx.AsyncClient(timeout=60.0) as client:
         victim_prompt = await exact_prompt(client, idle_engine.url, BLOCKED_PROMPT_TOKENS)
     # Each attempt fills the engine anew; one whose victim was never seen queued (the

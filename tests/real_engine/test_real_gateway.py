@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from real_engine.conftest import TOLERANT_OF_SLOW_SCRAPES, GatewayFactory
+from real_engine.conftest import GatewayFactory
 from real_engine.engine import (
     MODEL_NAME,
     EngineMetrics,
@@ -75,7 +75,7 @@ async def _lag(
 async def test_scraper_reads_the_real_metrics_page(
     start_gateway: GatewayFactory, idle_engine: ServerProcess
 ) -> None:
-    gateway = start_gateway()  # default scrape settings: every 50 ms, 40 ms timeout
+    gateway = start_gateway()  # default scrape settings
     async with httpx.AsyncClient(timeout=10.0) as client:
         state = (await client.get(gateway.url + "/admin/state")).json()
         sample = _scraped(state)
@@ -205,7 +205,7 @@ async def _one_change(
 
 @pytest.fixture
 async def openai_client(start_gateway: GatewayFactory) -> Any:
-    gateway = start_gateway(**TOLERANT_OF_SLOW_SCRAPES)
+    gateway = start_gateway()
     client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     try:
         yield client

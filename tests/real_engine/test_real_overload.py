@@ -15,7 +15,6 @@ from real_engine.conftest import (
     BURST_MAX_TOKENS,
     BURST_N,
     BURST_PROMPT_TOKENS,
-    TOLERANT_OF_SLOW_SCRAPES,
     GatewayFactory,
 )
 from real_engine.engine import ServerProcess, record_figure, thrashing_seen, wait_idle
@@ -31,7 +30,7 @@ async def test_burst_through_kvgate_is_shed_without_preemption(
     start_gateway: GatewayFactory,
     idle_engine: ServerProcess,
 ) -> None:
-    gateway = start_gateway("adaptive", **TOLERANT_OF_SLOW_SCRAPES)
+    gateway = start_gateway("adaptive")
     name = f"burst {BURST_N} x ({BURST_PROMPT_TOKENS} + {BURST_MAX_TOKENS}) through kvgate"
     for attempt in range(LATENCY_ATTEMPTS):
         if attempt:

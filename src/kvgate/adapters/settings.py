@@ -48,26 +48,17 @@ class BackendSettings(BaseModel):
 
 
 class ScrapeSettings(BaseModel):
+    """How often engines are polled. How long a poll may take, and how polling backs off
+    from a slow page, follow from `admission.stale_after_s` (`gateway.engines.scraper`);
+    vLLM nodes are polled on the narrowed page once a check shows it carries every
+    metric kvgate reads."""
+
     model_config = ConfigDict(extra="forbid")
 
     interval_s: float = Field(
-        0.05, ge=0.02, le=1.0, description="Scrape period of each engine's metrics page."
-    )
-    timeout_s: float | None = Field(
-        None, gt=0, description="Scrape timeout (default: 80% of the interval)."
-    )
-    narrow_pages: bool = Field(
-        True,
-        description=(
-            "Ask engines that support it (vLLM) for only the metrics kvgate reads "
-            "(`/metrics/?name[]=...`), once a check shows that page carries all of them: "
-            "~2 KB instead of ~50 KB, and ~1/6 of the engine's CPU per scrape."
-        ),
-    )
-    http_client: Literal["lean", "aiohttp"] = Field(
-        "lean",
-        description=(
-            "HTTP client for scrapes: `lean` (kvgate's keep-alive HTTP/1.1 GET, about half "
-            "aiohttp's CPU per scrape) or `aiohttp` (honours HTTP(S)_PROXY, compressed pages)."
-        ),
+        0.05,
+        ge=0.02,
+        le=1.0,
+        description="Period of the polls of each engine's metrics page (longer while the"
+        " page is slow to answer).",
     )

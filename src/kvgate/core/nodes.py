@@ -1,8 +1,30 @@
 """What the core knows about one engine: its last good sample, freshness, and health.
 
-Freshness: a node is fresh while its last good sample is at most `stale_after_s` old and
-fewer than `failures_to_stale` scrapes in a row have failed. A node never observed is not
-fresh: nobody has heard from it.
+**States** (`NodeState.state`; what admission does in each is in `docs/operating.md`):
+
+* `unknown` - never sampled and no streak of hard failures: nobody has heard from it.
+* `ok`, `high`, `panic` - **fresh**: the last good sample is at most `stale_after_s` old
+  and fewer than `failures_to_stale` scrapes in a row failed *hard*. The name is the
+  node's watermark level.
+* `lagging` - not fresh, but the engine showed life within the last `stale_after_s`: the
+  gateway saw it produce tokens (`progress`), or its page answered (with a sample that
+  was already old when it came: the page is slow) and no streak of hard failures
+  followed; and the last good sample is at most
+  `LAG_LIMIT_FACTOR` x `stale_after_s` old. The engine serves; only its metrics page is
+  slow (vLLM renders it in the API server that streams the tokens, and under load it has
+  stalled for seconds). Admission goes on from the last sample plus the gateway's own
+  books for the node, at the same watermarks.
+* `stale` - not fresh, no sign of life: the last word is too old to act on.
+* `dead` - not fresh, no sign of life, and its last `failures_to_stale` scrapes failed
+  hard.
+* `thrashing` - fresh or lagging, but preempting (below).
+
+A node takes new work (`usable`) only when fresh or lagging and not thrashing. Staleness
+is judged by the age of the last good sample (stamped when its GET was *sent*) and by
+hard failures (refused or reset connections, HTTP errors, unparseable pages), never by
+slowness alone: a scrape that is slow but answers is a sample, a scrape abandoned because
+it hung is a failure that is not hard (`fail(hard=False)`: counted, but it starts no
+streak; the sample's age does the rest).
 
 Thrashing (the engine is preempting and recomputing instead of making progress) is
 detected from the sample stream, because the preemption counter lags (vLLM counts a
@@ -34,12 +56,34 @@ from kvgate.core.signals import NodeSample
 
 # Samples the latency baseline needs before it may declare thrashing.
 MIN_BASELINE_SAMPLES = 20
+# A lagging node is admitted to on its last sample only while that sample is at most this
+# many `stale_after_s` old (10 s by default): long enough to ride out a metrics page that
+# a busy API server renders in seconds (vLLM's stalled for 1.75-3.4 s under load) and the
+# backed-off polls around it; short enough that load from outside the gateway, which its
+# books cannot see, is heard of within seconds.
+LAG_LIMIT_FACTOR = 10.0
 # Weight of a new sample in the node's decode step time.
 STEP_ALPHA = 0.3
 
 LEVEL_OK = "ok"
 LEVEL_HIGH = "high"
 LEVEL_PANIC = "panic"
+STATE_UNKNOWN = "unknown"
+STATE_LAGGING = "lagging"
+STATE_STALE = "stale"
+STATE_DEAD = "dead"
+STATE_THRASHING = "thrashing"
+#: Every value `NodeState.state` returns, from the best to the worst for admission.
+STATES = (
+    LEVEL_OK,
+    LEVEL_HIGH,
+    LEVEL_PANIC,
+    STATE_LAGGING,
+    STATE_THRASHING,
+    STATE_STALE,
+    STATE_DEAD,
+    STATE_UNKNOWN,
+)
 
 
 @dataclass(slots=True)
@@ -47,8 +91,8 @@ class NodeState:
     node_id: str
     sample: NodeSample | None = None
     previous: NodeSample | None = None
-    consecutive_failures: int = 0
-    failures_total: int = 0
+    consecutive_failures: int = 0  # hard failures in a row (a good sample ends the streak)
+    failures_total: int = 0  # every failed scrape, hard or not
     thrash_until: float = float("-inf")
     thrashing: bool = False
     level: str = LEVEL_OK
@@ -59,12 +103,13 @@ class NodeState:
     used: float = 0.0
     # Ceiling for non-critical work set by the node's controller (adaptive policy).
     dynamic_ceiling: float = 1.0
+    # When the gateway last saw this node produce tokens (`progress`), and when its last
+    # good sample arrived (a slow page's arrives well after its `sampled_at`).
+    progress_at: float = float("-inf")
+    heard_at: float = float("-inf")
     # Recent seconds per decode step (EWMA of the samples' iteration latency); None until a
     # sample reports one.
     step_s: float | None = None
-    # When the gateway last saw this node make progress on a request (a first token or a
-    # count): the engine serves, whatever its metrics page is doing.
-    progress_at: float = float("-inf")
     # Tokens of requests that ended after the last sample was taken: still in `used` until
     # the next sample, but already free.
     freed_unseen: int = 0
@@ -75,9 +120,67 @@ class NodeState:
         return max(0.0, now - self.sample.sampled_at)
 
     def is_fresh(self, now: float, settings: AdmissionSettings) -> bool:
+        """The last good sample is young and scrapes are not failing hard."""
         if self.sample is None or self.consecutive_failures >= settings.failures_to_stale:
             return False
         return now - self.sample.sampled_at <= settings.stale_after_s
+
+    def is_live(self, now: float, settings: AdmissionSettings) -> bool:
+        """Fresh or lagging: admission may act on what it knows of the node."""
+        return now <= self.live_until(settings)
+
+    def live_until(self, settings: AdmissionSettings) -> float:
+        """The last instant the node stays fresh or lagging if nothing new is heard (no
+        sample, failure or progress); -inf when it is neither now."""
+        sample = self.sample
+        if sample is None:
+            return float("-inf")
+        stale_after = settings.stale_after_s
+        if self.consecutive_failures < settings.failures_to_stale:
+            fresh = sample.sampled_at + stale_after
+            alive = max(self.progress_at, self.heard_at)
+        else:  # its page now fails hard: only tokens seen flowing say it serves
+            fresh, alive = float("-inf"), self.progress_at
+        lagging = min(alive + stale_after, sample.sampled_at + LAG_LIMIT_FACTOR * stale_after)
+        return max(fresh, lagging)
+
+    def usable(self, now: float, settings: AdmissionSettings) -> bool:
+        """May new work go here at all: fresh or lagging, and not thrashing."""
+        return not self.thrashing and now <= self.live_until(settings)
+
+    def state(self, now: float, settings: AdmissionSettings) -> str:
+        """One of `STATES` (see the module's docstring)."""
+        if self.is_fresh(now, settings):
+            return STATE_THRASHING if self.thrashing else self.level
+        if self.is_live(now, settings):
+            return STATE_THRASHING if self.thrashing else STATE_LAGGING
+        if self.consecutive_failures >= settings.failures_to_stale:
+            return STATE_DEAD
+        return STATE_UNKNOWN if self.sample is None else STATE_STALE
+
+    def snapshot(self, now: float, settings: AdmissionSettings) -> dict[str, Any]:
+        """JSON-able state for `/admin/state`, `/metrics` and the dashboard."""
+        sample = self.sample
+        return {
+            "state": self.state(now, settings),
+            "fresh": self.is_fresh(now, settings),
+            "live": self.is_live(now, settings),
+            "usable": self.usable(now, settings),
+            "level": self.level,
+            "age_s": self.age(now),
+            "progress_age_s": _since(self.progress_at, now),
+            "heard_age_s": _since(self.heard_at, now),
+            "consecutive_failures": self.consecutive_failures,
+            "failures_total": self.failures_total,
+            "step_s": self.step_s,
+            "sample": None if sample is None else sample.as_dict(),
+        }
+
+    def progress(self, now: float) -> None:
+        """The gateway saw a request on this node produce tokens at `now`: the engine
+        serves, whatever its metrics page is doing."""
+        if now > self.progress_at:
+            self.progress_at = now
 
     def last_heard(self) -> float | None:
         return None if self.sample is None else self.sample.sampled_at
@@ -99,6 +202,7 @@ class NodeState:
             self.fail()
             return False
         sample = clean
+        self.heard_at = max(self.heard_at, now)
         if self.sample is not None and sample.sampled_at < self.sample.sampled_at:
             return False
         self.previous, self.sample = self.sample, sample
@@ -114,14 +218,13 @@ class NodeState:
         self._update_thrashing(now, settings)
         return True
 
-    def progress(self, now: float) -> None:
-        """A request on this node produced tokens at `now`."""
-        if now > self.progress_at:
-            self.progress_at = now
-
-    def fail(self) -> None:
-        self.consecutive_failures += 1
+    def fail(self, hard: bool = True) -> None:
+        """A scrape failed. `hard`: refused, HTTP error or garbage - it counts towards
+        `failures_to_stale`; a scrape abandoned because it hung does not (slowness alone
+        never makes a node stale: the age of its last sample does)."""
         self.failures_total += 1
+        if hard:
+            self.consecutive_failures += 1
 
     # --- thrashing ------------------------------------------------------------------------
 
@@ -173,29 +276,9 @@ class NodeState:
     def is_thrashing(self, now: float) -> bool:
         return self.thrashing
 
-    def usable(self, now: float, settings: AdmissionSettings) -> bool:
-        """May new work be sent here at all (fresh and not thrashing)?"""
-        return self.is_fresh(now, settings) and not self.thrashing
 
-    def state(self, now: float, settings: AdmissionSettings) -> str:
-        """unknown, stale, thrashing, or the watermark level (ok, high, panic)."""
-        if self.sample is None:
-            return "unknown"
-        if not self.is_fresh(now, settings):
-            return "stale"
-        if self.thrashing:
-            return "thrashing"
-        return self.level
-
-    def snapshot(self, now: float, settings: AdmissionSettings) -> dict[str, Any]:
-        """JSON-able state for `/admin/state` and the dashboard."""
-        return {
-            "fresh": self.is_fresh(now, settings),
-            "age_s": self.age(now),
-            "state": self.state(now, settings),
-            "sample": None if self.sample is None else self.sample.as_dict(),
-            "step_s": self.step_s,
-        }
+def _since(at: float, now: float) -> float | None:
+    return None if at == float("-inf") else max(0.0, now - at)
 
 
 def sanitize(sample: NodeSample, now: float) -> NodeSample | None:

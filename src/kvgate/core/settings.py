@@ -91,8 +91,8 @@ class AdmissionSettings(BaseModel):
     failures_to_stale: int = Field(
         10,
         ge=1,
-        description="Consecutive scrape failures after which a node is stale before"
-        " `stale_after_s`.",
+        description="Hard scrape failures in a row (refused, HTTP error, unparseable page)"
+        " after which a node is dead before `stale_after_s`; a slow page is not a failure.",
     )
     fail_mode: FailMode = Field(
         "closed",

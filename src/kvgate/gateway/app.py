@@ -202,7 +202,12 @@ class Gateway:
 
     def _start_scraper(self) -> None:
         self.scraper = Scraper(
-            self.backends, self.config.scrape, self.admission, self.pool.session, self.clock
+            self.backends,
+            self.config.scrape,
+            self.admission,
+            None,
+            self.clock,
+            stale_after_s=self.config.admission.stale_after_s,
         )
         self.metrics.scraper_stats = self.scraper.snapshot
         self.metrics.scraper_node_stats = self.scraper.stats
@@ -302,9 +307,9 @@ class Gateway:
 
     async def _readyz(self, scope: Scope, receive: Receive, send: Send) -> None:
         nodes = self.admission.snapshot().get("nodes", {})
-        fresh = {nid: bool(state.get("fresh")) for nid, state in nodes.items()}
-        ready = any(fresh.values()) or (self.scraper is None and self.catalog.known)
-        body = orjson.dumps({"ready": ready, "backends": fresh})
+        live = {nid: bool(state.get("live")) for nid, state in nodes.items()}  # fresh or lagging
+        ready = any(live.values()) or (self.scraper is None and self.catalog.known)
+        body = orjson.dumps({"ready": ready, "backends": live})
         await send_json(send, 200 if ready else 503, body)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -47,7 +47,7 @@ async def test_scraper_follows_the_simulated_engine_and_aborts_by_id(sim: SimSer
     assert isinstance(policy, BasePolicy)
     backend = Backend.from_settings(BackendSettings(url=f"http://127.0.0.1:{sim.port}"))
     async with aiohttp.ClientSession() as session:
-        scraper = Scraper([backend], ScrapeSettings(interval_s=0.05), policy, session, clock)
+        scraper = Scraper([backend], ScrapeSettings(interval_s=0.05), policy, None, clock)
         async with scraper:
             await _until(lambda: scraper.last_sample(backend.node_id) is not None)
             idle = scraper.last_sample(backend.node_id)

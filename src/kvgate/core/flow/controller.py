@@ -241,8 +241,8 @@ class FlowController:
         self.policy.observe(node_id, sample)
         self.dispatch()
 
-    def observe_failure(self, node_id: str) -> None:
-        self.policy.observe_failure(node_id)
+    def observe_failure(self, node_id: str, hard: bool = True) -> None:
+        self.policy.observe_failure(node_id, hard)
 
     def add_node(self, node_id: str) -> None:
         self.policy.add_node(node_id)

@@ -2,17 +2,18 @@
 peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.core.flow`).
 
 1. **Ceilings on the envelope's peak, per node.** A request may go to node n only if n is
-   fresh, not thrashing, not at panic on what it holds now, and the peak of n's envelope
-   with the request (`kvgate.core.envelope`, built in `policies.base`) stays under
-   `ceiling(q) * capacity(n)`: the high watermark for sheddable work (it fills the cache
-   only so far, leaving the rest for interactive work to start at once), the panic
-   watermark for standard and critical work. A request's hold is taken at once, so no
-   burst, however dense, pushes a node's peak past its ceiling. Among the nodes that fit,
-   the one whose engine has the least prefill still queued wins (the prompts sent there
-   that have not produced a first token: a chat sent behind a 100k-token prefill waits for
-   it), and then the one with the most headroom left (power of two choices from
-   `p2c_min_nodes` candidates on, falling back to a full scan when neither fits). Nodes
-   are never averaged: one node at 99 % and one at 10 % are two different answers.
+   fresh or lagging (`core.nodes`: its page is slow but it serves), not thrashing, not at
+   panic on what it holds now, and the peak of n's envelope with the request
+   (`kvgate.core.envelope`, built in `policies.base`) stays under `ceiling(q) *
+   capacity(n)`: the high watermark for sheddable work (it fills the cache only so far,
+   leaving the rest for interactive work to start at once), the panic watermark for
+   standard and critical work. A request's hold is taken at once, so no burst, however
+   dense, pushes a node's peak past its ceiling. Among the nodes that fit, the one whose
+   engine has the least prefill still queued wins (the prompts sent there that have not
+   produced a first token: a chat sent behind a 100k-token prefill waits for it), and then
+   the one with the most headroom left (power of two choices from `p2c_min_nodes`
+   candidates on, falling back to a full scan when neither fits). Nodes are never
+   averaged: one node at 99 % and one at 10 % are two different answers.
 
 2. **Room promised to a waiter is respected** (`promised`): on a node whose room is
    promised from time T to a request already waiting (the head of the queue), a newcomer is
@@ -31,7 +32,7 @@ waitable ones into a wait when the request's bound allows:
   * 429 `kv_high_watermark` (waitable) - no node has room under the request's ceiling now;
   * 429 `kv_panic` (waitable) - every node with a KV gauge holds at least the panic watermark;
   * 429 `thrashing` (waitable) - every fresh candidate is thrashing;
-  * 503 `no_fresh_node` - no candidate is fresh (fail-closed);
+  * 503 `no_fresh_node` - no candidate is fresh or lagging (fail-closed);
   * 503 `no_backend` - the candidate list is empty;
   * 400 `no_capacity` - the request alone would pass its ceiling on every candidate: it can
     never be served as sent.
@@ -41,7 +42,7 @@ and never sends traffic to nodes nobody has heard from; `open` sends the request
 candidate heard from most recently (or round-robin among never-heard ones), without KV
 checks, still holding and releasing.
 
-Nodes with no KV gauge and no known capacity (llama.cpp without `default_capacity_tokens`)
+Nodes with no KV gauge and no known capacity (llama.cpp without `kv_capacity_tokens`)
 take requests while their last sample shows nothing waiting and they are not thrashing;
 they rank behind any node with measurable headroom.
 """
@@ -168,7 +169,7 @@ class AdaptivePolicy(BasePolicy):
     ) -> _Fit:
         """Does the request fit on the node now; with how much headroom left, or why not."""
         node = self.nodes.get(node_id)
-        if node is None or not node.is_fresh(now, self.settings):
+        if node is None or not node.is_live(now, self.settings):
             return _Fit(None, "stale")
         if node.thrashing:
             return _Fit(None, "thrashing")

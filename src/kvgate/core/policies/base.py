@@ -50,8 +50,8 @@ reflected (under-counting; preemption happens only at exhaustion, which the thra
 detector turns into "no new requests to this node"). Requests sent with no `max_tokens` are
 capped at `default_max_tokens`; the shell writes that cap into the upstream body. Engines
 without a KV gauge (llama.cpp, TGI): nothing is ever reflected, so the node's usage is the
-sum of its holds against the configured capacity (`default_capacity_tokens`); with none,
-such a node is gated by its queue (`waiting > 0` means full) and thrashing signals.
+sum of its holds against the capacity its backend entry configures (`kv_capacity_tokens`);
+with none, such a node is gated by its queue (`waiting > 0` means full) and thrashing.
 """
 
 from __future__ import annotations
@@ -372,11 +372,11 @@ class BasePolicy:
         self._refresh_level(node_id)
         self._on_observe(now, node)
 
-    def observe_failure(self, node_id: str) -> None:
+    def observe_failure(self, node_id: str, hard: bool = True) -> None:
         node = self.nodes.get(node_id)
         if node is None:
             node = self.nodes[node_id] = NodeState(node_id)
-        node.fail()
+        node.fail(hard)
         self.generation += 1
 
     def add_node(self, node_id: str) -> None:

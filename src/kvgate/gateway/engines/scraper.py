@@ -3,14 +3,24 @@
 One task per backend, all owned by one `asyncio.TaskGroup` inside `Scraper.run()`, so
 cancelling `run()` stops every poll and nothing outlives it. The same group owns the
 one-off checks of each node's narrowed page (`NarrowablePage`), which run beside its
-polls. Each poll has a timeout shorter than the period; a failed, slow or garbage answer
-becomes `observe_failure()` (the policy then lets the node go stale after
-`stale_after_s`) and is logged once when the node goes down and once when it comes back,
-never per scrape.
+polls.
+
+**Polls are sized to the engine, not to the interval.** A busy engine renders its page
+slowly (vLLM serves it from the API server that streams the tokens), and a slow page is
+still a good sample: a poll in flight is never abandoned for being slower than the
+interval, the next one waits for it (polls of one node never overlap), and the sample is
+stamped with the time its GET was *sent*, so the core judges it by its true age. When
+pages are slow, polls back off (`poll_period`) and return to the interval when they are
+fast again. Only a page that hangs past `HANG_FACTOR` x `stale_after_s` is abandoned:
+that is a failure, but not a *hard* one (refused or reset connection, HTTP error,
+unparseable page), so slowness alone never makes a node stale before its sample's age
+does (`kvgate.core.nodes`). Failures are logged once when the node goes down and once
+when it comes back, a slow page once when it turns slow and once when it recovers, never
+per poll.
 
 Start/stop from an ASGI lifespan::
 
-    scraper = Scraper(backends, config.scrape, policy, None, clock)  # or a shared session
+    scraper = Scraper(backends, config.scrape, policy, None, clock)
     async with scraper:          # starts run() in a task
         ...                      # serve
     # leaving the block cancels and awaits it
@@ -30,25 +40,37 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-import aiohttp
-
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.base import MetricsParseError, NarrowablePage
 from kvgate.adapters.settings import ScrapeSettings
 from kvgate.core.clock import Clock
+from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
-from kvgate.gateway.engines.scrape_http import (
-    AiohttpFetcher,
-    LeanHttpFetcher,
-    MetricsFetcher,
-    ScrapeError,
-)
+from kvgate.gateway.engines.scrape_http import LeanHttpFetcher, MetricsFetcher, ScrapeError
 
 log = logging.getLogger(__name__)
 
-_TIMEOUT_SHARE = 0.8  # default timeout: 80% of the interval
-_CHECK_TIMEOUT_S = 2.0  # for the one-off check of a narrowed page: two GETs, not a poll
+# A poll still unanswered after this many `stale_after_s` (5 s by default) has hung: it is
+# abandoned and its connection closed. Longer than any page a busy engine was seen to
+# render (the real vLLM's stalled 1.75-3.4 s under load); by then the node is stale anyway
+# unless the gateway sees its tokens flow.
+HANG_FACTOR = 5.0
+# Slow pages: the next poll starts this many times the last one's duration after it
+# began, so that polling takes at most half of a slow engine's page-rendering time...
+BACKOFF_FACTOR = 2.0
+# ...but never later than this share of `stale_after_s` after it: a slow page is still
+# asked often enough for its samples to stay fresh (a 0.4 s page is polled back to back,
+# its sample at most ~0.8 s old when the next one arrives).
+BACKOFF_CAP_SHARE = 0.25
 _RECHECK_AFTER_S = 30.0  # a check that could not decide, or a narrowed page gone bad
+_STALE_AFTER_S: float = AdmissionSettings.model_fields["stale_after_s"].default
+
+
+def poll_period(interval_s: float, duration_s: float, stale_after_s: float) -> float:
+    """Seconds from the start of a poll that took `duration_s` to the start of the next
+    (which never starts before the last one ended: polls do not overlap)."""
+    backed_off = min(BACKOFF_FACTOR * duration_s, BACKOFF_CAP_SHARE * stale_after_s)
+    return max(interval_s, backed_off)
 
 
 class SignalSink(Protocol):
@@ -56,7 +78,7 @@ class SignalSink(Protocol):
 
     def observe(self, node_id: str, sample: NodeSample) -> None: ...
 
-    def observe_failure(self, node_id: str) -> None: ...
+    def observe_failure(self, node_id: str, hard: bool = True) -> None: ...
 
 
 @dataclass(slots=True)
@@ -68,7 +90,7 @@ class NodeStats:
     metrics_url: str  # the page polled now: the full one, or the narrowed one once checked
     page: Literal["full", "narrowed"] = "full"
     #: Why a node that could be polled on the narrowed page is not (None: it is, or it
-    #: cannot be: no narrowed page for its dialect, or `narrow_pages` off).
+    #: cannot be: no narrowed page for its dialect).
     page_note: str | None = None
     scrapes_total: int = 0
     failures_total: int = 0
@@ -79,6 +101,11 @@ class NodeStats:
     last_error: str | None = None
     last_sample: NodeSample | None = None
     up: bool | None = None  # None: not scraped yet
+    #: When the poll in flight was sent (None: none is).
+    in_flight_since: float | None = None
+    #: From one poll's start to the next's, as backed off after the last poll.
+    period_s: float = 0.0
+    slow: bool = False  # polled back to back because its page is slow
     _latency_observations: deque[float] = field(
         default_factory=lambda: deque(maxlen=4096), repr=False
     )
@@ -96,6 +123,11 @@ class NodeStats:
             "failures_total": self.failures_total,
             "consecutive_failures": self.consecutive_failures,
             "last_latency_s": self.last_latency_s,
+            "in_flight_s": (
+                None if self.in_flight_since is None else max(0.0, now - self.in_flight_since)
+            ),
+            "period_s": self.period_s,
+            "slow": self.slow,
             "last_error": self.last_error,
             "last_success_age_s": (
                 None if self.last_success_at is None else max(0.0, now - self.last_success_at)
@@ -128,14 +160,12 @@ def sample_as_dict(sample: NodeSample) -> dict[str, Any]:
 
 
 class Scraper:
-    """Polls each backend's metrics every `settings.interval_s` and feeds `policy`.
+    """Polls each backend's metrics about every `settings.interval_s` and feeds `policy`.
 
-    How pages are fetched follows `settings.http_client`: `lean` (default) is the
-    scraper's own keep-alive client (`LeanHttpFetcher`, about half aiohttp's CPU per GET);
-    `aiohttp` goes through `http` when it is an `aiohttp.ClientSession` (owned and closed
-    by the caller), else through a session of the scraper's own. Any other object passed
-    as `http` is used as the `MetricsFetcher` whatever the setting. Fetchers the scraper
-    made are closed when `run()` ends. `clock` stamps the samples on the core's time base.
+    Pages are fetched by `fetcher` when one is given (tests, benchmarks), else by the
+    scraper's own keep-alive client (`LeanHttpFetcher`), closed when `run()` ends.
+    `clock` stamps the samples on the core's time base; `stale_after_s` is the core's
+    (`admission.stale_after_s`): it sizes the hang bound and the back-off.
     """
 
     def __init__(
@@ -143,27 +173,22 @@ class Scraper:
         backends: Sequence[Backend],
         settings: ScrapeSettings,
         policy: SignalSink,
-        http: aiohttp.ClientSession | MetricsFetcher | None,
+        fetcher: MetricsFetcher | None,
         clock: Clock,
+        *,
+        stale_after_s: float = _STALE_AFTER_S,
     ) -> None:
         ids = [b.node_id for b in backends]
         if len(set(ids)) != len(ids):
             raise ValueError("backend node ids must be unique")
         self._backends = list(backends)
         self._interval = settings.interval_s
-        timeout = settings.timeout_s or settings.interval_s * _TIMEOUT_SHARE
-        self._timeout = min(timeout, settings.interval_s * 0.95)
+        self._stale_after = stale_after_s
+        self._hang_after = HANG_FACTOR * stale_after_s
         self._policy = policy
-        self._fetcher: MetricsFetcher
-        self._owns_fetcher = http is None or isinstance(http, aiohttp.ClientSession)
-        if http is not None and not isinstance(http, aiohttp.ClientSession):
-            self._fetcher = http
-        elif settings.http_client == "aiohttp":
-            self._fetcher = AiohttpFetcher(http)  # closes only a session it opened itself
-        else:
-            self._fetcher = LeanHttpFetcher()
+        self._owns_fetcher = fetcher is None
+        self._fetcher: MetricsFetcher = LeanHttpFetcher() if fetcher is None else fetcher
         self._clock = clock
-        self._narrow_pages = settings.narrow_pages
         self._stats: dict[str, NodeStats] = {}
         # Nodes whose adapter can ask for a narrowed page: node id -> its URL. Which page
         # a node is polled on is decided by `_check_narrowed_page`, node by node.
@@ -177,9 +202,9 @@ class Scraper:
 
     def _track(self, backend: Backend) -> None:
         self._stats[backend.node_id] = NodeStats(
-            backend.node_id, backend.engine, backend.metrics_url
+            backend.node_id, backend.engine, backend.metrics_url, period_s=self._interval
         )
-        if self._narrow_pages and isinstance(backend.adapter, NarrowablePage):
+        if isinstance(backend.adapter, NarrowablePage):
             url = backend.adapter.narrowed_metrics_url(backend.metrics_url)
             if url is not None:
                 self._narrowed[backend.node_id] = url
@@ -218,8 +243,9 @@ class Scraper:
         return self._interval
 
     @property
-    def timeout_s(self) -> float:
-        return self._timeout
+    def hang_after_s(self) -> float:
+        """A poll unanswered this long is abandoned (a failure, not a hard one)."""
+        return self._hang_after
 
     @property
     def fetcher(self) -> MetricsFetcher:
@@ -241,7 +267,7 @@ class Scraper:
         now = self._clock.now()
         return {
             "interval_s": self._interval,
-            "timeout_s": self._timeout,
+            "hang_after_s": self._hang_after,
             "nodes": {nid: s.as_dict(now) for nid, s in self._stats.items()},
         }
 
@@ -303,6 +329,7 @@ class Scraper:
         next_at = loop.time() + offset
         if backend.node_id in self._narrowed:
             self._check_due[backend.node_id] = next_at
+        stats = self._stats[backend.node_id]
         while True:
             delay = next_at - loop.time()
             if delay > 0:
@@ -315,22 +342,47 @@ class Scraper:
                 checks.create_task(
                     self._check_narrowed_page(backend), name=f"check {backend.node_id}"
                 )
+            started = loop.time()
             await self.scrape_once(backend)
-            next_at += self._interval
-            # A poll that overran its slot (timeout plus connection teardown, or a busy
-            # loop) is followed at once and the schedule re-anchored: the node is polled
-            # at 1 / max(interval, poll time), never in a burst of missed ticks.
-            next_at = max(next_at, loop.time())
+            ended = loop.time()
+            stats.period_s = poll_period(self._interval, ended - started, self._stale_after)
+            self._note_speed(backend, stats, ended - started)
+            # Anchored on the schedule while polls are quick (a steady period); a poll that
+            # overran its slot is followed at once, never by a burst of missed ticks.
+            next_at = max(next_at + stats.period_s, ended)
+
+    def _note_speed(self, backend: Backend, stats: NodeStats, duration: float) -> None:
+        """Log once when a node's page turns slow enough to be polled back to back, and
+        once when it is quick again (at half that time: no flapping at the edge)."""
+        threshold = max(self._interval, BACKOFF_CAP_SHARE * self._stale_after)
+        if stats.slow:
+            threshold /= 2
+        slow = duration >= threshold
+        if slow == stats.slow or stats.up is False:
+            return
+        stats.slow = slow
+        if slow:
+            log.info(
+                "node %s: metrics page took %.0f ms (a busy engine); polled back to back,"
+                " its samples lag",
+                backend.node_id,
+                duration * 1000,
+            )
+        else:
+            log.info(
+                "node %s: metrics page quick again (%.0f ms)", backend.node_id, duration * 1000
+            )
 
     async def scrape_once(self, backend: Backend) -> NodeSample | None:
         """One poll of one backend: fetch, parse, tell the policy, update stats."""
         stats = self._stats[backend.node_id]
         started = time.perf_counter()
-        stats.last_attempt_at = self._clock.now()
+        sent_at = self._clock.now()
+        stats.last_attempt_at = stats.in_flight_since = sent_at
         stats.scrapes_total += 1
         try:
             page = await self._fetch(backend)
-            sample = backend.adapter.parse(page, self._clock.now())
+            sample = backend.adapter.parse(page, sent_at)
         except asyncio.CancelledError:
             raise
         except MetricsParseError as exc:
@@ -342,7 +394,6 @@ class Scraper:
             return None
         except (
             ScrapeError,
-            aiohttp.ClientError,
             asyncio.IncompleteReadError,
             asyncio.LimitOverrunError,
             TimeoutError,
@@ -354,11 +405,13 @@ class Scraper:
             log.exception("scraper: unexpected error on %s", backend.node_id)
             self._record_failure(backend, stats, exc, time.perf_counter() - started)
             return None
+        finally:
+            stats.in_flight_since = None
         self._record_success(backend, stats, sample, time.perf_counter() - started)
         return sample
 
     async def _fetch(self, backend: Backend) -> bytes:
-        async with asyncio.timeout(self._timeout):
+        async with asyncio.timeout(self._hang_after):
             url = self._stats[backend.node_id].metrics_url
             return await self._fetcher.get(url, backend.auth_headers())
 
@@ -378,13 +431,13 @@ class Scraper:
         headers = backend.auth_headers()
         stats = self._stats[node_id]
         try:
-            async with asyncio.timeout(_CHECK_TIMEOUT_S):
+            async with asyncio.timeout(self._hang_after):  # two GETs of a possibly busy page
                 narrowed = adapter.metrics_on(await self._fetcher.get(narrowed_url, headers))
                 full = adapter.metrics_on(await self._fetcher.get(backend.metrics_url, headers))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure only means: no decision yet
-            reason = describe(exc, _CHECK_TIMEOUT_S)
+            reason = describe(exc, self._hang_after)
             self._use_full_page(backend, f"not checked yet ({reason})")
             return
         if not narrowed:
@@ -430,7 +483,7 @@ class Scraper:
     def _record_failure(
         self, backend: Backend, stats: NodeStats, exc: BaseException, latency: float
     ) -> None:
-        reason = describe(exc, self._timeout)
+        reason = describe(exc, self._hang_after)
         stats._observe_latency(latency)
         stats.failures_total += 1
         stats.consecutive_failures += 1
@@ -442,12 +495,14 @@ class Scraper:
                 reason,
             )
         stats.up = False
-        self._tell(backend.node_id, None)
+        # A hang is slowness taken to its bound, not a refusal: the core lets the sample's
+        # age decide (see kvgate.core.nodes).
+        self._tell(backend.node_id, None, hard=not isinstance(exc, TimeoutError))
 
-    def _tell(self, node_id: str, sample: NodeSample | None) -> None:
+    def _tell(self, node_id: str, sample: NodeSample | None, hard: bool = True) -> None:
         try:
             if sample is None:
-                self._policy.observe_failure(node_id)
+                self._policy.observe_failure(node_id, hard)
             else:
                 self._policy.observe(node_id, sample)
         except Exception:  # the policy is pure code: a bug there must not kill scraping
@@ -461,10 +516,8 @@ class Scraper:
 def describe(exc: BaseException, timeout: float) -> str:
     """A short, secret-free description of why a scrape failed."""
     if isinstance(exc, TimeoutError):
-        return f"timeout after {timeout * 1000:.0f} ms"
+        return f"no answer within {timeout:g} s (hung)"
     if isinstance(exc, ScrapeError | MetricsParseError):
         return str(exc)[:200]
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"connection failed: {exc.os_error.strerror or exc.os_error!r}"[:200]
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:200]

@@ -15,17 +15,28 @@ gaps with three checks that cost one timer per request and a length sum per head
   The deadline ends when the request is read, so long streamed answers are not affected.
 - **Connection count.** Beyond `limits.max_connections` open connections a new one gets
   503 with `Retry-After: 1` and is closed at once, before it can cost anything else.
+- **Lingering close.** An answer that ends the connection while the client is still
+  sending its body (413 to a client that asked to close, 431) is followed by a
+  half-close, and the rest of what the client sends is read and thrown away until it
+  closes its side, falls silent for `LINGER_IDLE_S` or `LINGER_S` have passed; only then
+  is the socket closed. Many clients write the whole body before they read anything;
+  closing a socket with unread data makes the kernel send a reset, and the client sees
+  "connection reset" or "broken pipe" instead of the answer (nginx's `lingering_close`
+  exists for the same reason). A client that keeps the connection alive has the rest of
+  its body read and discarded by the parser instead, within the read deadline.
 
 Every answer is OpenAI-shaped JSON. The body size limit (413) and `max_tokens` (400) are
 checked by the relay, which knows the route. With hypercorn the header size maps to its
 `h11_max_incomplete_size` and `h2_max_header_list_size` (see `hypercorn_limits`); it has no
-read deadline that would not also cut long streams, so the slow-client guard is uvicorn's.
+read deadline that would not also cut long streams, so the slow-client guard is uvicorn's;
+the lingering close is uvicorn's too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar, cast
 
@@ -42,6 +53,11 @@ from kvgate.gateway.settings import LimitSettings
 log = logging.getLogger(__name__)
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Unavailable"}
+# Lingering close: nginx's defaults (`lingering_time`, `lingering_timeout`). At most this long
+# in all, a budget ample for a client that sends its body at full speed and then reads.
+LINGER_S = 30.0
+# ...and the socket is closed once the client has sent nothing for this long.
+LINGER_IDLE_S = 5.0
 
 
 def raw_error(status: int, message: str, code: str) -> bytes:
@@ -70,6 +86,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline: asyncio.TimerHandle | None = None
         self.waiting_writers: list[ClientWriter] = []
         self._splicer = Splicer(self)
+        # Lingering close (see the module's docstring): when it ends at the latest, when
+        # the client last sent something, and the timer that checks.
+        self._linger_until: float | None = None
+        self._linger_heard = 0.0
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._cycle_transport: _CycleTransport | None = None  # made with the connection
 
     @classmethod
     def with_limits(cls, limits: LimitSettings) -> type[GuardedHttpToolsProtocol]:
@@ -80,6 +102,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._cycle_transport = _CycleTransport(self)
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, "Too many open connections; retry shortly.", "too_many_connections")
             return
@@ -87,6 +110,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         self._splicer.detach()  # it refers to this protocol: no cycle left to collect
         super().connection_lost(exc)
         # Tell the relay at once (see kvgate.gateway.http.disconnect): the request in progress
@@ -98,6 +124,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 signal = signal_of(cycle.scope)  # type: ignore[arg-type]
                 if signal is not None:
                     signal.fire()
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger_until is not None:
+            self._linger_heard = self.loop.time()  # thrown away, unparsed
+            return
+        super().data_received(data)
 
     # ---- parser callbacks --------------------------------------------------------------
 
@@ -123,6 +155,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         extensions[EXTENSION] = DisconnectSignal()
         extensions[SPLICE] = self._splicer
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and self._cycle_transport is not None:
+            # Duck-typed: the cycle only writes, asks is_closing and closes.
+            cycle.transport = cast(asyncio.Transport, self._cycle_transport)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -136,11 +172,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_message_complete()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._linger_until is not None:
+            self._unset_keepalive_if_required()  # the linger has bounds of its own
+
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a parser error; ours when the error was our header limit."""
         if self._head_too_large:
             limit = self.limits.max_header_bytes
-            self._refuse(431, f"Request headers exceed {limit} bytes.", "headers_too_large")
+            message = f"Request headers exceed {limit} bytes."
+            self._refuse(431, message, "headers_too_large", linger=True)
             return
         self._refuse(400, "Invalid HTTP request.", "invalid_http")
 
@@ -172,13 +214,71 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._refuse(408, "The request was not received in time.", "request_timeout")
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
+    def _refuse(self, status: int, message: str, code: str, *, linger: bool = False) -> None:
         self._disarm()
         key = str(status)
         self.refused[key] = self.refused.get(key, 0) + 1
         if not self.transport.is_closing():
             self.transport.write(raw_error(status, message, code))
+            if linger:
+                self.linger()
+            else:
+                self.transport.close()
+
+    # ---- lingering close ---------------------------------------------------------------
+
+    def linger(self) -> None:
+        """End the connection without losing the answer just written: half-close, then
+        read and discard what the client still sends, within bounds; then close."""
+        transport = self.transport
+        if transport.is_closing() or self._linger_until is not None:
+            return
+        self._disarm()
+        now = self.loop.time()
+        self._linger_until = now + LINGER_S
+        self._linger_heard = now
+        if transport.can_write_eof():  # not over TLS: the answer then ends by its length
+            transport.write_eof()
+        self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_IDLE_S, self._linger_check)
+
+    def _linger_check(self) -> None:
+        until = self._linger_until
+        assert until is not None
+        now = self.loop.time()
+        idle_end = self._linger_heard + LINGER_IDLE_S
+        if now >= until or now >= idle_end:
+            self._linger_timer = None
             self.transport.close()
+            return
+        self._linger_timer = self.loop.call_at(min(until, idle_end), self._linger_check)
+
+
+class _CycleTransport:
+    """The connection as its requests' cycles see it: uvicorn closes it after an answer
+    with `connection: close`; while the latest request's body is still arriving, the
+    protocol lingers instead (`GuardedHttpToolsProtocol.linger`). Writes go straight
+    through. One per connection; it holds its protocol weakly, so that no reference cycle
+    outlives the connection."""
+
+    __slots__ = ("_protocol", "_transport", "is_closing", "write")
+
+    def __init__(self, protocol: GuardedHttpToolsProtocol) -> None:
+        self._protocol = weakref.ref(protocol)
+        self._transport: asyncio.Transport = protocol.transport
+        self.write = self._transport.write
+        self.is_closing = self._transport.is_closing
+
+    def close(self) -> None:
+        protocol = self._protocol()
+        cycle = None if protocol is None else protocol.cycle
+        if protocol is not None and cycle is not None and cycle.more_body:
+            protocol.linger()  # the client may be writing its body still
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class GuardCollector(Collector):

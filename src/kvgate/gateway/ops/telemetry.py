@@ -29,6 +29,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvgate.core.nodes import STATES
+
 access_logger = logging.getLogger("kvgate.access")
 
 # Buckets from 1 ms to 10 min: time to first byte ranges from a cached reply to a long queue.
@@ -36,8 +38,9 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
-# A scrape should take a few ms; its timeout is below the 50 ms period.
-_SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.5)
+# A scrape takes a few ms on a quiet engine and seconds on a busy one (up to the hang
+# bound, 5 x stale_after_s).
+_SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.5, 1.0, 2.5, 5.0)
 # Cancellation should take about a millisecond; anything above 50 ms is a bug.
 _CANCEL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _RETRY_AFTER_BUCKETS = (1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 30.0, 60.0)
@@ -352,6 +355,7 @@ def _policy_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
             if value is not None:
                 family.add_metric([node_id], value)
         yield family
+    yield _node_states(nodes)
     queue = snapshot.get("queue")
     if isinstance(queue, Mapping):
         yield from _queue_metrics(queue)
@@ -399,6 +403,23 @@ def _queue_metrics(queue: Mapping[str, Any]) -> Iterator[Metric]:
     yield events
 
 
+def _node_states(nodes: list[tuple[str, Mapping[str, Any]]]) -> Metric:
+    """`kvgate_node_state{node,state}`: 1 for the node's state, 0 for the others (every
+    state is listed, so that `sum by (state)` and alerts on one state work)."""
+    family = GaugeMetricFamily(
+        "kvgate_node_state",
+        "The node's state for admission (fresh levels ok/high/panic, lagging, thrashing,"
+        " stale, dead, unknown); see docs/operating.md.",
+        labels=["node", "state"],
+    )
+    for node_id, state in nodes:
+        current = state.get("state")
+        if isinstance(current, str):
+            for name in STATES:
+                family.add_metric([node_id, name], 1.0 if name == current else 0.0)
+    return family
+
+
 def _scraper_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
     latency = GaugeMetricFamily(
         "kvgate_scrape_latency_seconds",
@@ -407,7 +428,18 @@ def _scraper_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
     )
     failures = CounterMetricFamily(
         "kvgate_scrape_failures",
-        "Scrapes that failed (timeout, refused, unparseable page).",
+        "Scrapes that failed (refused, HTTP error, unparseable page, or hung past the bound).",
+        labels=["node"],
+    )
+    running = GaugeMetricFamily(
+        "kvgate_scrape_in_flight_seconds",
+        "How long the node's scrape in flight has been waiting for its page (0: none is).",
+        labels=["node"],
+    )
+    period = GaugeMetricFamily(
+        "kvgate_scrape_period_seconds",
+        "Time between the starts of the node's scrapes: the interval, longer while the"
+        " page is slow.",
         labels=["node"],
     )
     for node_id, state in _nodes(stats):
@@ -426,8 +458,14 @@ def _scraper_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
         )
         if count is not None:
             failures.add_metric([node_id], count)
+        if "in_flight_s" in state:
+            running.add_metric([node_id], _number(state.get("in_flight_s")) or 0.0)
+        if (value := _number(state.get("period_s"))) is not None:
+            period.add_metric([node_id], value)
     yield latency
     yield failures
+    yield running
+    yield period
 
 
 class BufferedLineWriter:

@@ -18,7 +18,7 @@
   const SLOW_WINDOW_S = 5.0;   // Retry-After and cancellations are rarer: smooth more
   const REASON_WINDOW_S = 10.0;
   const SPARK_POINTS = 120;    // per-node KV history kept for the sparkline
-  const SEVERITY = { panic: 0, thrashing: 1, stale: 2, high: 3, unknown: 4, ok: 5 };
+  const SEVERITY = { panic: 0, thrashing: 1, dead: 2, stale: 3, lagging: 4, high: 5, unknown: 6, ok: 7 };
 
   // ---------- small helpers ----------
   const $ = (id) => document.getElementById(id);
@@ -457,9 +457,15 @@
     if (!s) return { text: "–", title: "" };
     const lat = num(first(s, ["latency_s", "last_latency_s", "scrape_latency_s"]));
     const fails = num(first(s, ["consecutive_failures", "failures", "failures_total"]));
-    let text = lat !== null ? fmtMs(lat) : "–";
+    // A poll slower than the one before it is shown while it waits: a busy engine's page.
+    const waiting = num(s.in_flight_s);
+    let text = waiting !== null && waiting > Math.max(lat ?? 0, 0.25) ? `⏳${fmtMs(waiting)}`
+      : lat !== null ? fmtMs(lat) : "–";
     if (fails) text += ` ✗${fmtNum(fails)}`;
-    return { text, title: typeof s.last_error === "string" ? s.last_error : "" };
+    const period = num(s.period_s);
+    const title = [typeof s.last_error === "string" ? s.last_error : "",
+      period !== null ? `polled every ${fmtMs(period)}` : ""].filter(Boolean).join("; ");
+    return { text, title };
   }
 
   function watermarks(state) {
@@ -678,7 +684,9 @@
       charts,
       hist,
       renderMs,
-      staleNodes: () => [...document.querySelectorAll("tr.node.state-stale")].map((tr) => tr.dataset.node),
+      // Nodes that take no work for want of signals (stale, or dead: scrapes failing hard).
+      staleNodes: () => [...document.querySelectorAll("tr.node.state-stale, tr.node.state-dead")]
+        .map((tr) => tr.dataset.node),
       events: es,
     };
   }
