@@ -144,9 +144,9 @@ def test_a_dead_page_on_an_engine_that_serves_is_lagging_then_dead() -> None:
 
 def test_a_thrashing_node_is_thrashing_whether_fresh_or_lagging() -> None:
     clock = ManualClock(100.0)
-    node = _node(clock, usage=0.85)
+    node = _node(clock, usage=0.93)
     clock.advance(0.05)
-    thrash = sample(clock, usage=0.9, running=0, waiting=5)
+    thrash = sample(clock, usage=0.95, running=0, waiting=5)  # at panic: a victim requeued
     assert node.accept(thrash, clock.now(), SETTINGS)
     assert _state(node, clock) == "thrashing"
     clock.advance(1.5)
