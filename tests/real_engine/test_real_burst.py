@@ -1,0 +1,56 @@
+"""vLLM's own benchmark client sends a burst through kvgate: every request is served, none
+is preempted.
+
+The client of `vllm bench serve` (the `vllm.benchmarks.serve` module of the real install,
+driven by benchmarks/vllm_burst/run.py) sends 32 prompts of 500 random tokens for 500
+output tokens each (ignore_eos), all at once, and never retries: the burst a benchmark, a
+batch script or curl sends. Straight to the engine it is served in full while the engine
+preempts; through kvgate with its defaults it must be served in full too (requests wait in
+the gateway for room instead of being refused) with no preemption at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from real_engine.conftest import GatewayFactory
+from real_engine.engine import ServerProcess, record_figure
+
+pytestmark = pytest.mark.real_engine
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench() -> ModuleType:
+    path = REPO / "benchmarks" / "vllm_burst" / "run.py"
+    spec = importlib.util.spec_from_file_location("vllm_burst_run", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(300)
+async def test_vllm_benchmark_burst_is_served_whole_without_preemption(
+    start_gateway: GatewayFactory, idle_engine: ServerProcess, tmp_path: Path
+) -> None:
+    bench = _bench()
+    gateway = start_gateway("adaptive")
+    args = argparse.Namespace(prompts=32, input=500, output=500, range_ratio=0.0, seed=0)
+    row = await bench.one_run("kvgate", gateway.url, idle_engine.url, args, tmp_path, 1)
+    record_figure(
+        "vLLM benchmark client, 32 x (500 + 500) through kvgate",
+        f"{row['completed']} completed in {row['duration_s']:.1f} s, mean e2e"
+        f" {row['mean_e2el_s']:.1f} s, preemptions {row['preemptions']:.0f},"
+        f" peak KV {row['peak_kv']:.2f}, peak running {row['peak_running']:.0f}",
+    )
+    assert row["completed"] == 32, row
+    assert row["failed"] == 0, row
+    assert row["preemptions"] == 0, row
