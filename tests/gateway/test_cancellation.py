@@ -12,9 +12,9 @@ import asyncio
 import httpx
 import pytest
 from aiohttp import web
-from conftest import FakeEngine, eventually
 
 from gateway.helpers import RawClient
+from kvgate.testing import FakeEngine, eventually
 
 GENEROUS_S = 0.5  # an order of magnitude above the 50 ms target, against CI noise
 

@@ -8,9 +8,9 @@ import time
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine
 
 from gateway.helpers import RawClient, kvgate_serve, until_ready
+from kvgate.testing import FakeEngine
 
 
 async def test_stop_lets_streams_finish_within_the_drain(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import httpx
-from conftest import FakeEngine
 
 from gateway.helpers import openai_error
+from kvgate.testing import FakeEngine
 
 GOOD = b'{"model": "fake-model", "prompt": "p"}'
 

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from conftest import eventually
 
 from kvgate.sim.chaos import ChaosNode
 from kvgate.sim.presets import get_preset
+from kvgate.testing import eventually
 
 MODEL = "sim-llama"
 

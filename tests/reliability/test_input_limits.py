@@ -7,8 +7,9 @@ import asyncio
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine
 from gateway.helpers import openai_error
+
+from kvgate.testing import FakeEngine
 
 GOOD = b'{"model": "fake-model", "prompt": "p", "max_tokens": 3}'
 

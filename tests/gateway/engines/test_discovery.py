@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FakeEngine, eventually, free_port
 from pydantic import ValidationError
 
 from kvgate.adapters.settings import BackendSettings
 from kvgate.gateway.engines.discovery import Discovery, at_address, resolve_ipv4
+from kvgate.testing import FakeEngine, eventually, free_port
 
 WAIT_S = 15.0  # generous for a stalling CI machine: a wait ends once its condition holds
 

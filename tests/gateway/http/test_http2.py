@@ -14,7 +14,8 @@ import h2.connection
 import h2.events
 import orjson
 import pytest
-from conftest import FakeEngine
+
+from kvgate.testing import FakeEngine
 
 
 class H2Client:

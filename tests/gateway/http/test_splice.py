@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine
 
 from gateway.helpers import RawClient
 from kvgate.gateway.http.h1client import H1Response
 from kvgate.gateway.http.splice import ClientWriter
+from kvgate.testing import FakeEngine
 
 NATIVE = {"upstream.client": "native"}
 BODY = {"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"chunks": 50}}

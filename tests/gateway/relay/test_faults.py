@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 import orjson
-from conftest import FakeEngine, eventually
 
 from gateway.helpers import openai_error
+from kvgate.testing import FakeEngine, eventually
 
 
 def _events(raw: bytes) -> list[bytes]:

@@ -8,10 +8,10 @@ import logging
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine
 
 from gateway.helpers import RawClient
 from kvgate.core.settings import AdmissionSettings
+from kvgate.testing import FakeEngine
 
 
 async def _raw_stream(url: str, path: str, body: dict, headers: dict | None = None) -> bytes:
