@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import ssl
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,6 +52,25 @@ async def engine_factory() -> AsyncIterator[Callable[..., Any]]:
 @pytest.fixture
 def refused_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """(certificate, key) for 127.0.0.1, self-signed, made with the openssl CLI."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return cert, key
 
 
 # ---- the gateway -----------------------------------------------------------------------------

@@ -133,7 +133,7 @@ async def run(trials: int) -> str:
         [
             f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()},"
             f" Python {platform.python_version()}, load average {load};"
-            f" `kvgate serve` with default settings (uvicorn, native upstream client).",
+            f" `kvgate serve` with default settings (uvicorn).",
             "",
             "| client disconnects | trials | engine sees close p50 ms | p99 ms | max ms"
             " | within 50 ms | tokens written after the client left |",

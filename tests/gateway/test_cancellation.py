@@ -51,9 +51,9 @@ async def _leave_mid_stream(gateway_url: str, rid: str) -> RawClient:
     ],
 )
 async def test_disconnect_while_waiting_reaches_the_engine(
-    fake_engine: FakeEngine, gateway_factory, upstream_client, stage: str, body: dict
+    fake_engine: FakeEngine, gateway_factory, stage: str, body: dict
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     rid = f"cancel-{stage}"
     client = await RawClient.post(
         gw.url, "/v1/completions", {"model": "fake-model", "prompt": "p", **body},
@@ -73,9 +73,9 @@ async def test_disconnect_while_waiting_reaches_the_engine(
 
 
 async def test_disconnect_mid_stream_stops_the_tokens(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     rid = "cancel-mid-stream"
     client = await _leave_mid_stream(gw.url, rid)
     took = await _propagation(fake_engine, client, rid)
@@ -89,9 +89,9 @@ async def test_disconnect_mid_stream_stops_the_tokens(
 
 
 async def test_many_concurrent_disconnects_leave_nothing_behind(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     clients = []
     for i in range(20):
         stream = i % 2 == 0

@@ -43,7 +43,6 @@ async def _gateway(gateway_factory, nodes: list[ChaosNode], **overrides: Any):
         "admission.policy": "adaptive",
         "scrape.interval_s": 0.1,
         "admission.stale_after_s": 0.5,
-        "upstream.connect_timeout_s": 0.5,
         **overrides,
     }
     gw = await gateway_factory([], overrides=settings)

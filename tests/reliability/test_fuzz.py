@@ -127,7 +127,6 @@ def gateway_loop():
             "auth.keys": [{"key": KEY, "tenant": "fuzz", "max_priority": "critical"}],
             "auth.tenants": {"fuzz": {"max_in_flight_tokens": 10 * LIMIT}},
             "server.admin_token": ADMIN,
-            "upstream.connect_timeout_s": 0.5,
         },
     )
     gateway = Gateway(config)

@@ -54,7 +54,6 @@ from kvgate.gateway.relay.upstream import (
     HOP_BY_HOP,
     ModelCatalog,
     UpstreamPool,
-    UpstreamResponse,
     close_quietly,
     request_headers,
 )
@@ -415,7 +414,7 @@ class Relay:
         id_field = backend.adapter.request_id_field
         if id_field is not None and parsed is not None:
             body = _with_field(body, id_field, ex.request_id)
-        response: UpstreamResponse | None = None
+        response: H1Response | None = None
         clean = False
         cscope.deadline(self.upstream.first_byte_timeout_s, "first_byte_timeout")
         ex.stage = "headers"
@@ -506,7 +505,7 @@ class Relay:
         self,
         send: Send,
         ex: Exchange,
-        response: UpstreamResponse,
+        response: H1Response,
         ticket: Ticket,
         parsed: ParsedRequest | None,
         head: bool = False,
@@ -545,7 +544,7 @@ class Relay:
         send: Send,
         ex: Exchange,
         cscope: CancelScope,
-        response: UpstreamResponse,
+        response: H1Response,
         ticket: Ticket,
         parsed: ParsedRequest | None,
     ) -> Outcome:
@@ -556,11 +555,10 @@ class Relay:
         ex.first_byte_at = time.monotonic()
         ex.stage = "first_token"
         tally = _StreamTally(self, ex, cscope, ticket, parsed)
-        native = response if isinstance(response, H1Response) else None
-        writer = splice.writer_for(scope) if native is not None else None
+        writer = splice.writer_for(scope)
         try:
-            if writer is not None and native is not None:
-                await _splice(writer, native, tally)
+            if writer is not None:
+                await _splice(writer, response, tally)
             else:
                 while chunk := await response.readany():
                     tally.feed(chunk)
