@@ -46,14 +46,6 @@ class LimitSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger bodies get 413.")
-    max_tokens_limit: int = Field(
-        131072, gt=0, description="Requests asking for more `max_tokens` get 400."
-    )
-    max_header_bytes: int = Field(
-        32 * 1024,
-        ge=1024,
-        description="Request line + headers larger than this get 431 (kvgate.gateway.http.guard).",
-    )
     client_timeout_s: float = Field(
         30.0,
         gt=0,

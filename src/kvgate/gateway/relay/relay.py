@@ -264,7 +264,7 @@ class Relay:
     async def _completion_plan(
         self, body: bytes, ex: Exchange
     ) -> tuple[RequestCost, tuple[str, ...], ParsedRequest]:
-        parsed = parse_completion(body, self.limits.max_tokens_limit)
+        parsed = parse_completion(body)
         ex.model = parsed.model
         try:
             cost = self.estimator.estimate(parsed.model, parsed.data)
@@ -786,7 +786,13 @@ def _bad(message: str, param: str | None = None, code: str = "invalid_request") 
     return GatewayError(400, message, code, param=param)
 
 
-def parse_completion(body: bytes, max_tokens_limit: int) -> ParsedRequest:
+#: The largest `max_tokens` accepted: the int32 range that engines written in C++ and Rust
+#: parse it into, so no engine is sent a number it cannot read. No model's context comes
+#: near it; whether a request fits a node's KV cache is the admission's question.
+MAX_TOKENS_CEILING = 2**31 - 1
+
+
+def parse_completion(body: bytes, max_tokens_limit: int = MAX_TOKENS_CEILING) -> ParsedRequest:
     """Validate only what the gateway needs (model, stream, max_tokens); relay the rest."""
     if not body:
         raise _bad("The request body is empty; expected a JSON object.")
