@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+from kvgate.sim.engine import Engine
+from kvgate.sim.presets import CPU_TINY
+from kvgate.sim.server import SimServer
 from kvgate.testing import FakeEngine, eventually, free_port
 
 
@@ -47,6 +50,17 @@ async def engine_factory() -> AsyncIterator[Callable[..., Any]]:
     finally:
         for engine in engines:
             await engine.stop()
+
+
+@pytest.fixture
+async def sim_server() -> AsyncIterator[SimServer]:
+    """The engine simulator (`kvgate sim`'s server, the tiny CPU preset) on 127.0.0.1."""
+    server = SimServer(Engine(CPU_TINY, seed=0), model_name="sim-llama")
+    await server.start("127.0.0.1", 0)
+    try:
+        yield server
+    finally:
+        await server.close()
 
 
 @pytest.fixture
