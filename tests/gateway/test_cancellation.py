@@ -133,6 +133,8 @@ async def test_sglang_requests_carry_the_id_its_abort_api_names(
         return [r.json for r in fake_engine.requests if r.path == "/abort_request"]
 
     assert await eventually(lambda: aborted() == [{"rid": rid}], 3.0), aborted()
+    (abort,) = [r for r in fake_engine.requests if r.path == "/abort_request"]
+    assert abort.headers["content-type"] == "application/json"
 
 
 async def test_vllm_requests_are_relayed_without_an_id_field(

@@ -7,7 +7,8 @@ each was written. It can stream N chunks at an interval, answer after a delay, c
 mid-stream, hang, or answer with an error status; a caller chooses per request with a
 `"fake"` object in the JSON body (the gateway relays unknown fields untouched), or per
 engine through the constructor. It serves a vLLM-shaped `/metrics` page, so the gateway's
-scraper treats it as a live vLLM node.
+scraper treats it as a live vLLM node, and like vLLM's default server it has no abort API
+(404): closing the connection is the abort. Other paths are echoed back.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from kvgate.adapters.vllm import ABORT_PATH as VLLM_ABORT_PATH
 from kvgate.testing.polling import eventually
 
 
@@ -148,6 +150,8 @@ class FakeEngine:
                 await asyncio.sleep(self.metrics_delay)
             return await _send(writer, 200, self._metrics_page(), "text/plain; version=0.0.4")
         self.requests.append(req)
+        if req.path == VLLM_ABORT_PATH:  # like vLLM started without --enable-scale-out
+            return await _send(writer, 404, b'{"detail": "Not Found"}')
         if req.path == "/v1/models":
             names = [self.model, *self.models]
             data = [{"id": n, "object": "model", "owned_by": "fake"} for n in names]

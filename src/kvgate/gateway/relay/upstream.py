@@ -123,12 +123,12 @@ class UpstreamPool:
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
-            auto_decompress=False,
             # Only new sockets get a connect timeout; each caller bounds its whole wait.
             timeout=aiohttp.ClientTimeout(
                 total=None, connect=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=None
             ),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            # An abort's JSON body keeps its Content-Type; nothing asks for compression.
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
         self._h1 = H1Pool(CONNECT_TIMEOUT_S, keep=self._serves)
 
