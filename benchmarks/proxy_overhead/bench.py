@@ -61,6 +61,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvgate.testing import free_port
+
 HERE = Path(__file__).resolve().parent
 MODEL = "bench-model"
 EVENT = (
@@ -334,12 +336,6 @@ async def stream_phase(
 
 
 # ---- the stacks under test ---------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_port(port: int, within: float = 30.0) -> None:
