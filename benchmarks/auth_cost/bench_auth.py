@@ -8,7 +8,7 @@ the configured digests confirmed by `hmac.compare_digest`, re-tagging the header
 1, 100 and 1,000 keys, and the tenant gate's charge and release around the `none`
 policy's admit/release.
 Writes `results.md` next to this file. Compare with the proxy's budget of 0.25 ms of CPU
-per request (issue 2).
+per request.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def gateway(src: str, engine_port: int) -> Iterator[tuple[int, int]]:
     """`kvgate serve` imported from `src`; yields (port, pid)."""
     port = bench.free_port()
     env = bench.stack_env(engine_port, "none")
-    env.update(PYTHONPATH=src, KVGATE_UPSTREAM__CLIENT="native")
+    env["PYTHONPATH"] = src
     command = [sys.executable, "-m", "kvgate", "serve", "--port", str(port)]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

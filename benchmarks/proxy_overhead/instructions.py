@@ -52,7 +52,6 @@ import bench  # noqa: E402  (the fake engine, the clients and the port helpers)
 def _command(stack: str, port: int, engine_port: int) -> tuple[list[str], dict[str, str]]:
     env = bench.stack_env(engine_port, "none")
     env.update(
-        KVGATE_UPSTREAM__CLIENT="native",
         # The slowest scrape the config allows: under callgrind a 50 ms period would make
         # the scraper's share larger than the requests' and its subtraction the noise.
         KVGATE_SCRAPE__INTERVAL_S="1.0",

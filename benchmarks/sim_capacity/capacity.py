@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -39,15 +38,11 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.testing import free_port
+
 HERE = Path(__file__).resolve().parent
 LAG, BUSY = "sim:step_lag_seconds_total", "sim:busy_seconds_total"
 STEPS = "vllm:inter_token_latency_seconds_count"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.sim.engine import Engine, Histogram
 from kvgate.sim.metrics import MetricsPage
-from kvgate.sim.presets import CPU_TINY
+from kvgate.testing import overloaded_engine
 
 LABELS = ["engine", "model_name"]
 VALUES = ["0", "sim-llama"]
@@ -87,14 +87,7 @@ def cpu_per_call(fn: object, rounds: int = 5, calls: int = 500) -> float:
 
 
 def main() -> None:
-    engine = Engine(CPU_TINY)
-    for i in range(16):
-        engine.add_request(f"r{i}", 500, 1000, 0.0, ignore_eos=True)
-    now = 0.0
-    for _ in range(1500):
-        result = engine.step(now)
-        assert result is not None
-        now = result.end
+    engine = overloaded_engine()
     page = MetricsPage(engine, "sim-llama")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine))  # type: ignore[arg-type]

@@ -14,9 +14,3 @@ def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], Any]]:
     return {"uvloop": uvloop.new_event_loop}
-
-
-@pytest.fixture(params=["aiohttp", "native"])
-def upstream_client(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Run a relay test once per upstream client: `gateway_factory(..., overrides=this)`."""
-    return {"upstream.client": request.param}

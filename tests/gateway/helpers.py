@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import orjson
-from conftest import free_port
+
+from kvgate.testing import free_port
 
 
 class RawClient:

@@ -7,7 +7,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 import httpx
-from conftest import FakeEngine
 
 from gateway.helpers import RawClient, openai_error
 from kvgate.core.admission import Outcome, Reject, Ticket
@@ -15,6 +14,7 @@ from kvgate.core.clock import MonotonicClock
 from kvgate.core.policies import NonePolicy
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
+from kvgate.testing import FakeEngine
 
 
 class RecordingPolicy(NonePolicy):

@@ -12,9 +12,9 @@ import asyncio
 import httpx
 import pytest
 from aiohttp import web
-from conftest import FakeEngine, eventually
 
 from gateway.helpers import RawClient
+from kvgate.testing import FakeEngine, eventually
 
 GENEROUS_S = 0.5  # an order of magnitude above the 50 ms target, against CI noise
 
@@ -51,9 +51,9 @@ async def _leave_mid_stream(gateway_url: str, rid: str) -> RawClient:
     ],
 )
 async def test_disconnect_while_waiting_reaches_the_engine(
-    fake_engine: FakeEngine, gateway_factory, upstream_client, stage: str, body: dict
+    fake_engine: FakeEngine, gateway_factory, stage: str, body: dict
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     rid = f"cancel-{stage}"
     client = await RawClient.post(
         gw.url, "/v1/completions", {"model": "fake-model", "prompt": "p", **body},
@@ -73,9 +73,9 @@ async def test_disconnect_while_waiting_reaches_the_engine(
 
 
 async def test_disconnect_mid_stream_stops_the_tokens(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     rid = "cancel-mid-stream"
     client = await _leave_mid_stream(gw.url, rid)
     took = await _propagation(fake_engine, client, rid)
@@ -89,9 +89,9 @@ async def test_disconnect_mid_stream_stops_the_tokens(
 
 
 async def test_many_concurrent_disconnects_leave_nothing_behind(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     clients = []
     for i in range(20):
         stream = i % 2 == 0
@@ -133,6 +133,8 @@ async def test_sglang_requests_carry_the_id_its_abort_api_names(
         return [r.json for r in fake_engine.requests if r.path == "/abort_request"]
 
     assert await eventually(lambda: aborted() == [{"rid": rid}], 3.0), aborted()
+    (abort,) = [r for r in fake_engine.requests if r.path == "/abort_request"]
+    assert abort.headers["content-type"] == "application/json"
 
 
 async def test_vllm_requests_are_relayed_without_an_id_field(

@@ -13,9 +13,9 @@ import asyncio
 import gc
 
 import httpx
-from conftest import FakeEngine, eventually
 
 from gateway.helpers import RawClient
+from kvgate.testing import FakeEngine, eventually
 
 STREAM = {"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"chunks": 20}}
 WHOLE = {"model": "fake-model", "prompt": "hi", "max_tokens": 3, "fake": {"chunks": 3}}

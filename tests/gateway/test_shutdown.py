@@ -8,9 +8,9 @@ import time
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine
 
 from gateway.helpers import RawClient, kvgate_serve, until_ready
+from kvgate.testing import FakeEngine
 
 
 async def test_stop_lets_streams_finish_within_the_drain(
@@ -29,11 +29,9 @@ async def test_stop_lets_streams_finish_within_the_drain(
 
 
 async def test_drain_timeout_cancels_upstream_and_tells_the_client(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory(
-        [fake_engine.url], overrides={**upstream_client, "server.drain_timeout_s": 0.3}
-    )
+    gw = await gateway_factory([fake_engine.url], overrides={"server.drain_timeout_s": 0.3})
     body = {"model": "fake-model", "prompt": "p", "stream": True,
             "fake": {"chunks": 1000, "interval": 0.02}}  # fmt: skip
     client = await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": "drain-2"})
@@ -91,7 +89,7 @@ async def test_hypercorn_drains_and_cancels_too(fake_engine: FakeEngine, gateway
     gw = await gateway_factory(
         [fake_engine.url],
         server="hypercorn",
-        overrides={"server.drain_timeout_s": 0.3, "upstream.client": "native"},
+        overrides={"server.drain_timeout_s": 0.3},
     )
     short = {"model": "fake-model", "prompt": "p", "stream": True,
              "fake": {"chunks": 5, "interval": 0.03}}  # fmt: skip

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import httpx
-from conftest import FakeEngine
 
 from gateway.helpers import openai_error
+from kvgate.testing import FakeEngine
 
 GOOD = b'{"model": "fake-model", "prompt": "p"}'
 
@@ -21,7 +21,7 @@ MALFORMED = [
     (b'{"model": "fake-model", "max_tokens": -1}', "max_tokens", "invalid_request"),
     (b'{"model": "fake-model", "max_tokens": 1.5}', "max_tokens", "invalid_request"),
     (b'{"model": "fake-model", "max_tokens": true}', "max_tokens", "invalid_request"),
-    (b'{"model": "fake-model", "max_tokens": 99999999}', "max_tokens", "invalid_request"),
+    (b'{"model": "fake-model", "max_tokens": 2147483648}', "max_tokens", "invalid_request"),
     (b'{"model": "fake-model", "max_tokens": 0, "prompt": "p"}', "max_tokens", "invalid_request"),
     (b'{"model": "fake-model", "max_completion_tokens": -5}', "max_completion_tokens",
      "invalid_request"),

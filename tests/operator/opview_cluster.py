@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from kvgate.testing import free_port
+
 _URL = re.compile(r"http://127\.0\.0\.1:\d+")
 START_TIMEOUT_S = 45.0
 
@@ -82,7 +84,7 @@ def _wait_announced(process: subprocess.Popen[str], nodes: int) -> None:
 def free_port_block(count: int, attempts: int = 50) -> int:
     """A port P such that P..P+count-1 are free on 127.0.0.1 now (`kvgate sim --port P`)."""
     for _ in range(attempts):
-        first = _free_port()
+        first = free_port()
         if first + count > 65535:
             continue
         held: list[socket.socket] = []
@@ -98,12 +100,6 @@ def free_port_block(count: int, attempts: int = 50) -> int:
             for sock in held:
                 sock.close()
     raise RuntimeError("no block of free ports found")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_ready(url: str, process: subprocess.Popen[str]) -> None:
@@ -139,7 +135,7 @@ def gateway_with_sims(tmp: Path, steady_nodes: int = 3) -> Iterator[Cluster]:
         # the interval), so that only a dead engine goes stale.
         lines += ["scrape:", "  interval_s: 0.25"]
         config.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        port = _free_port()
+        port = free_port()
         command = [
             sys.executable, "-m", "kvgate", "serve", "--config", str(config),
             "--port", str(port), "--log-level", "warning",

@@ -35,10 +35,10 @@ STARTUP_TIMEOUT_S = float(os.environ.get("KVGATE_VLLM_START_TIMEOUT", "360"))
 INSTALL_TIMEOUT_S = 1800.0  # a cold install takes minutes (tests/real_engine/README.md)
 HERE = Path(__file__).resolve().parent
 
-# The overload burst (issue 5): 16 x 500 prompt tokens, ignore_eos. 120 output tokens
+# The overload burst: 16 x 500 prompt tokens, ignore_eos. 120 output tokens
 # (cost 620 tokens, 20 blocks of 32) are enough: 7 such requests need 140 of the 128 KV
 # blocks, so the engine must preempt; max_tokens 60 (18 blocks each, 126 for 7) measured
-# none. Shorter than the issue's 1,000 tokens, it keeps the burst to ~10 s.
+# none. Shorter than 1,000 output tokens, it keeps the burst to ~10 s.
 BURST_N = 16
 BURST_PROMPT_TOKENS = 500
 BURST_MAX_TOKENS = 120

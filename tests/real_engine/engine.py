@@ -12,7 +12,6 @@ import ctypes
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
+
+from kvgate.testing import free_port
 
 T = TypeVar("T")
 
@@ -81,13 +82,6 @@ def tail(path: Path, lines: int = 15, width: int = 240) -> str:
         return ""
     kept = [line if len(line) <= width else line[:width] + " ..." for line in text.splitlines()]
     return "\n".join(kept[-lines:])
-
-
-def free_port() -> int:
-    """An ephemeral loopback port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ async def _first_of(task: asyncio.Task[None], waiter: object, timeout_s: float) 
     wait_task.result()
 
 
-GONE_BOUND_S = 0.1  # issue 5: the engine must show a disconnected request gone within 100 ms
+GONE_BOUND_S = 0.1  # the target: the engine shows a disconnected request gone within 100 ms
 ATTEMPTS = 5  # see disconnect_attempts
 
 

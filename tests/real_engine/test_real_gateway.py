@@ -32,7 +32,7 @@ from real_engine.load import BLOCKED_PROMPT_TOKENS, ResponseEndedFirst, full_kv_
 
 pytestmark = pytest.mark.real_engine
 
-STATE_LAG_BOUND_S = 0.2  # issue 5: /admin/state shows an engine change within 200 ms
+STATE_LAG_BOUND_S = 0.2  # the target: /admin/state shows an engine change within 200 ms
 
 
 def _scraped(state: dict[str, Any]) -> dict[str, Any] | None:

@@ -9,12 +9,12 @@ import logging
 
 import httpx
 import pytest
-from conftest import FakeEngine
 from gateway.helpers import openai_error
 
 from kvgate.core.tenants import TenantLedger, TenantLimits
 from kvgate.gateway.security.auth import KeyRing, load_keys
 from kvgate.gateway.security.settings import AuthSettings
+from kvgate.testing import FakeEngine
 
 ALICE = "alice-key-0123456789abcdef"
 BOB = "bob-key-0123456789abcdef00"

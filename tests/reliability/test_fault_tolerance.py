@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from conftest import eventually
 
 from kvgate.sim.chaos import ChaosNode
 from kvgate.sim.presets import get_preset
+from kvgate.testing import eventually
 
 MODEL = "sim-llama"
 
@@ -43,7 +43,6 @@ async def _gateway(gateway_factory, nodes: list[ChaosNode], **overrides: Any):
         "admission.policy": "adaptive",
         "scrape.interval_s": 0.1,
         "admission.stale_after_s": 0.5,
-        "upstream.connect_timeout_s": 0.5,
         **overrides,
     }
     gw = await gateway_factory([], overrides=settings)

@@ -122,12 +122,10 @@ def gateway_loop():
         **{
             "backends": [{"url": "http://127.0.0.1:9", "name": "refused"}],
             "admission.policy": "none",
-            "limits.max_tokens_limit": LIMIT,
             "limits.max_body_bytes": 4096,
             "auth.keys": [{"key": KEY, "tenant": "fuzz", "max_priority": "critical"}],
             "auth.tenants": {"fuzz": {"max_in_flight_tokens": 10 * LIMIT}},
             "server.admin_token": ADMIN,
-            "upstream.connect_timeout_s": 0.5,
         },
     )
     gateway = Gateway(config)

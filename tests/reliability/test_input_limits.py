@@ -7,8 +7,10 @@ import asyncio
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine
 from gateway.helpers import openai_error
+
+from kvgate.gateway.http.guard import MAX_HEADER_BYTES
+from kvgate.testing import FakeEngine
 
 GOOD = b'{"model": "fake-model", "prompt": "p", "max_tokens": 3}'
 
@@ -65,9 +67,10 @@ async def test_more_malformed_bodies_are_400(
 async def test_huge_headers_get_431_and_the_gateway_goes_on(
     fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides={"limits.max_header_bytes": 4096})
-    one_big = b"x-big: " + b"a" * 8000 + b"\r\n"
-    many = b"".join(b"x-h%d: %s\r\n" % (i, b"b" * 60) for i in range(200))
+    gw = await gateway_factory([fake_engine.url])
+    assert MAX_HEADER_BYTES < 40_000
+    one_big = b"x-big: " + b"a" * 40_000 + b"\r\n"
+    many = b"".join(b"x-h%d: %s\r\n" % (i, b"b" * 60) for i in range(600))
     for extra in (one_big, many):
         raw = await _raw(
             gw.url,
@@ -77,7 +80,7 @@ async def test_huge_headers_get_431_and_the_gateway_goes_on(
         status, headers, body = _split(raw)
         assert status == 431 and headers["connection"] == "close"
         assert openai_error(body)["code"] == "headers_too_large"
-    long_url = b"GET /v1/models?" + b"q" * 5000 + b" HTTP/1.1\r\nhost: x\r\n\r\n"
+    long_url = b"GET /v1/models?" + b"q" * 40_000 + b" HTTP/1.1\r\nhost: x\r\n\r\n"
     assert _split(await _raw(gw.url, long_url))[0] == 431
     async with httpx.AsyncClient(base_url=gw.url) as client:
         assert (await client.post("/v1/completions", content=GOOD)).status_code == 200
@@ -162,9 +165,7 @@ async def test_garbage_on_the_wire_is_400_not_a_crash(
 
 
 async def test_hypercorn_refuses_huge_headers_too(fake_engine: FakeEngine, gateway_factory):
-    gw = await gateway_factory(
-        [fake_engine.url], server="hypercorn", overrides={"limits.max_header_bytes": 4096}
-    )
+    gw = await gateway_factory([fake_engine.url], server="hypercorn")
     raw = await _raw(
         gw.url,
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-big: "

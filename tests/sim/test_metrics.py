@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvgate.sim.engine import Engine
 from kvgate.sim.metrics import MetricsPage, only_samples
 from kvgate.sim.presets import CPU_TINY
+from kvgate.testing import overloaded_engine
 
 # The real vLLM CPU engine's page after an overload (a committed copy of
 # ../shared/real-vllm/metrics_sample.txt, so the test needs nothing outside the repository).
@@ -29,18 +30,6 @@ REQUIRED = {
     "sim:zombie_tokens": "counter",
     "sim:recomputed_tokens": "counter",
 }
-
-
-def overloaded_engine() -> Engine:
-    engine = Engine(CPU_TINY, seed=0)
-    for i in range(16):
-        engine.add_request(f"r{i}", 500, 1000, 0.0, ignore_eos=True)
-    now = 0.0
-    for _ in range(1500):
-        result = engine.step(now)
-        assert result is not None
-        now = result.end
-    return engine
 
 
 def families(text: str) -> dict[str, object]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -18,22 +17,14 @@ from kvgate.sim.server import SimServer
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-async def server() -> AsyncIterator[SimServer]:
-    sim = SimServer(Engine(CPU_TINY, seed=0), model_name="sim-llama")
-    await sim.start("127.0.0.1", 0)
-    try:
-        yield sim
-    finally:
-        await sim.close()
-
-
 def url(sim: SimServer) -> str:
     return f"http://127.0.0.1:{sim.port}"
 
 
-async def test_streamed_token_count_equals_max_tokens_with_ignore_eos(server: SimServer) -> None:
-    client = openai.AsyncOpenAI(base_url=url(server) + "/v1", api_key="x", max_retries=0)
+async def test_streamed_token_count_equals_max_tokens_with_ignore_eos(
+    sim_server: SimServer,
+) -> None:
+    client = openai.AsyncOpenAI(base_url=url(sim_server) + "/v1", api_key="x", max_retries=0)
     stream = await client.completions.create(
         model="sim-llama",
         prompt=list(range(300)),
@@ -64,8 +55,8 @@ async def test_streamed_token_count_equals_max_tokens_with_ignore_eos(server: Si
     await client.close()
 
 
-async def test_request_id_models_health_and_metrics(server: SimServer) -> None:
-    async with httpx.AsyncClient(base_url=url(server)) as http:
+async def test_request_id_models_health_and_metrics(sim_server: SimServer) -> None:
+    async with httpx.AsyncClient(base_url=url(sim_server)) as http:
         r = await http.post(
             "/v1/completions",
             json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True},
@@ -95,9 +86,9 @@ async def test_request_id_models_health_and_metrics(server: SimServer) -> None:
         assert "vllm:kv_cache_usage_perc{" in (await http.get("/metrics", params=query)).text
 
 
-async def test_client_disconnect_aborts_at_next_step(server: SimServer) -> None:
-    engine = server.engine
-    async with httpx.AsyncClient(base_url=url(server)) as http:
+async def test_client_disconnect_aborts_at_next_step(sim_server: SimServer) -> None:
+    engine = sim_server.engine
+    async with httpx.AsyncClient(base_url=url(sim_server)) as http:
         async with http.stream(
             "POST",
             "/v1/completions",
@@ -117,9 +108,9 @@ async def test_client_disconnect_aborts_at_next_step(server: SimServer) -> None:
     assert engine.zombie_tokens_total <= 2  # at most the step in flight
 
 
-async def test_non_streaming_disconnect_aborts_too(server: SimServer) -> None:
-    engine = server.engine
-    async with httpx.AsyncClient(base_url=url(server)) as http:
+async def test_non_streaming_disconnect_aborts_too(sim_server: SimServer) -> None:
+    engine = sim_server.engine
+    async with httpx.AsyncClient(base_url=url(sim_server)) as http:
         task = asyncio.create_task(
             http.post(
                 "/v1/completions",
@@ -166,8 +157,8 @@ async def test_zombie_runs_to_completion_without_abort_on_disconnect() -> None:
         await sim.close()
 
 
-async def test_abort_requests_endpoint(server: SimServer) -> None:
-    async with httpx.AsyncClient(base_url=url(server)) as http:
+async def test_abort_requests_endpoint(sim_server: SimServer) -> None:
+    async with httpx.AsyncClient(base_url=url(sim_server)) as http:
         task = asyncio.create_task(
             http.post(
                 "/v1/chat/completions",
@@ -180,7 +171,7 @@ async def test_abort_requests_endpoint(server: SimServer) -> None:
             )
         )
         for _ in range(100):
-            if "chatcmpl-kill" in server.engine:
+            if "chatcmpl-kill" in sim_server.engine:
                 break
             await asyncio.sleep(0.01)
         r = await http.post(
@@ -190,7 +181,7 @@ async def test_abort_requests_endpoint(server: SimServer) -> None:
         response = await task
         assert response.status_code == 500
         assert "error" in response.json()
-    assert server.engine.used_blocks == 0
+    assert sim_server.engine.used_blocks == 0
 
 
 @pytest.mark.parametrize(
@@ -211,9 +202,9 @@ async def test_abort_requests_endpoint(server: SimServer) -> None:
     ],
 )
 async def test_bad_input_gets_openai_style_errors(
-    server: SimServer, path: str, body: bytes, status: int, param: str | None
+    sim_server: SimServer, path: str, body: bytes, status: int, param: str | None
 ) -> None:
-    async with httpx.AsyncClient(base_url=url(server)) as http:
+    async with httpx.AsyncClient(base_url=url(sim_server)) as http:
         r = await http.post(path, content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == status
         error = r.json()["error"]
@@ -223,12 +214,12 @@ async def test_bad_input_gets_openai_style_errors(
         assert (await http.get("/nope")).status_code == 404
 
 
-async def test_a_failed_engine_answers_500_instead_of_hanging(server: SimServer) -> None:
+async def test_a_failed_engine_answers_500_instead_of_hanging(sim_server: SimServer) -> None:
     def broken(now: float) -> float | None:
         raise RuntimeError("model bug")
 
-    server.engine.begin_step = broken  # type: ignore[method-assign]
-    async with httpx.AsyncClient(base_url=url(server), timeout=10) as http:
+    sim_server.engine.begin_step = broken  # type: ignore[method-assign]
+    async with httpx.AsyncClient(base_url=url(sim_server), timeout=10) as http:
         r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
         assert r.status_code == 500 and "error" in r.json()
         assert (await http.get("/health")).status_code == 500

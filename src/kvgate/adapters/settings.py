@@ -35,9 +35,6 @@ class BackendSettings(BaseModel):
             " Service): each IPv4 address it resolves to is one backend, `name@address:port`."
         ),
     )
-    discover_every_s: float = Field(
-        5.0, ge=0.5, le=300.0, description="`dns`: how often the host name is resolved again."
-    )
 
     @model_validator(mode="after")
     def _discovered_over_http(self) -> BackendSettings:

@@ -1,1 +1,1 @@
-"""The overload benchmark (issue 6): workload, scoring, virtual and live runs, report."""
+"""The overload benchmark: workload, scoring, virtual and live runs, report."""

@@ -2,7 +2,7 @@
 
 The numbers are chosen from the engine's size and speed, before any policy was run, and
 are the same for every policy. The 1x rates here are only a starting guess: the benchmark
-measures the sustainable capacity with `direct` and rescales (see `kvgate.bench.capacity`).
+measures the sustainable capacity with `direct` and rescales (see `kvgate.bench.suite`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The overload scenario of issue 6, as a seeded list of arrivals.
+"""The overload scenario, as a seeded list of arrivals.
 
 Traffic is a steady Poisson stream of short chat turns and long "summarize this document"
 requests (prompt 25-50% of one node's KV cache), plus periodic bursts of long requests.
 Everything scales with one number, `load`: 1.0 is the cluster's measured sustainable
-capacity (see `kvgate.bench.capacity`), so 3.0 offers three times what the cluster can serve.
+capacity (see `kvgate.bench.suite`), so 3.0 offers three times what the cluster can serve.
 Arrivals are drawn from the seed alone, never from a policy's behaviour, so every policy
 faces exactly the same users. How the users' clients behave is `kvgate.sim.virtual.ClientModel`,
 the same in virtual and live runs.

@@ -82,8 +82,8 @@ class Gateway:
         self.metrics.policy_snapshot = self.admission.snapshot
         if self.security.tenants:
             self.metrics.registry.register(TenantCollector(self.security.ledger))
-        self.pool = UpstreamPool(self.backends, config.upstream)
-        self.catalog = ModelCatalog(self.pool, config.server.models_cache_s)
+        self.pool = UpstreamPool(self.backends)
+        self.catalog = ModelCatalog(self.pool)
         self.catalog.bind(self.spawn)
         self.relay = Relay(
             pool=self.pool,

@@ -29,26 +29,16 @@ class ServerSettings(BaseModel):
         description="Bearer token that `POST /admin/signals` and `POST /admin/reload` require"
         " (both are refused while it is unset).",
     )
-    models_cache_s: float = Field(
-        5.0, gt=0, description="How long the union of the backends' `/v1/models` is reused."
-    )
 
 
 class UpstreamSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    connect_timeout_s: float = Field(2.0, gt=0, description="Upstream connect timeout.")
     first_byte_timeout_s: float = Field(
         600.0, gt=0, description="How long to wait for upstream response headers."
     )
     read_timeout_s: float = Field(
         60.0, gt=0, description="Longest silence allowed between two upstream chunks."
-    )
-    max_connections: int = Field(1000, gt=0, description="Upstream connection pool size.")
-    client: Literal["aiohttp", "native"] = Field(
-        "native",
-        description="HTTP client of the relay: `native` (kvgate's keep-alive HTTP/1.1 pool on"
-        " httptools, ~4x less CPU per request than aiohttp, measured) or `aiohttp`.",
     )
 
 
@@ -56,14 +46,6 @@ class LimitSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger bodies get 413.")
-    max_tokens_limit: int = Field(
-        131072, gt=0, description="Requests asking for more `max_tokens` get 400."
-    )
-    max_header_bytes: int = Field(
-        32 * 1024,
-        ge=1024,
-        description="Request line + headers larger than this get 431 (kvgate.gateway.http.guard).",
-    )
     client_timeout_s: float = Field(
         30.0,
         gt=0,

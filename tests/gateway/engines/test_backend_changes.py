@@ -18,13 +18,13 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import FakeEngine, eventually
 
 from gateway.helpers import RawClient, kvgate_serve, openai_error, until_ready
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.settings import BackendSettings
 from kvgate.config import load_config
 from kvgate.gateway.engines.backend_set import diff_backends
+from kvgate.testing import FakeEngine, eventually
 
 TOKEN = "admin-secret"
 

@@ -12,7 +12,8 @@ from collections import Counter
 
 import httpx
 import pytest
-from conftest import FakeEngine, eventually
+
+from kvgate.testing import FakeEngine, eventually
 
 pytestmark = pytest.mark.timeout(120)
 

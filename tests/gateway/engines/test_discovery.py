@@ -12,11 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FakeEngine, eventually, free_port
 from pydantic import ValidationError
 
 from kvgate.adapters.settings import BackendSettings
+from kvgate.gateway.engines import discovery
 from kvgate.gateway.engines.discovery import Discovery, at_address, resolve_ipv4
+from kvgate.testing import FakeEngine, eventually, free_port
 
 WAIT_S = 15.0  # generous for a stalling CI machine: a wait ends once its condition holds
 
@@ -100,12 +101,13 @@ async def test_a_gateway_serves_the_engines_a_name_resolves_to(gateway_factory) 
         await engine.stop()
 
 
-async def test_pods_that_come_and_go_are_added_and_removed(gateway_factory) -> None:
+async def test_pods_that_come_and_go_are_added_and_removed(gateway_factory, monkeypatch) -> None:
+    monkeypatch.setattr(discovery, "DISCOVER_EVERY_S", 0.5)  # the test's pace, not Kubernetes'
     port = free_port()
     pods = [await FakeEngine(host=f"127.0.0.{i}", port=port).start() for i in (1, 2)]
     try:
         resolver = Addresses("127.0.0.1")
-        backends = [{"url": f"http://pods:{port}", "discover": "dns", "discover_every_s": 0.5}]
+        backends = [{"url": f"http://pods:{port}", "discover": "dns"}]
         gw = await gateway_factory([], overrides={"backends": backends}, resolver=resolver)
         assert [b.node_id for b in gw.gateway.backends] == [f"pods@127.0.0.1:{port}"]
 
@@ -136,9 +138,11 @@ async def test_pods_that_come_and_go_are_added_and_removed(gateway_factory) -> N
 
 
 async def test_a_name_added_by_a_reload_is_looked_up_at_once(
-    fake_engine: FakeEngine, gateway_factory, tmp_path
+    fake_engine: FakeEngine, gateway_factory, tmp_path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
     from kvgate.config import load_config
+
+    monkeypatch.setattr(discovery, "DISCOVER_EVERY_S", 300.0)  # only the reload looks it up
 
     port = free_port()
     pod = await FakeEngine(host="127.0.0.3", port=port).start()
@@ -152,8 +156,8 @@ async def test_a_name_added_by_a_reload_is_looked_up_at_once(
             load_config=lambda: load_config(path),
         )
         path.write_text(
-            f"backends: ['{fake_engine.url}', {{url: 'http://pods:{port}', discover: dns,"
-            " discover_every_s: 300}]\nserver: {admin_token: t}\n"
+            f"backends: ['{fake_engine.url}', {{url: 'http://pods:{port}', discover: dns}}]\n"
+            "server: {admin_token: t}\n"
         )
         gw.gateway.reload()
         expected = [f"127.0.0.1:{fake_engine.port}", f"pods@127.0.0.3:{port}"]

@@ -15,7 +15,6 @@ import pytest
 from adapters.pages import drop_lines, page
 from adapters.served import serve_app
 from aiohttp import web
-from conftest import eventually
 
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
@@ -24,6 +23,7 @@ from kvgate.core.clock import MonotonicClock
 from kvgate.core.signals import NodeSample
 from kvgate.gateway.engines.scraper import Scraper
 from kvgate.sim.metrics import only_samples
+from kvgate.testing import eventually
 
 INTERVAL = 0.04
 FULL = page("vllm")

@@ -4,9 +4,7 @@ metrics endpoint might: Content-Length, chunked, Connection: close, idle-close, 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import ssl
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -156,25 +154,6 @@ async def test_truncated_body_and_cancellation_drop_the_connection(
         assert server.connections == 2  # the half-read connection was not reused
     finally:
         await fetcher.close()
-
-
-@pytest.fixture
-def self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    """A throwaway certificate for 127.0.0.1, made with the openssl CLI."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
-            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
-            *("-keyout", str(key), "-out", str(cert)),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
-    return cert, key
 
 
 async def test_https_with_a_self_signed_certificate(self_signed: tuple[Path, Path]) -> None:

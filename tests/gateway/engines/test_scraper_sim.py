@@ -4,7 +4,6 @@ HTTP: its metrics page follows vLLM's, its abort API takes vLLM's engine ids."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -16,21 +15,9 @@ from kvgate.core.policies import build_policy
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.settings import AdmissionSettings
 from kvgate.gateway.engines.scraper import Scraper
-from kvgate.sim.engine import Engine
-from kvgate.sim.presets import CPU_TINY
 from kvgate.sim.server import SimServer
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[SimServer]:
-    server = SimServer(Engine(CPU_TINY, seed=0), model_name="sim-llama")
-    await server.start("127.0.0.1", 0)
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 async def _until(predicate: object, within: float = 5.0) -> None:
@@ -41,11 +28,11 @@ async def _until(predicate: object, within: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_scraper_follows_the_simulated_engine_and_aborts_by_id(sim: SimServer) -> None:
+async def test_scraper_follows_the_simulated_engine_and_aborts_by_id(sim_server: SimServer) -> None:
     clock = MonotonicClock()
     policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
     assert isinstance(policy, BasePolicy)
-    backend = Backend.from_settings(BackendSettings(url=f"http://127.0.0.1:{sim.port}"))
+    backend = Backend.from_settings(BackendSettings(url=f"http://127.0.0.1:{sim_server.port}"))
     async with aiohttp.ClientSession() as session:
         scraper = Scraper([backend], ScrapeSettings(interval_s=0.05), policy, None, clock)
         async with scraper:

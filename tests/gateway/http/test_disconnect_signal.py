@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 
 import orjson
-from conftest import FakeEngine, eventually
 
 from gateway.helpers import RawClient
 from kvgate.gateway.http.disconnect import DisconnectSignal
+from kvgate.testing import FakeEngine, eventually
 
 
 def _watchers() -> list[asyncio.Task[object]]:

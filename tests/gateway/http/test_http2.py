@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import ssl
-import subprocess
 import time
 from urllib.parse import urlsplit
 
@@ -13,8 +11,8 @@ import h2.config
 import h2.connection
 import h2.events
 import orjson
-import pytest
-from conftest import FakeEngine
+
+from kvgate.testing import FakeEngine
 
 
 class H2Client:
@@ -94,10 +92,8 @@ class H2Client:
         self.writer.close()
 
 
-async def test_h2c_reset_cancels_only_that_stream(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
-) -> None:
-    gw = await gateway_factory([fake_engine.url], server="hypercorn", overrides=upstream_client)
+async def test_h2c_reset_cancels_only_that_stream(fake_engine: FakeEngine, gateway_factory) -> None:
+    gw = await gateway_factory([fake_engine.url], server="hypercorn")
     client = await H2Client.connect(gw.url)
     try:
         body = {"model": "fake-model", "prompt": "p", "stream": True,
@@ -143,18 +139,10 @@ async def test_h2c_non_streaming_and_http1_share_the_port(
     assert response.status_code == 200 and response.http_version == "HTTP/1.1"
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 async def test_tls_negotiates_h2_by_alpn(
-    fake_engine: FakeEngine, gateway_factory, tmp_path
+    fake_engine: FakeEngine, gateway_factory, self_signed
 ) -> None:  # type: ignore[no-untyped-def]
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    openssl = await asyncio.create_subprocess_exec(
-        "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-        "-keyout", str(key), "-out", str(cert),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert await openssl.wait() == 0
+    cert, key = self_signed
     gw = await gateway_factory(
         [fake_engine.url],
         server="hypercorn",

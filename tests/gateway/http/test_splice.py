@@ -1,9 +1,9 @@
-"""Spliced streams: under kvgate's HTTP/1.1 protocol with the native upstream client, an
-engine's SSE bytes are written to the client from the upstream socket's callback.
+"""Spliced streams: under kvgate's HTTP/1.1 protocol, an engine's SSE bytes are written to
+the client from the upstream socket's callback.
 
 What must hold is what holds for the relay loop: the same bytes, the same counts, the same
 back-pressure (`test_relay.py`) and cancellation (`test_cancellation.py`), which run on this
-path with the native client. These tests check that the path is taken when it can be, that
+path too. These tests check that the path is taken when it can be, that
 it is not taken when it cannot, and that a fault inside it ends the response cleanly.
 """
 
@@ -15,13 +15,12 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine
 
 from gateway.helpers import RawClient
 from kvgate.gateway.http.h1client import H1Response
 from kvgate.gateway.http.splice import ClientWriter
+from kvgate.testing import FakeEngine
 
-NATIVE = {"upstream.client": "native"}
 BODY = {"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"chunks": 50}}
 
 
@@ -56,7 +55,7 @@ async def _stream(url: str) -> bytes:
 async def test_uvicorn_with_the_native_client_splices(
     fake_engine: FakeEngine, gateway_factory, reads: dict[str, int]
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=NATIVE)
+    gw = await gateway_factory([fake_engine.url])
     direct = await _stream(fake_engine.url)
     assert await _stream(gw.url) == direct
     assert reads == {"splice": 1, "readany": 0}
@@ -66,7 +65,7 @@ async def test_uvicorn_with_the_native_client_splices(
 async def test_other_servers_keep_the_relay_loop(
     fake_engine: FakeEngine, gateway_factory, reads: dict[str, int], server: str
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], server=server, overrides=NATIVE)
+    gw = await gateway_factory([fake_engine.url], server=server)
     direct = await _stream(fake_engine.url)
     assert await _stream(gw.url) == direct
     assert reads["splice"] == 0 and reads["readany"] > 1
@@ -77,7 +76,7 @@ async def test_a_pipelined_stream_falls_back_and_both_complete(
 ) -> None:
     """The first of two requests written at once is no longer uvicorn's current cycle when
     its stream starts: it must use the loop; the second, current by then, is spliced."""
-    gw = await gateway_factory([fake_engine.url], overrides=NATIVE)
+    gw = await gateway_factory([fake_engine.url])
     data = orjson.dumps({**BODY, "fake": {"chunks": 30, "interval": 0.005}})
     request = (
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -99,7 +98,7 @@ async def test_a_fault_inside_the_splice_ends_the_response_and_frees_everything(
     """The relay callback runs inside the upstream socket's callback: an error there (here
     the policy's token accounting) must end this response, close the engine's request and
     release the ticket (the fixture checks), never wedge the connection or the parser."""
-    gw = await gateway_factory([fake_engine.url], overrides=NATIVE)
+    gw = await gateway_factory([fake_engine.url])
     policy = gw.gateway.policy
     calls = 0
     original = policy.on_tokens
@@ -135,7 +134,7 @@ async def test_events_that_arrive_together_leave_in_one_write(
         return original(self, data)
 
     monkeypatch.setattr(ClientWriter, "write", counted)
-    gw = await gateway_factory([fake_engine.url], overrides=NATIVE)
+    gw = await gateway_factory([fake_engine.url])
     async with httpx.AsyncClient(base_url=gw.url) as client:
         body = {**BODY, "fake": {"chunks": 200}}
         async with client.stream("POST", "/v1/completions", json=body) as response:

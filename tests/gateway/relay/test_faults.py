@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 import orjson
-from conftest import FakeEngine, eventually
 
 from gateway.helpers import openai_error
+from kvgate.testing import FakeEngine, eventually
 
 
 def _events(raw: bytes) -> list[bytes]:
@@ -14,9 +14,9 @@ def _events(raw: bytes) -> list[bytes]:
 
 
 async def test_crash_mid_stream_ends_with_an_sse_error_event(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     body = {"model": "fake-model", "prompt": "p", "stream": True,
             "fake": {"chunks": 10, "crash_after": 3}}  # fmt: skip
     async with httpx.AsyncClient(base_url=gw.url) as client:
@@ -33,11 +33,9 @@ async def test_crash_mid_stream_ends_with_an_sse_error_event(
 
 
 async def test_hang_mid_stream_hits_the_read_timeout(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory(
-        [fake_engine.url], overrides={**upstream_client, "upstream.read_timeout_s": 0.3}
-    )
+    gw = await gateway_factory([fake_engine.url], overrides={"upstream.read_timeout_s": 0.3})
     body = {"model": "fake-model", "prompt": "p", "stream": True,
             "fake": {"chunks": 10, "hang_after": 2}}  # fmt: skip
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
@@ -51,12 +49,8 @@ async def test_hang_mid_stream_hits_the_read_timeout(
     await fake_engine.wait_closed("hang-1")  # the hung upstream request was closed too
 
 
-async def test_first_byte_timeout_is_a_504(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
-) -> None:
-    gw = await gateway_factory(
-        [fake_engine.url], overrides={**upstream_client, "upstream.first_byte_timeout_s": 0.2}
-    )
+async def test_first_byte_timeout_is_a_504(fake_engine: FakeEngine, gateway_factory) -> None:
+    gw = await gateway_factory([fake_engine.url], overrides={"upstream.first_byte_timeout_s": 0.2})
     body = {"model": "fake-model", "prompt": "p", "fake": {"delay": 5}}
     async with httpx.AsyncClient(base_url=gw.url) as client:
         response = await client.post(
@@ -67,12 +61,10 @@ async def test_first_byte_timeout_is_a_504(
     await fake_engine.wait_closed("slow-1")
 
 
-async def test_refused_backend_is_retried_once_on_another(
-    engine_factory, gateway_factory, upstream_client
-) -> None:
+async def test_refused_backend_is_retried_once_on_another(engine_factory, gateway_factory) -> None:
     dead = await engine_factory()
     alive = await engine_factory()
-    gw = await gateway_factory([dead.url, alive.url], overrides=upstream_client)
+    gw = await gateway_factory([dead.url, alive.url])
     async with httpx.AsyncClient(base_url=gw.url) as client:
         await client.get("/v1/models")  # both engines answered: both serve fake-model
         await dead.stop()  # now it refuses connections, but the catalog still lists it
@@ -88,9 +80,9 @@ async def test_refused_backend_is_retried_once_on_another(
 
 
 async def test_no_backend_left_is_a_503_with_retry_after(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     async with httpx.AsyncClient(base_url=gw.url) as client:
         await client.get("/v1/models")
         await fake_engine.stop()

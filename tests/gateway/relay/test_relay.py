@@ -8,10 +8,10 @@ import logging
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine
 
 from gateway.helpers import RawClient
 from kvgate.core.settings import AdmissionSettings
+from kvgate.testing import FakeEngine
 
 
 async def _raw_stream(url: str, path: str, body: dict, headers: dict | None = None) -> bytes:
@@ -24,9 +24,9 @@ async def _raw_stream(url: str, path: str, body: dict, headers: dict | None = No
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_stream_is_relayed_byte_for_byte(
-    fake_engine: FakeEngine, gateway_factory, upstream_client, path: str
+    fake_engine: FakeEngine, gateway_factory, path: str
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     body = {"model": "fake-model", "prompt": "hi", "stream": True, "fake": {"chunks": 20}}
     direct = await _raw_stream(fake_engine.url, path, body)
     relayed = await _raw_stream(gw.url, path, body)
@@ -35,9 +35,9 @@ async def test_stream_is_relayed_byte_for_byte(
 
 
 async def test_non_streaming_body_and_status_are_relayed(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     body = {"model": "fake-model", "prompt": "hi", "max_tokens": 3, "fake": {"chunks": 3}}
     async with httpx.AsyncClient() as client:
         direct = await client.post(fake_engine.url + "/v1/completions", json=body)
@@ -67,9 +67,9 @@ async def test_request_id_is_kept_or_made_and_sent_both_ways(
 
 
 async def test_hop_by_hop_and_kvgate_headers_stay_here(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     headers = {
         "X-Request-Id": "hop-1",
         "Keep-Alive": "timeout=5",
@@ -121,9 +121,9 @@ async def test_models_are_the_union_and_requests_go_where_the_model_is(
 
 
 async def test_other_v1_paths_pass_through_unchanged(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     payload = {"model": "fake-model", "input": "héllo"}
     async with httpx.AsyncClient(base_url=gw.url) as client:
         response = await client.post("/v1/embeddings?x=1", content=orjson.dumps(payload))
@@ -178,11 +178,11 @@ async def test_events_cut_inside_data_are_counted_once(
 
 
 async def test_a_slow_reader_holds_the_engine_back(
-    fake_engine: FakeEngine, gateway_factory, upstream_client
+    fake_engine: FakeEngine, gateway_factory
 ) -> None:
     """Back-pressure: while the client does not read, the gateway stops reading upstream,
     so the engine blocks instead of the gateway buffering the whole 32 MB stream."""
-    gw = await gateway_factory([fake_engine.url], overrides=upstream_client)
+    gw = await gateway_factory([fake_engine.url])
     body = {"model": "fake-model", "prompt": "p", "stream": True,
             "fake": {"chunks": 2000, "pad": 16384}}  # fmt: skip
     client = await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": "slow-read"})

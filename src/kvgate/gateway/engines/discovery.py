@@ -4,7 +4,7 @@ In Kubernetes a headless Service (`clusterIP: None`) resolves to the addresses o
 ready pods, and that set changes as pods start, fail their readiness probe or go away.
 A backend with `discover: dns` names such a host: every IPv4 address it resolves to is
 one backend (node id `name@address:port`, `name` defaulting to the host), re-resolved
-every `discover_every_s`. `Discovery` keeps the addresses; the gateway hands each new set
+every `DISCOVER_EVERY_S`. `Discovery` keeps the addresses; the gateway hands each new set
 to `Gateway.set_backends`, so a new pod is scraped and served at once and a departed one
 gets no new request while its streams finish.
 
@@ -27,6 +27,10 @@ from kvgate.adapters.settings import BackendSettings
 log = logging.getLogger(__name__)
 
 _LOOKUP_TIMEOUT_S = 5.0  # a resolver that hangs must not hold up start or later lookups
+#: How often the dns hosts are looked up again. Kubernetes' DNS (CoreDNS) gives its records
+#: a 5 s TTL: asking more often returns the cached answer, asking less often leaves a new
+#: pod idle (and a departed one asked) for longer.
+DISCOVER_EVERY_S = 5.0
 
 #: (host, port) -> the addresses it resolves to, sorted.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -90,9 +94,8 @@ class Discovery:
 
     @property
     def every_s(self) -> float:
-        """How long until the next lookup: the shortest period of the dns entries."""
-        periods = [s.discover_every_s for s in self._settings if s.discover == "dns"]
-        return min(periods, default=5.0)
+        """How long until the next lookup."""
+        return DISCOVER_EVERY_S
 
     def backends(self) -> list[Backend]:
         """Static entries as they are, dns entries one backend per known address; in the

@@ -8,7 +8,7 @@ or make the server buffer megabytes of headers. `GuardedHttpToolsProtocol` close
 gaps with three checks that cost one timer per request and a length sum per header:
 
 - **Header size.** The request line and headers together may be at most
-  `limits.max_header_bytes`; beyond that the client gets 431 and the connection is closed.
+  `MAX_HEADER_BYTES`; beyond that the client gets 431 and the connection is closed.
 - **Read deadline.** From a connection's first byte (or its opening) until the whole
   request, body included, has arrived: at most `limits.client_timeout_s`. A slower client
   gets 408 and is disconnected (the relay sees `http.disconnect` and releases everything).
@@ -49,6 +49,12 @@ from kvgate.gateway.http.errors import error_body
 from kvgate.gateway.http.splice import EXTENSION as SPLICE
 from kvgate.gateway.http.splice import ClientWriter, Splicer
 from kvgate.gateway.settings import LimitSettings
+
+#: Request line and headers together, at most. An API call's headers (a key, a content
+#: type, a few tracing ids) take well under 2 KiB; 32 KiB is twice what Node.js accepts and
+#: as much as nginx's default buffers hold, room for large cookies or tokens an ingress
+#: adds, while a client still cannot make the server buffer megabytes of headers.
+MAX_HEADER_BYTES = 32 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +186,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a parser error; ours when the error was our header limit."""
         if self._head_too_large:
-            limit = self.limits.max_header_bytes
-            message = f"Request headers exceed {limit} bytes."
+            message = f"Request headers exceed {MAX_HEADER_BYTES} bytes."
             self._refuse(431, message, "headers_too_large", linger=True)
             return
         self._refuse(400, "Invalid HTTP request.", "invalid_http")
@@ -190,7 +195,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _count(self, size: int) -> None:
         self._head_bytes += size
-        if self._head_bytes > self.limits.max_header_bytes:
+        if self._head_bytes > MAX_HEADER_BYTES:
             self._head_too_large = True
             raise ValueError("request headers too large")  # httptools: a parser error
 
@@ -299,7 +304,7 @@ class GuardCollector(Collector):
         yield family
 
 
-def hypercorn_limits(config: Any, limits: LimitSettings) -> None:
+def hypercorn_limits(config: Any) -> None:
     """The parts of the limits hypercorn can enforce itself."""
-    config.h11_max_incomplete_size = limits.max_header_bytes
-    config.h2_max_header_list_size = limits.max_header_bytes
+    config.h11_max_incomplete_size = MAX_HEADER_BYTES
+    config.h2_max_header_list_size = MAX_HEADER_BYTES

@@ -9,8 +9,8 @@ same C parser uvicorn uses, and a response body is a queue of bytes with back-pr
 (reading from the engine pauses while more than `HIGH_WATER` bytes wait for the client),
 or, spliced (`H1Response.splice`), handed to a callback once per socket read.
 
-aiohttp remains the client for everything off the hot path (scrapes, model lists, aborts).
-`upstream.client: aiohttp` switches the relay back to it.
+The relay and the scraper use it; aiohttp serves what is off the hot path (model lists,
+abort calls). HTTPS engines are reached with the system's CA certificates.
 
 Faults map onto the relay's two kinds: nothing received yet (refused, reset, closed) is an
 `UpstreamConnectError` (retryable on another backend); a body cut short (the connection

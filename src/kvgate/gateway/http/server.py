@@ -169,7 +169,7 @@ class GatewayServer:
         config.keep_alive_timeout = 30
         config.h2_max_concurrent_streams = 1000
         config.include_server_header = False
-        hypercorn_limits(config, self.gateway.config.limits)
+        hypercorn_limits(config)
 
         async def shutdown_trigger() -> None:
             await self._stop.wait()

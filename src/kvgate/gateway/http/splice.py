@@ -9,8 +9,8 @@ kvgate spends per event, more than the counting itself.
 When both ends are kvgate's own, the relay joins them instead. kvgate's HTTP/1.1 server
 protocol (`guard.py`) offers each request a `Splicer` in
 `scope["extensions"]["kvgate.splice"]`, which hands out a `ClientWriter` for a response in
-progress, and the native upstream client can hand every body
-read to a callback (`H1Response.splice`). The callback counts the read's events and writes
+progress, and the upstream client can hand every body read to a
+callback (`H1Response.splice`). The callback counts the read's events and writes
 it to the client as one chunk of the chunked response, inside the upstream's
 `data_received`; the request's task sleeps until the stream ends, is cut, or is cancelled.
 The response's head and its end still go through ASGI `send()`, so the server's own

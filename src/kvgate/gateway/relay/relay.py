@@ -59,7 +59,6 @@ from kvgate.gateway.relay.upstream import (
     HOP_BY_HOP,
     ModelCatalog,
     UpstreamPool,
-    UpstreamResponse,
     close_quietly,
     request_headers,
 )
@@ -267,7 +266,7 @@ class Relay:
         return orjson.dumps({**parsed.data, "max_tokens": cap})
 
     async def _completion_plan(self, call: Call) -> None:
-        parsed = parse_completion(call.body, self.limits.max_tokens_limit)
+        parsed = parse_completion(call.body)
         call.parsed = parsed
         call.ex.model = parsed.model
         try:
@@ -442,7 +441,7 @@ class Relay:
         id_field = backend.adapter.request_id_field
         if id_field is not None and parsed is not None:
             body = _with_field(body, id_field, ex.request_id)
-        response: UpstreamResponse | None = None
+        response: H1Response | None = None
         clean = False
         cscope.deadline(self.upstream.first_byte_timeout_s, "first_byte_timeout")
         ex.stage = "headers"
@@ -526,7 +525,7 @@ class Relay:
 
     # ---- relaying ------------------------------------------------------------------------------
 
-    async def _relay_whole(self, call: Call, response: UpstreamResponse, ticket: Ticket) -> Outcome:
+    async def _relay_whole(self, call: Call, response: H1Response, ticket: Ticket) -> Outcome:
         send, ex, parsed = call.send, call.ex, call.parsed
         head = call.scope["method"] == "HEAD"
         ex.stage = "waiting"
@@ -557,9 +556,7 @@ class Relay:
             self._learn_usage(ex, parsed, _usage_from_json(data))
         return Outcome.DONE
 
-    async def _relay_stream(
-        self, call: Call, response: UpstreamResponse, ticket: Ticket
-    ) -> Outcome:
+    async def _relay_stream(self, call: Call, response: H1Response, ticket: Ticket) -> Outcome:
         send, ex, cscope = call.send, call.ex, call.cscope
         assert cscope is not None
         ex.streamed = True
@@ -569,11 +566,10 @@ class Relay:
         ex.first_byte_at = time.monotonic()
         ex.stage = "first_token"
         tally = _StreamTally(self, call, ticket)
-        native = response if isinstance(response, H1Response) else None
-        writer = splice.writer_for(call.scope) if native is not None else None
+        writer = splice.writer_for(call.scope)
         try:
-            if writer is not None and native is not None:
-                await _splice(writer, native, tally)
+            if writer is not None:
+                await _splice(writer, response, tally)
             else:
                 while chunk := await response.readany():
                     tally.feed(chunk)
@@ -838,7 +834,13 @@ def _bad(message: str, param: str | None = None, code: str = "invalid_request") 
     return GatewayError(400, message, code, param=param)
 
 
-def parse_completion(body: bytes, max_tokens_limit: int) -> ParsedRequest:
+#: The largest `max_tokens` accepted: the int32 range that engines written in C++ and Rust
+#: parse it into, so no engine is sent a number it cannot read. No model's context comes
+#: near it; whether a request fits a node's KV cache is the admission's question.
+MAX_TOKENS_CEILING = 2**31 - 1
+
+
+def parse_completion(body: bytes, max_tokens_limit: int = MAX_TOKENS_CEILING) -> ParsedRequest:
     """Validate only what the gateway needs (model, stream, max_tokens); relay the rest."""
     if not body:
         raise _bad("The request body is empty; expected a JSON object.")

@@ -1,8 +1,12 @@
-"""The upstream side: one shared aiohttp client, the backends, and which models they serve.
+"""The upstream side: the clients that talk to the engines, the backends, and their models.
 
-One `aiohttp.ClientSession` (C HTTP parser, keep-alive pool) serves every request: opening
-a connection per request would cost more CPU than the whole relay. Auto-decompression is
-off because the gateway relays bytes and headers as the engine sent them.
+Relayed requests go through `H1Pool` (kvgate.gateway.http.h1client), a keep-alive HTTP/1.1
+pool on httptools that hands the relay the engine's bytes as they come: measured side by
+side it costs 40-60 % of aiohttp's CPU per request and per streamed chunk
+(`benchmarks/proxy_overhead/results.md`), and its socket callback is what lets a stream be
+spliced. It speaks HTTP and HTTPS (certificates checked against the system's CAs). What is
+off the hot path, model lists and abort calls, uses one shared `aiohttp.ClientSession`.
+Neither opens a connection per request: that would cost more CPU than the whole relay.
 
 Connection faults are sorted by whether the engine can have seen the request: a refused
 or reset connection before any response byte is `UpstreamConnectError`, which the proxy may
@@ -23,11 +27,23 @@ import aiohttp
 import orjson
 
 from kvgate.adapters.backend import Backend
-from kvgate.gateway.http.errors import UpstreamConnectError, UpstreamError
 from kvgate.gateway.http.h1client import H1Pool, H1Response
-from kvgate.gateway.settings import UpstreamSettings
 
 log = logging.getLogger(__name__)
+
+#: How long a new upstream connection may take. An engine on the same network answers a
+#: connect in well under a millisecond, and across regions in a few hundred; 2 s leaves
+#: room for one lost SYN (retransmitted after 1 s) while a dead host still costs a request
+#: only 2 s before its retry on another backend (and the scraper takes it out of rotation
+#: within a second anyway).
+CONNECT_TIMEOUT_S = 2.0
+#: Connections of the side session (model lists, abort calls), not of the relay: a few per
+#: backend at most, so this only bounds a runaway (e.g. a mass of aborts at once).
+SIDE_SESSION_CONNECTIONS = 1000
+#: How long the backends' `/v1/models` lists are reused. Lists change when an engine
+#: loads a model, which takes far longer; a stale list is refreshed in the background and
+#: an unknown model is looked up again at once, so no request waits on this period.
+MODELS_TTL_S = 5.0
 
 #: Headers that describe one connection, not the message (RFC 9110 7.6.1), plus the ones
 #: the client library computes itself. Lower-case bytes, as ASGI delivers them.
@@ -55,13 +71,12 @@ def _auth_of(backend: Backend) -> list[tuple[bytes, bytes]]:
 
 
 class UpstreamPool:
-    """The shared client session and the backends it talks to."""
+    """The relay's connection pool, the side session, and the backends they talk to."""
 
-    def __init__(self, backends: Sequence[Backend], settings: UpstreamSettings) -> None:
+    def __init__(self, backends: Sequence[Backend]) -> None:
         self.backends: dict[str, Backend] = {b.node_id: b for b in backends}
         if len(self.backends) != len(backends):
             raise ValueError("two backends share one name; give them distinct `name`s")
-        self.settings = settings
         self._auth: dict[str, list[tuple[bytes, bytes]]] = {
             b.node_id: _auth_of(b) for b in backends
         }
@@ -77,7 +92,8 @@ class UpstreamPool:
 
     def remove(self, node_id: str) -> None:
         """Stop relaying to `node_id`. Requests already on it go on to their end, then
-        their connections close; idle ones close now (aiohttp's after its 30 s keep-alive)."""
+        their connections close; idle ones close now (the side session's after its 30 s
+        keep-alive)."""
         backend = self.backends.pop(node_id, None)
         self._auth.pop(node_id, None)
         if backend is None:
@@ -93,33 +109,28 @@ class UpstreamPool:
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        """The side session: model lists and abort calls, never a relayed request."""
         if self._session is None:
             raise RuntimeError("the upstream pool is not started")
         return self._session
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
-            limit=self.settings.max_connections,
+            limit=SIDE_SESSION_CONNECTIONS,
             limit_per_host=0,
             keepalive_timeout=30.0,
             ttl_dns_cache=60,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
-            auto_decompress=False,
-            # Only new sockets get a connect timeout: wrapping every pooled checkout in a
-            # timer costs CPU on each request, and the relay's own first-byte deadline
-            # already bounds the whole wait for a response.
+            # Only new sockets get a connect timeout; each caller bounds its whole wait.
             timeout=aiohttp.ClientTimeout(
-                total=None,
-                connect=None,
-                sock_connect=self.settings.connect_timeout_s,
-                sock_read=None,
+                total=None, connect=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=None
             ),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            # An abort's JSON body keeps its Content-Type; nothing asks for compression.
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
-        if self.settings.client == "native":
-            self._h1 = H1Pool(self.settings.connect_timeout_s, keep=self._serves)
+        self._h1 = H1Pool(CONNECT_TIMEOUT_S, keep=self._serves)
 
     async def close(self) -> None:
         if self._h1 is not None:
@@ -136,80 +147,18 @@ class UpstreamPool:
         path_qs: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
-    ) -> UpstreamResponse:
+    ) -> H1Response:
         """Send the request and wait for the response headers (the caller bounds the wait).
 
         `headers` are the ASGI-style (lower-case bytes) headers to forward as they are.
         """
+        if self._h1 is None:
+            raise RuntimeError("the upstream pool is not started")
         auth = self._auth.get(backend.node_id)
         if auth:  # the engine's own key replaces whatever the client sent
             headers = [h for h in headers if h[0] != b"authorization"]
             headers.extend(auth)
-        if self._h1 is not None:
-            return await self._h1.request(backend.base_url, method, path_qs, headers, body)
-        return await self._open_aiohttp(backend, method, path_qs, headers, body)
-
-    async def _open_aiohttp(
-        self,
-        backend: Backend,
-        method: str,
-        path_qs: str,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> UpstreamResponse:
-        try:
-            response = await self.session.request(
-                method,
-                backend.base_url + path_qs,
-                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
-                data=body if body else None,
-                allow_redirects=False,
-            )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise UpstreamConnectError("connect", f"cannot connect to {backend.node_id}") from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            raise UpstreamConnectError(
-                "reset", f"{backend.node_id} closed the connection before answering"
-            ) from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("protocol", f"{backend.node_id}: {exc.__class__.__name__}") from exc
-        return AiohttpResponse(response)
-
-
-class AiohttpResponse:
-    """An aiohttp response behind the same small interface as `H1Response`."""
-
-    __slots__ = ("_response", "raw_headers", "status")
-
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
-        self.status = response.status
-        self.raw_headers = list(response.raw_headers)
-
-    @property
-    def content_type(self) -> str:
-        return self._response.headers.get("Content-Type", "")
-
-    async def readany(self) -> bytes:
-        try:
-            return await self._response.content.readany()
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError("reset", "the upstream connection failed mid-body") from exc
-
-    async def read(self) -> bytes:
-        try:
-            return await self._response.read()
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamError("reset", "the upstream connection failed mid-body") from exc
-
-    def release(self) -> None:
-        self._response.release()
-
-    def close(self) -> None:
-        self._response.close()
-
-
-UpstreamResponse = H1Response | AiohttpResponse
+        return await self._h1.request(backend.base_url, method, path_qs, headers, body)
 
 
 class ModelCatalog:
@@ -220,7 +169,9 @@ class ModelCatalog:
     it is declared unknown, so a model loaded a moment ago is not refused.
     """
 
-    def __init__(self, pool: UpstreamPool, ttl_s: float, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, pool: UpstreamPool, ttl_s: float = MODELS_TTL_S, timeout_s: float = 2.0
+    ) -> None:
         self._pool = pool
         self._ttl_s = ttl_s
         self._timeout_s = timeout_s
@@ -340,7 +291,7 @@ def request_headers(
     return out
 
 
-def close_quietly(response: UpstreamResponse | None) -> None:
+def close_quietly(response: H1Response | None) -> None:
     """Close an upstream response at once: for vLLM the closed socket is the abort."""
     if response is None:
         return
