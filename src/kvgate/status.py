@@ -129,6 +129,7 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
         "time": raw.get("time", base.get("time")),
         "nodes": _obj(base.get("nodes")),
         "controller": _obj(base.get("controller")),
+        "queue": _obj(base.get("queue")),
         "in_flight_requests": base.get("in_flight_requests"),
         "released_tokens_per_s": base.get("released_tokens_per_s"),
         "counters": _obj(raw.get("counters")) or _obj(raw.get("gateway")),
@@ -187,13 +188,16 @@ def render(state: dict[str, Any], per_second: dict[str, float] | None = None) ->
 
 def _cluster_table(state: dict[str, Any], per_second: dict[str, float] | None) -> Table:
     ctl = _obj(state.get("controller"))
-    shed = _obj(ctl.get("shed_probability"))
+    queue = _obj(state.get("queue"))
+    bands = _obj(queue.get("bands"))
     policy = state.get("policy")
     table = Table(title=f"kvgate · policy {policy or '?'}", show_header=True, expand=False)
     for column in ("", *PRIORITIES, "total"):
         table.add_column(column, justify="right" if column else "left")
-    shed_cells = [_pct(_num(shed.get(p))) for p in PRIORITIES]
-    table.add_row("shed probability", *shed_cells, "")
+    waiting = [_num(_obj(bands.get(p)).get("waiting")) for p in PRIORITIES]
+    table.add_row("waiting in queue", *(_fmt(w) for w in waiting), _fmt(_num(queue.get("waiting"))))
+    oldest = [_num(_obj(bands.get(p)).get("oldest_s")) for p in PRIORITIES]
+    table.add_row("oldest wait s", *(_fmt(o) for o in oldest), "")
     count = totals(state, 0.0)
     for label, source in (("admitted", count.admitted), ("rejected", count.rejected)):
         cells = [_fmt(source[p]) for p in PRIORITIES]
@@ -201,9 +205,8 @@ def _cluster_table(state: dict[str, Any], per_second: dict[str, float] | None) -
         if per_second is not None:
             per = [per_second[f"{label}_{p}"] for p in PRIORITIES]
             table.add_row(f"{label} /s", *(_fmt(v) for v in per), _fmt(sum(per)))
-    budget, used = _num(ctl.get("budget_tokens")), _num(ctl.get("in_flight_tokens"))
-    table.add_row("in-flight tokens / budget", "", "", "", f"{_fmt(used)} / {_fmt(budget)}")
-    table.add_row("setpoint", "", "", "", _pct(_num(ctl.get("setpoint"))))
+    table.add_row("in-flight tokens", "", "", "", _fmt(_num(ctl.get("in_flight_tokens"))))
+    table.add_row("waiting tokens", "", "", "", _fmt(_num(queue.get("tokens"))))
     table.add_row("in-flight requests", "", "", "", _fmt(_num(state.get("in_flight_requests"))))
     table.add_row("released tokens /s", "", "", "", _fmt(_num(state.get("released_tokens_per_s"))))
     cancel = _fmt(count.cancellations)

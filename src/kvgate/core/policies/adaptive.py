@@ -338,7 +338,7 @@ class AdaptivePolicy(BasePolicy):
 
     def _controller_snapshot(self, now: float) -> dict[str, Any]:
         return {
-            "in_flight_tokens": self.in_flight_tokens,
+            **super()._controller_snapshot(now),
             "feedback": self.feedback,
             "margins": {nid: m.margin for nid, m in self.margins.items()},
         }

@@ -420,7 +420,11 @@ class BasePolicy:
         """Called once per released ticket."""
 
     def _controller_snapshot(self, now: float) -> dict[str, Any]:
-        return {"in_flight_tokens": self._in_flight_tokens}
+        return {
+            "in_flight_tokens": self._in_flight_tokens,
+            "high_watermark": self.settings.high_watermark,
+            "panic_watermark": self.settings.panic_watermark,
+        }
 
     # --- helpers ------------------------------------------------------------------------------
 

@@ -133,8 +133,8 @@
     t: [],
     adm: { critical: [], standard: [], sheddable: [] },
     rej: { critical: [], standard: [], sheddable: [] },
-    shed: { critical: [], standard: [], sheddable: [] },
-    budget: [], used: [],
+    queued: { critical: [], standard: [], sheddable: [] },
+    oldest: [], used: [],
     kvRepMean: [], kvRepMax: [], kvPredMean: [], kvPredMax: [], setpoint: [],
     retryRate: [], retryMean: [], cancelRate: [],
   };
@@ -190,6 +190,7 @@
       time: num(raw.time) ?? num(base.time),
       nodes: obj(base.nodes) || {},
       controller: obj(base.controller) || {},
+      queue: obj(base.queue) || {},
       in_flight_requests: base.in_flight_requests,
       released_tokens_per_s: base.released_tokens_per_s,
       counters: obj(raw.counters) || obj(raw.gateway) || {},
@@ -216,11 +217,17 @@
       pushHist(hist.rej[p], rate(RATE_WINDOW_S, (x) => x.rejected[p]));
     }
     const ctl = obj(state.controller) || {};
-    const shed = obj(ctl.shed_probability) || {};
-    for (const p of PRIOS) pushHist(hist.shed[p], num(shed[p]));
-    pushHist(hist.budget, num(ctl.budget_tokens));
+    const bands = obj(state.queue.bands) || {};
+    let oldest = null;
+    for (const p of PRIOS) {
+      const band = obj(bands[p]) || {};
+      pushHist(hist.queued[p], num(band.waiting));
+      const age = num(band.oldest_s);
+      if (age !== null && (oldest === null || age > oldest)) oldest = age;
+    }
+    pushHist(hist.oldest, oldest);
     pushHist(hist.used, num(ctl.in_flight_tokens));
-    pushHist(hist.setpoint, num(ctl.setpoint));
+    pushHist(hist.setpoint, num(ctl.panic_watermark));
 
     // Counted from rejections (no dedicated counter): same window as the rejected chart.
     const retryWindow = c.retryExact ? SLOW_WINDOW_S : RATE_WINDOW_S;
@@ -308,17 +315,17 @@
     const perPrio = (src, dash) => PRIOS.map((p) => ({ label: p, color: PRIO_COLOR[p], data: src[p], dash }));
     makeChart("c-admitted", perPrio(hist.adm), { yRange: zeroTo(1) });
     makeChart("c-rejected", perPrio(hist.rej), { yRange: zeroTo(1) });
-    makeChart("c-shed", perPrio(hist.shed), { yRange: () => [0, 1], fmt: fmtPct });
+    makeChart("c-queue", perPrio(hist.queued), { yRange: zeroTo(1) });
     makeChart("c-budget", [
-      { label: "budget", color: "#d29922", data: hist.budget, dash: [6, 4] },
-      { label: "in-flight", color: "#58a6ff", data: hist.used, fill: "rgba(88,166,255,.12)" },
+      { label: "in-flight tokens", color: "#58a6ff", data: hist.used, fill: "rgba(88,166,255,.12)" },
+      { label: "oldest wait s", color: "#d29922", data: hist.oldest, dash: [6, 4] },
     ], { yRange: zeroTo(1) });
     makeChart("c-kv", [
       { label: "reported mean", color: "#58a6ff", data: hist.kvRepMean },
       { label: "reported max", color: "#58a6ff", data: hist.kvRepMax, dash: [4, 3], width: 1 },
       { label: "predicted mean", color: "#f0883e", data: hist.kvPredMean },
       { label: "predicted max", color: "#f0883e", data: hist.kvPredMax, dash: [4, 3], width: 1 },
-      { label: "setpoint", color: "#d29922", data: hist.setpoint, dash: [2, 4], width: 1 },
+      { label: "panic watermark", color: "#d29922", data: hist.setpoint, dash: [2, 4], width: 1 },
     ], { yRange: () => [0, 1], fmt: fmtPct });
     makeChart("c-retry", [
       { label: "Retry-After /s", color: "#f85149", data: hist.retryRate },
@@ -367,16 +374,13 @@
     const rej = sum(hist.rej);
     setTile("t-rejected", fmtNum(rej), perPrio(hist.rej), rej > 0 ? "warn" : null);
     const ctl = obj(state.controller) || {};
-    const shed = obj(ctl.shed_probability) || {};
-    const maxShed = Math.max(0, ...PRIOS.map((p) => num(shed[p]) ?? 0));
-    setTile("t-shed", fmtPct(num(shed.standard) ?? (Object.keys(shed).length ? maxShed : null)),
-      PRIOS.map((p) => `${p[0].toUpperCase()} ${fmtPct(num(shed[p]))}`).join(" · "),
-      num(shed.critical) > 0 ? "alert" : maxShed > 0 ? "warn" : null);
-    const used = num(ctl.in_flight_tokens), budget = num(ctl.budget_tokens);
-    const frac = used !== null && budget ? used / budget : null;
-    setTile("t-budget", `${fmtNum(used)} / ${fmtNum(budget)}`,
-      `${fmtPct(frac)} used · setpoint ${fmtPct(num(ctl.setpoint))}`,
-      frac !== null && frac >= 1 ? "alert" : frac !== null && frac > 0.9 ? "warn" : null);
+    const waiting = num(state.queue.waiting);
+    const oldest = last(hist.oldest);
+    setTile("t-queue", fmtNum(waiting),
+      `${perPrio(hist.queued)} · oldest ${oldest === null ? "–" : `${fmtNum(oldest)} s`}`,
+      oldest !== null && oldest > 10 ? "warn" : null);
+    const used = num(ctl.in_flight_tokens);
+    setTile("t-budget", fmtNum(used), `${fmtNum(num(state.queue.tokens))} waiting`);
     const rr = last(hist.retryRate), rm = last(hist.retryMean);
     const c0 = readCounters(state);
     const note = rm !== null ? `mean ${fmtNum(rm)} s` : c0.retryExact ? "" : "one per rejection";
@@ -473,8 +477,7 @@
     const pol = obj(state.raw.policy) || {};
     const cfg = obj(state.raw.config) || {};
     const pick = (k) => num(ctl[k]) ?? num(pol[k]) ?? num(cfg[k]) ?? num(obj(cfg.admission)?.[k]);
-    // The adaptive policy's setpoint is its high watermark.
-    return { high: pick("high_watermark") ?? num(ctl.setpoint), panic: pick("panic_watermark") };
+    return { high: pick("high_watermark"), panic: pick("panic_watermark") };
   }
 
   /** A node's state shows at once (every frame, and it rarely changes). */
