@@ -114,7 +114,8 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                stderr = self.process.stderr
+                err = stderr.read().decode(errors="replace") if stderr is not None else ""
                 raise RedisServerUnavailable(
                     f"redis-server exited with code {self.process.returncode}: {err.strip()[:300]}"
                 )

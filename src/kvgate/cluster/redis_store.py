@@ -1,0 +1,111 @@
+"""The cluster store on Redis: one EVALSHA per sync tick (redis-py's asyncio client, hiredis).
+
+Why this client: `benchmarks/store_client/results.md` (2.3x less CPU per sync-script call
+than coredis). The key layout and the script are in `kvgate.cluster.lua`: a sorted set of
+heartbeat deadlines on the store's clock and a hash of views, pruned, written and read by
+one script, so a tick is one round trip and atomic. Both keys expire with the last beat.
+
+URLs: `redis://[:password@]host:port/db`, `rediss://...` (TLS; `?ssl_ca_certs=/path` for
+a private CA, `?ssl_cert_reqs=none` to skip verification) and `unix://[:password@]/path?db=N`.
+
+redis-py retries nothing here (the sync task decides when to try again, within its own
+timeout) and drops a connection whose command was cancelled, so a late reply can never be
+read as the answer to the next command. A server restarted empty has lost the script: the
+client's `Script` loads it again on `NOSCRIPT`, and the tick after that finds the members
+gone and every replica beats itself back in.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from kvgate.cluster import lua
+from kvgate.cluster.store import Exchange, StoreError
+
+SCHEMES = ("redis", "rediss", "unix")
+#: Connect and read timeouts of the client. The sync task bounds each tick more tightly;
+#: these only keep a forgotten socket from waiting for ever.
+_SOCKET_TIMEOUT_S = 2.0
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs and /admin/state)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    netloc = f"{user}:***@{host}{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def check_url(url: str) -> str:
+    """`url` if it names a Redis server kvgate can use, else ValueError saying why."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(
+            f"store URL must start with {', '.join(s + '://' for s in SCHEMES)}: {redact(url)}"
+        )
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError(f"a unix:// store URL needs a socket path: {redact(url)}")
+    elif not parts.hostname:
+        raise ValueError(f"store URL has no host: {redact(url)}")
+    return url
+
+
+class RedisStore:
+    def __init__(self, url: str, *, client_name: str = "kvgate") -> None:
+        check_url(url)
+        self._url = url
+        self._client = aredis.Redis.from_url(
+            url,
+            socket_connect_timeout=_SOCKET_TIMEOUT_S,
+            socket_timeout=_SOCKET_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            client_name=client_name,
+        )
+        self._sync = self._client.register_script(lua.SYNC)
+        self._leave = self._client.register_script(lua.LEAVE)
+        self._keys = [lua.MEMBERS_KEY, lua.VIEWS_KEY]
+
+    async def exchange(self, member: str, view: bytes, ttl_s: float) -> Exchange:
+        try:
+            reply = await self._sync(keys=self._keys, args=[member, view, round(ttl_s * 1000)])
+        except (RedisError, OSError) as exc:
+            raise StoreError(describe_error(exc)) from exc
+        try:
+            seconds, micros, flat = reply
+            views = {_text(flat[i]): bytes(flat[i + 1]) for i in range(0, len(flat), 2)}
+            return Exchange(int(seconds) + int(micros) / 1e6, views)
+        except (TypeError, ValueError, IndexError) as exc:
+            raise StoreError(f"unreadable reply to the sync script: {exc}") from exc
+
+    async def leave(self, member: str) -> None:
+        try:
+            await self._leave(keys=self._keys, args=[member])
+        except (RedisError, OSError) as exc:
+            raise StoreError(describe_error(exc)) from exc
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def describe(self) -> str:
+        return redact(self._url)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def describe_error(exc: BaseException) -> str:
+    """A short description of a store failure, without secrets."""
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:200]
