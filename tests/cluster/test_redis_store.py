@@ -13,8 +13,9 @@ import pytest
 
 from kvgate.cluster import lua
 from kvgate.cluster.redis_server import RedisServer, free_port
-from kvgate.cluster.redis_store import RedisStore, check_url, redact
+from kvgate.cluster.redis_store import RedisStore
 from kvgate.cluster.store import StoreError
+from kvgate.cluster.urls import check_url, redact
 
 
 async def test_members_see_each_others_views_with_the_store_clock(redis: RedisServer) -> None:

@@ -22,8 +22,9 @@ every other replica stops counting its holds at its own next tick. So a dead rep
 holds are gone everywhere within `REMOVAL_BOUND_S` (TTL + one period + one tick's timeout
 = 2.2 s). A replica that stops cleanly leaves at once.
 
-**When the store fails.** A tick that fails or does not complete within `SYNC_TIMEOUT_S`
-(down, unreachable, slow, refusing the password) puts the replica in *isolated* mode:
+**When the store fails.** A tick that fails (down, unreachable, refusing the password), or
+two in a row that do not complete within `SYNC_TIMEOUT_S` (slow: one late tick may be this
+process's own stall), put the replica in *isolated* mode:
 `set_isolated(N)`, N being the member count of the last good tick (at least the expected
 count given at start), so each replica keeps to 1/N of each node's headroom; and every
 engine is scraped locally again, since nobody's samples arrive. It keeps trying, every
@@ -66,6 +67,8 @@ MEMBER_TTL_S = 2.0
 SYNC_TIMEOUT_S = 0.15
 LEAVE_TIMEOUT_S = 0.5
 RETRY_MAX_S = 1.0
+#: A store that does not answer this many ticks in a row within `SYNC_TIMEOUT_S` is slow.
+TIMEOUTS_TO_ISOLATE = 2
 #: How long a SIGKILLed replica's holds may still count anywhere (documented bound).
 REMOVAL_BOUND_S = MEMBER_TTL_S + SYNC_PERIOD_S + SYNC_TIMEOUT_S
 
@@ -137,6 +140,7 @@ class ClusterSync:
         self._remote: frozenset[str] = frozenset()  # engines scraped by their owner, not us
         self._assigned: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._bad_peers: set[str] = set()
+        self._timeouts = 0  # consecutive ticks without an answer in time
 
     # ---- what the scraper asks ---------------------------------------------------------
 
@@ -165,10 +169,9 @@ class ClusterSync:
                 await asyncio.sleep(max(0.0, started + delay - loop.time()))
         finally:
             try:
-                if self.state == "synced":
-                    with contextlib.suppress(StoreError, TimeoutError):
-                        async with asyncio.timeout(LEAVE_TIMEOUT_S):
-                            await self.store.leave(self.member_id)
+                with contextlib.suppress(StoreError, TimeoutError):
+                    async with asyncio.timeout(LEAVE_TIMEOUT_S):
+                        await self.store.leave(self.member_id)
             finally:
                 await self.store.close()
 
@@ -184,8 +187,15 @@ class ClusterSync:
             self._isolate(str(exc))
             return False
         except TimeoutError:
-            self._isolate(f"no answer within {SYNC_TIMEOUT_S * 1000:.0f} ms")
+            self._timeouts += 1
+            reason = f"no answer within {SYNC_TIMEOUT_S * 1000:.0f} ms"
+            if self._timeouts >= TIMEOUTS_TO_ISOLATE:
+                self._isolate(reason)
+            else:  # one late answer may be this process's own stall, not the store's
+                self.stats.failures_total += 1
+                self.stats.last_error = reason
             return False
+        self._timeouts = 0
         received_at = self.clock.now()
         self.link.observe(sent_at, received_at, reply.store_time)
         self.stats.exchanges_total += 1
