@@ -42,6 +42,9 @@ class MemoryStore:
     async def exchange(self, member: str, view: bytes, ttl_s: float) -> Exchange:
         return self.exchange_now(member, view, ttl_s)
 
+    async def prepare(self) -> None:
+        self._check()
+
     async def leave(self, member: str) -> None:
         self.leave_now(member)
 

@@ -100,7 +100,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,  # Ctrl-C reaches the supervisor, which stops it
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
         server = cls(process, workdir, port=port, password=password)
         try:
@@ -182,7 +182,7 @@ def _command(*parts: str) -> bytes:
     return b"".join(out)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: ask Linux to SIGTERM it when its parent dies."""
     import ctypes
 

@@ -64,6 +64,12 @@ class RedisStore:
         except (TypeError, ValueError, IndexError) as exc:
             raise StoreError(f"unreadable reply to the sync script: {exc}") from exc
 
+    async def prepare(self) -> None:
+        try:
+            await self._client.script_load(lua.SYNC)  # connects first if need be
+        except (RedisError, OSError) as exc:
+            raise StoreError(describe_error(exc)) from exc
+
     async def leave(self, member: str) -> None:
         try:
             await self._leave(keys=self._keys, args=[member])

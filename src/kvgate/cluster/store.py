@@ -37,6 +37,13 @@ class ClusterStore(Protocol):
         `view` and return every live view. Atomic."""
         ...
 
+    async def prepare(self) -> None:
+        """Make the next exchange a single round trip: connect (TLS, password, protocol
+        handshake) and load what the exchange runs. Called before the first exchange and
+        after a failed one, under a longer timeout than an exchange's, so that a
+        handshake slower than one tick still completes."""
+        ...
+
     async def leave(self, member: str) -> None:
         """Forget `member` now (a replica that stops), instead of after its ttl."""
         ...

@@ -35,6 +35,11 @@ store included: each replica simply beats itself back in) returns to normal, no 
 owner died, is isolated, or does not know the engine yet) is scraped locally until the
 owner's samples come back, so no engine goes unwatched through a handover.
 
+A replica that is not in sync first reconnects (`ClusterStore.prepare`, bounded by
+`PREPARE_TIMEOUT_S`), and only then exchanges under `SYNC_TIMEOUT_S`: a connection
+handshake of several round trips must not be cut by the exchange's timeout again and
+again, which would keep a replica isolated from a store that answers in time.
+
 Every wait is bounded (the tick by `SYNC_TIMEOUT_S`, leaving by `LEAVE_TIMEOUT_S`); the task
 is owned by whoever runs `run()` and cancelling it ends it, leaving the store cleanly.
 """
@@ -66,6 +71,8 @@ SYNC_PERIOD_S = 0.05
 MEMBER_TTL_S = 2.0
 SYNC_TIMEOUT_S = 0.15
 LEAVE_TIMEOUT_S = 0.5
+#: Connecting (and reloading the script) after a failure may take this long.
+PREPARE_TIMEOUT_S = 1.0
 RETRY_MAX_S = 1.0
 #: A store that does not answer this many ticks in a row within `SYNC_TIMEOUT_S` is slow.
 TIMEOUTS_TO_ISOLATE = 2
@@ -177,6 +184,16 @@ class ClusterSync:
 
     async def tick(self) -> bool:
         """One exchange with the store; False when it failed (the replica is isolated)."""
+        if self.state != "synced" or self._timeouts:
+            try:  # reconnect and reload outside the exchange's tighter timeout
+                async with asyncio.timeout(PREPARE_TIMEOUT_S):
+                    await self.store.prepare()
+            except StoreError as exc:
+                self._isolate(str(exc))
+                return False
+            except TimeoutError:
+                self._isolate(f"could not connect within {PREPARE_TIMEOUT_S:.0f} s")
+                return False
         blob = self._envelope(self.clock.now()).encode()
         self.stats.view_bytes = len(blob)
         sent_at = self.clock.now()
@@ -214,7 +231,7 @@ class ClusterSync:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "state": self.state,
-            "scrapes": sorted(n for n in self._served() if n not in self._remote),
+            "scrapes": sorted(n for n in self.served_nodes() if n not in self._remote),
         }
         return Envelope(core if isinstance(core, dict) else {}, samples, meta)
 
@@ -222,7 +239,7 @@ class ClusterSync:
         me = self.member_id
         self._peers = {m: self._decode(m, blob) for m, blob in views.items() if m != me}
         self.members = tuple(sorted({*views, me}))
-        served = self._served()
+        served = self.served_nodes()
         self.ledger.keep_only(set(served))
         key = (self.members, served)
         if key != self._assigned:  # rendezvous hashing only when members or engines change
@@ -230,12 +247,14 @@ class ClusterSync:
             self._assigned = key
         remote = set()
         for node_id in served:
-            owner = self.shards[node_id]
-            if owner == me:
-                continue
+            # The newest record of any peer (pushed samples reach one replica only); the
+            # policy ignores a sample older than the one it holds.
             newest = self._newest_record(node_id)
             if newest is not None:
                 self._call(self.ledger.feed, node_id, newest, self.link, self._target)
+            owner = self.shards[node_id]
+            if owner == me:
+                continue
             owner_view = self._peers.get(owner)
             record = None if owner_view is None else owner_view.record(node_id)
             if record is not None and self.link.to_local(record.attempt_at) >= now - SHARED_FRESH_S:
@@ -294,7 +313,8 @@ class ClusterSync:
             log.warning("cluster: member %s publishes a view this version cannot read", member)
         return env
 
-    def _served(self) -> tuple[str, ...]:
+    def served_nodes(self) -> tuple[str, ...]:
+        """The engines this replica serves now, sorted."""
         return tuple(sorted(self._nodes()))
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -325,7 +345,7 @@ class ClusterSync:
                     "pid": os.getpid() if mine else meta.get("pid"),
                     "state": self.state if mine else meta.get("state"),
                     "owns": owned.get(member, []),
-                    "scrapes": sorted(n for n in self._served() if self.scrapes(n))
+                    "scrapes": sorted(n for n in self.served_nodes() if self.scrapes(n))
                     if mine
                     else meta.get("scrapes"),
                 }
