@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,15 +21,13 @@ from kvgate.core.signals import NodeSample
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Without redis-server the store tests skip locally; CI installs it, and fails."""
-    import os
-
-    if find_redis_server() is not None:
+    """Without redis-server the tests that need it skip locally; CI installs it, and fails."""
+    if find_redis_server() is not None or os.environ.get("CI"):
         return
-    mark = pytest.mark.skip(reason="redis-server is not installed (apt-get install redis-server)")
+    skip = pytest.mark.skip(reason="redis-server is not installed (apt-get install redis-server)")
     for item in items:
-        if "redis" in item.fixturenames and not os.environ.get("CI"):
-            item.add_marker(mark)
+        if item.get_closest_marker("redis_server") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture

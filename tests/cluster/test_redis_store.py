@@ -17,6 +17,8 @@ from kvgate.cluster.redis_store import RedisStore
 from kvgate.cluster.store import StoreError
 from kvgate.cluster.urls import check_url, redact
 
+pytestmark = pytest.mark.redis_server
+
 
 async def test_members_see_each_others_views_with_the_store_clock(redis: RedisServer) -> None:
     a, b = RedisStore(redis.url), RedisStore(redis.url)

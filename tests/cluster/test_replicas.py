@@ -9,101 +9,33 @@ other again without a restart.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import FakeEngine, eventually
+from conftest import FakeEngine
 from gateway.helpers import until_ready
 
 from kvgate.cluster.redis_server import RedisServer, free_port
 from kvgate.cluster.sync import REMOVAL_BOUND_S
 
 from .conftest import DelayProxy
+from .helpers import (
+    CLIENT_TIMEOUT_S,
+    Replica,
+    fresh_everywhere,
+    replicas,
+    state,
+    synced_again,
+    wait_for,
+)
 
-pytestmark = pytest.mark.timeout(180)
-
-_CLIENT_TIMEOUT_S = 5.0  # a request not answered within this is a hang
-SCRAPE_INTERVAL_S = 0.1  # lighter than the default 50 ms on a 2-core machine
-
-
-@dataclass
-class Replica:
-    """One `kvgate serve` process."""
-
-    url: str
-    process: asyncio.subprocess.Process
-
-
-@contextlib.asynccontextmanager
-async def replicas(
-    n: int, store_url: str, engines: list[FakeEngine]
-) -> AsyncIterator[list[Replica]]:
-    """`n` kvgate serve processes on one store in front of `engines`, all ready; each is
-    stopped with SIGTERM at the end (or found already dead: a test may kill one)."""
-    backends = [part for e in engines for part in ("--backend", e.url)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    env["KVGATE_SCRAPE__INTERVAL_S"] = str(SCRAPE_INTERVAL_S)
-    started: list[Replica] = []
-    try:
-        for _ in range(n):
-            port = free_port()
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvgate", "serve", "--port", str(port),
-                "--store", store_url, "--log-level", "warning", *backends,
-                stdout=asyncio.subprocess.DEVNULL, env=env,
-            )  # fmt: skip
-            started.append(Replica(f"http://127.0.0.1:{port}", process))
-        for replica in started:
-            async with httpx.AsyncClient(base_url=replica.url) as client:
-                assert await until_ready(client, 30.0), "a replica never became ready"
-        yield started
-    finally:
-        for replica in started:
-            if replica.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    replica.process.send_signal(signal.SIGTERM)
-        for replica in started:
-            try:
-                await asyncio.wait_for(replica.process.wait(), 15)
-            except TimeoutError:
-                replica.process.kill()
-                await replica.process.wait()
-
-
-async def state(gw: Replica) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=gw.url, timeout=_CLIENT_TIMEOUT_S) as client:
-        data: dict[str, Any] = (await client.get("/admin/state")).json()
-        return data
-
-
-async def wait_for(predicate: Any, within: float, every: float = 0.1) -> bool:
-    """Poll an async predicate until it holds (bounded)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if await predicate():
-                return True
-        await asyncio.sleep(every)
-    return False
-
-
-def all_synced(served: list[Replica], count: int) -> Any:
-    async def check() -> bool:
-        states = [await state(gw) for gw in served]
-        return all(
-            s["cluster"]["state"] == "synced" and s["cluster"]["replicas"] == count for s in states
-        )
-
-    return check
+pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_server]
 
 
 async def scrape_counts(served: list[Replica]) -> list[dict[str, int]]:
@@ -130,6 +62,11 @@ async def test_each_engine_is_polled_by_one_replica_and_its_samples_reach_all(
         after = await scrape_counts(served)
         states = [await state(gw) for gw in served]
         assert await wait_for(fresh_everywhere(served), 5.0)  # polled or not, every engine
+        status = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvgate", "status", "--url", served[0].url,
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+        )  # fmt: skip
+        shown = (await asyncio.wait_for(status.communicate(), 30))[0].decode()
     index = {s["cluster"]["member_id"]: i for i, s in enumerate(states)}
     for node, owner in states[0]["cluster"]["shards"].items():
         polls = [after[i][node] - before[i][node] for i in range(3)]
@@ -139,14 +76,9 @@ async def test_each_engine_is_polled_by_one_replica_and_its_samples_reach_all(
         assert by_owner >= 4 * (sum(polls) - by_owner), (node, polls, index[owner])
     # One replica's polls per engine (every 100 ms: 10/s), not three replicas' (30/s).
     assert all(2 <= r <= 15 for r in rates), rates
-
-
-def fresh_everywhere(served: list[Replica]) -> Any:
-    async def check() -> bool:
-        states = [await state(gw) for gw in served]
-        return all(n["fresh"] for s in states for n in s["policy"]["nodes"].values())
-
-    return check
+    # `kvgate status` shows the replicas, and which engines this one takes from the store
+    assert "replicas (3)" in shown and "(this one)" in shown and "SYNCED" in shown, shown
+    assert "shared" in shown, shown
 
 
 async def test_a_replica_killed_with_sigkill_is_forgotten_within_the_bound(
@@ -190,15 +122,6 @@ class RedisStoreProbe:
         await self._client.aclose()
 
 
-async def synced_again(served: list[Replica], phase: str, every: float = 0.1) -> None:
-    """Every replica in sync, seeing all of `served`, within 20 s; else say where each is."""
-    if await wait_for(all_synced(served, len(served)), 20.0, every):
-        return
-    states = [(await state(gw))["cluster"] for gw in served]
-    detail = [(s["state"], s["replicas"], s["sync"]) for s in states]
-    raise AssertionError(f"no recovery after the store was {phase}: {detail}")
-
-
 class Load:
     """Clients sending small completions to every replica until stopped; every answer
     is kept (status, whether a refusal carried Retry-After) and so is every hang."""
@@ -220,14 +143,14 @@ class Load:
 
     async def _client(self, gw: Replica) -> None:
         body = {"model": "fake-model", "prompt": "hello", "max_tokens": 8}
-        async with httpx.AsyncClient(base_url=gw.url, timeout=_CLIENT_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=CLIENT_TIMEOUT_S) as client:
             for _ in range(20_000):  # bounded; stopped long before
                 if self._stop.is_set():
                     return
                 try:
                     response = await client.post("/v1/completions", json=body)
                 except httpx.TimeoutException:
-                    self.bad.append(f"{gw.url}: no answer within {_CLIENT_TIMEOUT_S} s")
+                    self.bad.append(f"{gw.url}: no answer within {CLIENT_TIMEOUT_S} s")
                     continue
                 status = response.status_code
                 self.statuses[status] = self.statuses.get(status, 0) + 1
@@ -294,7 +217,7 @@ async def test_workers_share_one_port_and_a_private_store(fake_engine: FakeEngin
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=_CLIENT_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
             assert await until_ready(client, 30.0)
 
         async def two_members() -> bool:
@@ -330,7 +253,7 @@ async def states_by_connection(url: str, n: int) -> list[dict[str, Any]]:
     """/admin/state over `n` new connections (the kernel picks a worker for each)."""
     out = []
     for _ in range(n):
-        async with httpx.AsyncClient(base_url=url, timeout=_CLIENT_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
             out.append((await client.get("/admin/state")).json())
     return out
 
@@ -338,25 +261,3 @@ async def states_by_connection(url: str, n: int) -> list[dict[str, Any]]:
 def all_members_seen(states: list[dict[str, Any]]) -> int:
     counts = {s["cluster"]["replicas"] for s in states if s["cluster"]}
     return counts.pop() if len(counts) == 1 else -1
-
-
-async def test_workers_without_a_store_or_redis_server_say_what_they_need() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    env["PATH"] = "/nonexistent"  # no redis-server to be found
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvgate", "serve", "--workers", "2",
-        "--backend", "http://127.0.0.1:9", env=env,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    _, stderr = await asyncio.wait_for(process.communicate(), 30)
-    assert process.returncode == 2
-    assert b"--store" in stderr and b"apt-get install redis-server" in stderr
-
-
-async def test_without_a_store_a_gateway_runs_alone(
-    gateway_factory: Any, fake_engine: FakeEngine
-) -> None:
-    gw = await gateway_factory([fake_engine.url])
-    assert gw.gateway.cluster is None
-    assert gw.gateway.state()["cluster"] is None
-    assert await eventually(lambda: fake_engine.metrics_hits > 0, 5.0)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
 from conftest import eventually
 
 from kvgate.cluster.redis_server import RedisServer, free_port
@@ -17,6 +18,8 @@ from kvgate.core.clock import MonotonicClock
 from .conftest import DelayProxy, RecordingParticipant, RecordingSink
 
 NODES = ["e1", "e2", "e3", "e4"]
+
+pytestmark = pytest.mark.redis_server
 
 
 @contextlib.asynccontextmanager
