@@ -1,0 +1,293 @@
+"""`kvgate serve --workers N`: throughput and CPU per request with 1 and 2 workers, and
+what the shared store costs.
+
+Stacks, interleaved round by round (so load from elsewhere falls on all of them alike):
+
+- `1 process`: `kvgate serve` alone, no store (kvgate as it runs without replicas);
+- `1 process + store`: the same with `--store` on a redis-server of this benchmark's (the
+  sync task runs, admission reads the peers' views; no request waits for the store);
+- `2 workers`: `kvgate serve --workers 2` (SO_REUSEPORT, a private redis-server).
+
+Each stack sits in front of the fast fake engine of `benchmarks/proxy_overhead` (instant
+non-streaming answers, in its own process) with the default policy (`adaptive`) and the
+default access log. The load is closed-loop: `--clients` client processes, each with
+`--connections` keep-alive connections, send `--requests` small non-streaming completions
+in all after a warm-up. Measured per phase:
+
+- throughput (requests / wall time);
+- CPU per request of every party, from `/proc/<pid>/task/*/schedstat`: the gateway (all
+  its processes: workers, supervisor), its redis-server, the engine, the clients;
+- the cores in use (the parties' CPU over wall time; the machine has 2);
+- store commands per second (redis `INFO commandstats`, every command): the sync ticks,
+  20 per second per process whatever the traffic; no request waits for one.
+
+    .venv/bin/python benchmarks/workers/bench.py [--rounds 3] [--requests 6000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROXY_BENCH = HERE.parent / "proxy_overhead" / "bench.py"
+sys.path.insert(0, str(PROXY_BENCH.parent))
+import bench as proxy  # noqa: E402  (the fake engine, the client and the CPU reader)
+
+from kvgate.cluster.redis_server import RedisServer  # noqa: E402
+
+STACKS = ("1 process", "1 process + store", "2 workers")
+
+
+@dataclass
+class Phase:
+    stack: str
+    requests: int
+    wall_s: float
+    gateway_cpu_s: float
+    redis_cpu_s: float
+    engine_cpu_s: float
+    client_cpu_s: float
+    store_commands: int
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.wall_s
+
+    def per_request_ms(self, cpu_s: float) -> float:
+        return cpu_s / self.requests * 1000
+
+    @property
+    def cores(self) -> float:
+        busy = self.gateway_cpu_s + self.redis_cpu_s + self.engine_cpu_s + self.client_cpu_s
+        return busy / self.wall_s
+
+
+def _redis_pids(root: int) -> list[int]:
+    return [p for p in proxy._tree(root) if _comm(p) == "redis-server"]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(proxy.cpu_seconds(p) for p in pids)
+
+
+def _commands(url: str | None) -> int:
+    """Every command the store has run so far (0 without a store)."""
+    if url is None:
+        return 0
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(int(v["calls"]) for v in stats.values())
+
+
+@contextlib.contextmanager
+def start_stack(
+    stack: str, engine_port: int, workdir: Path
+) -> Iterator[tuple[int, int, str | None, list[int]]]:
+    """Yields (port, gateway pid, store URL or None, redis pids outside the gateway's tree)."""
+    port = proxy.free_port()
+    env = proxy.stack_env(engine_port, "adaptive")
+    command = [sys.executable, "-m", "kvgate", "serve", "--port", str(port)]
+    redis: RedisServer | None = None
+    if stack == "1 process + store":
+        redis = RedisServer.start(port=None)
+        command += ["--store", redis.url]
+    elif stack == "2 workers":
+        command += ["--workers", "2"]
+    log = open(workdir / "gateway.log", "wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        proxy.wait_port(port)
+        time.sleep(2.0)  # workers up, scraper and sync warmed up
+        url = redis.url if redis is not None else _private_store(port)
+        outside = [redis.process.pid] if redis is not None else []
+        yield port, process.pid, url, outside
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+        if redis is not None:
+            redis.stop()
+
+
+def _private_store(port: int) -> str | None:
+    """The store a `--workers` gateway started for itself (from /admin/state)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/state", timeout=5) as r:
+        cluster = json.loads(r.read())["cluster"]
+    return None if cluster is None else str(cluster["store"])
+
+
+async def client_main(port: int, requests: int, connections: int) -> None:
+    wall = await proxy.nonstream_phase(port, requests, connections)
+    print(json.dumps({"wall_s": wall}), flush=True)
+
+
+def run_clients(port: int, requests: int, clients: int, connections: int) -> float:
+    """`clients` client processes sharing `requests`; the wall time until all are done
+    (their CPU shows in this process's children times once they have exited)."""
+    share = requests // clients
+    command = [sys.executable, __file__, "client", "--port", str(port),
+               "--requests", str(share), "--connections", str(connections)]  # fmt: skip
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE) for _ in range(clients)]
+    started = time.perf_counter()
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError("a client failed")
+        json.loads(out)
+    return time.perf_counter() - started
+
+
+def measure(
+    stack: str, engine_pid: int, engine_port: int, args: argparse.Namespace, workdir: Path
+) -> Phase:
+    with start_stack(stack, engine_port, workdir) as (port, gw_pid, store_url, outside):
+        run_clients(port, 500, 1, args.connections)  # warm-up
+        redis_pids = outside or _redis_pids(gw_pid)
+        gw_pids = [p for p in proxy._tree(gw_pid) if p not in redis_pids]
+        before = (
+            _cpu(gw_pids),
+            _cpu(redis_pids),
+            proxy.cpu_seconds(engine_pid),
+            _commands(store_url),
+        )
+        children_before = os.times()
+        wall = run_clients(port, args.requests, args.clients, args.connections)
+        children_after = os.times()
+        after = (
+            _cpu(gw_pids),
+            _cpu(redis_pids),
+            proxy.cpu_seconds(engine_pid),
+            _commands(store_url),
+        )
+    client_cpu = (children_after.children_user + children_after.children_system) - (
+        children_before.children_user + children_before.children_system
+    )
+    return Phase(
+        stack=stack,
+        requests=args.requests // args.clients * args.clients,
+        wall_s=wall,
+        gateway_cpu_s=after[0] - before[0],
+        redis_cpu_s=after[1] - before[1],
+        engine_cpu_s=after[2] - before[2],
+        client_cpu_s=client_cpu,
+        store_commands=after[3] - before[3],
+    )
+
+
+def render(phases: dict[str, list[Phase]], args: argparse.Namespace, load: str) -> str:
+    lines = [
+        f"{args.requests} non-streaming requests per phase from {args.clients} client process(es)"
+        f" x {args.connections} keep-alive connections; policy adaptive, access log on;"
+        f" {os.cpu_count()} CPUs, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')};"
+        f" median of {args.rounds} interleaved rounds (per column); {load}.",
+        "",
+        "| stack | req/s | gateway CPU ms / req | redis CPU ms / req | engine CPU ms / req"
+        " | client CPU ms / req | cores busy | store commands / s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for stack, runs in phases.items():
+        lines.append(_row(stack, runs))
+    return "\n".join(lines) + "\n"
+
+
+def _row(stack: str, runs: list[Phase]) -> str:
+    def med(figure: Callable[[Phase], float]) -> float:
+        return statistics.median(figure(p) for p in runs)
+
+    return (
+        f"| {stack} | {med(lambda p: p.rps):,.0f}"
+        f" | {med(lambda p: p.per_request_ms(p.gateway_cpu_s)):.3f}"
+        f" | {med(lambda p: p.per_request_ms(p.redis_cpu_s)):.4f}"
+        f" | {med(lambda p: p.per_request_ms(p.engine_cpu_s)):.3f}"
+        f" | {med(lambda p: p.per_request_ms(p.client_cpu_s)):.3f}"
+        f" | {med(lambda p: p.cores):.2f}"
+        f" | {med(lambda p: p.store_commands / p.wall_s):.1f} |"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    engine_port = proxy.free_port()
+    engine = subprocess.Popen(
+        [sys.executable, str(PROXY_BENCH), "engine", "--port", str(engine_port)]
+    )
+    phases: dict[str, list[Phase]] = {s: [] for s in STACKS}
+    load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    try:
+        proxy.wait_port(engine_port)
+        with tempfile.TemporaryDirectory(prefix="kvgate-workers-") as tmp:
+            for round_no in range(args.rounds):
+                for stack in STACKS:
+                    workdir = Path(tmp) / f"{round_no}-{stack.replace(' ', '_')}"
+                    workdir.mkdir()
+                    phase = measure(stack, engine.pid, engine_port, args, workdir)
+                    phases[stack].append(phase)
+                    print(f"round {round_no + 1} {stack}: {phase.rps:,.0f} req/s,"
+                          f" {phase.cores:.2f} cores", file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        engine.terminate()
+        engine.wait(10)
+    load_after = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    report = render(phases, args, f"load average {load_before} before, {load_after} after")
+    print(report)
+    if args.out:
+        args.out.write_text(report, encoding="utf-8")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    client = sub.add_parser("client", help="one client process (used by `run`)")
+    client.add_argument("--port", type=int, required=True)
+    client.add_argument("--requests", type=int, required=True)
+    client.add_argument("--connections", type=int, default=16)
+    bench = sub.add_parser("run", help="measure every stack and print a Markdown table")
+    bench.add_argument("--requests", type=int, default=6000)
+    bench.add_argument("--clients", type=int, default=1)
+    bench.add_argument("--connections", type=int, default=32, help="per client process")
+    bench.add_argument("--rounds", type=int, default=3)
+    bench.add_argument("--out", type=Path, help="also write the table to this file")
+    args = parser.parse_args()
+    import uvloop
+
+    if args.command == "client":
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(client_main(args.port, args.requests, args.connections))
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
