@@ -156,3 +156,23 @@ async def test_snapshot_names_members_shards_and_store_health() -> None:
     assert [m["id"] for m in snap["members"]] == ["r0", "r1"]
     assert sum(len(m["owns"]) for m in snap["members"]) == len(NODES)
     assert snap["sync"]["exchanges_total"] == 2 and snap["sync"]["failures_total"] == 0
+
+
+def test_a_simulation_drives_replicas_without_an_event_loop() -> None:
+    """The two halves of a tick, with the store's latency modelled by the caller."""
+    clock = ManualClock(100.0)
+    store = MemoryStore(clock)
+    replicas = cluster(2, store=store, clock=clock)
+    latency = 0.002
+    for _ in range(2):
+        for r in replicas:
+            sent_at = clock.now()
+            blob = r.sync.outgoing()
+            clock.advance(latency / 2)
+            reply = store.exchange_now(r.sync.member_id, blob, MEMBER_TTL_S)
+            clock.advance(latency / 2)
+            r.sync.incoming(reply, sent_at, clock.now())
+    assert [r.core.members for r in replicas] == [2, 2]
+    assert replicas[0].sync.link.uncertainty_s == latency / 2
+    replicas[0].sync.failed("store down")
+    assert replicas[0].core.isolated == 2

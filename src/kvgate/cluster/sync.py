@@ -62,7 +62,7 @@ from kvgate.cluster.clocklink import ClockLink
 from kvgate.cluster.envelope import Envelope, decode
 from kvgate.cluster.participant import ClusterParticipant, SignalSink
 from kvgate.cluster.samples import SHARED_FRESH_S, Record, SampleLedger, SharingSink
-from kvgate.cluster.store import ClusterStore, StoreError
+from kvgate.cluster.store import ClusterStore, Exchange, StoreError
 from kvgate.core.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -194,33 +194,49 @@ class ClusterSync:
             except TimeoutError:
                 self._isolate(f"could not connect within {PREPARE_TIMEOUT_S:.0f} s")
                 return False
-        blob = self._envelope(self.clock.now()).encode()
-        self.stats.view_bytes = len(blob)
+        blob = self.outgoing()
         sent_at = self.clock.now()
         try:
             async with asyncio.timeout(SYNC_TIMEOUT_S):
                 reply = await self.store.exchange(self.member_id, blob, MEMBER_TTL_S)
         except StoreError as exc:
-            self._isolate(str(exc))
+            self.failed(str(exc))
             return False
         except TimeoutError:
-            self._timeouts += 1
-            reason = f"no answer within {SYNC_TIMEOUT_S * 1000:.0f} ms"
-            if self._timeouts >= TIMEOUTS_TO_ISOLATE:
-                self._isolate(reason)
-            else:  # one late answer may be this process's own stall, not the store's
-                self.stats.failures_total += 1
-                self.stats.last_error = reason
+            self.failed(f"no answer within {SYNC_TIMEOUT_S * 1000:.0f} ms", timeout=True)
             return False
+        self.incoming(reply, sent_at, self.clock.now())
+        return True
+
+    # ---- one tick's halves: also how a virtual-time simulation drives a replica ---------
+
+    def outgoing(self) -> bytes:
+        """This replica's view, to publish now."""
+        blob = self._envelope(self.clock.now()).encode()
+        self.stats.view_bytes = len(blob)
+        return blob
+
+    def incoming(self, reply: Exchange, sent_at: float, received_at: float) -> None:
+        """The store's answer to the view sent at `sent_at`, received at `received_at`."""
         self._timeouts = 0
-        received_at = self.clock.now()
         self.link.observe(sent_at, received_at, reply.store_time)
         self.stats.exchanges_total += 1
         self.stats.last_latency_s = received_at - sent_at
         self.stats._latencies.append(received_at - sent_at)
         self.stats.last_ok_at = received_at
         self._apply(reply.views, received_at)
-        return True
+
+    def failed(self, reason: str, *, timeout: bool = False) -> None:
+        """An exchange failed (`timeout`: it had no answer in time)."""
+        if not timeout:
+            self._isolate(reason)
+            return
+        self._timeouts += 1
+        if self._timeouts >= TIMEOUTS_TO_ISOLATE:
+            self._isolate(reason)
+        else:  # one late answer may be this process's own stall, not the store's
+            self.stats.failures_total += 1
+            self.stats.last_error = reason
 
     # ---- one tick's work -------------------------------------------------------------------
 
