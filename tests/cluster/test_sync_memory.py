@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from kvgate.cluster import envelope
 from kvgate.cluster.memory import MemoryStore
 from kvgate.cluster.samples import SHARED_FRESH_S
@@ -173,6 +175,6 @@ def test_a_simulation_drives_replicas_without_an_event_loop() -> None:
             clock.advance(latency / 2)
             r.sync.incoming(reply, sent_at, clock.now())
     assert [r.core.members for r in replicas] == [2, 2]
-    assert replicas[0].sync.link.uncertainty_s == latency / 2
+    assert replicas[0].sync.link.uncertainty_s == pytest.approx(latency / 2)
     replicas[0].sync.failed("store down")
     assert replicas[0].core.isolated == 2
