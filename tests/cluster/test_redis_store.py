@@ -4,8 +4,6 @@ server's clock, leaving, a server restarted empty, passwords, unix sockets and T
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -94,23 +92,8 @@ async def test_password_unix_socket_and_a_wrong_password() -> None:
             await wrong.close()
 
 
-@pytest.fixture
-def certificate(tmp_path: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and its key."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
-
-
-async def test_rediss_with_a_private_ca(certificate: tuple[Path, Path]) -> None:
-    cert, key = certificate
+async def test_rediss_with_a_private_ca(self_signed: tuple[Path, Path]) -> None:
+    cert, key = self_signed
     tls_port = free_port()
     tls = ("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
            "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")  # fmt: skip

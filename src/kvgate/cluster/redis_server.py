@@ -9,15 +9,15 @@ it also dies with the process that started it, so a killed supervisor leaves no 
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from kvgate.children import die_with_parent, stop
 
 REDIS_SERVER = "redis-server"
 _START_TIMEOUT_S = 10.0
@@ -156,13 +156,7 @@ class RedisServer:
             self.process.wait()
 
     def stop(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop(self.process, timeout_s)
         if self.process.stderr is not None:
             self.process.stderr.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -180,12 +174,3 @@ def _command(*parts: str) -> bytes:
         data = part.encode()
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
-
-
-def die_with_parent() -> None:
-    """In the child before exec: ask Linux to SIGTERM it when its parent dies."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -30,12 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-from kvgate.cluster.redis_server import (
-    RedisServer,
-    RedisServerUnavailable,
-    die_with_parent,
-    find_redis_server,
-)
+from kvgate.children import die_with_parent
+from kvgate.cluster.redis_server import RedisServer, RedisServerUnavailable, find_redis_server
 from kvgate.cluster.urls import redact
 
 log = logging.getLogger("kvgate.workers")

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +20,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
+
+from kvgate.children import die_with_parent, stop
 
 log = logging.getLogger("kvgate.serve")
 
@@ -223,7 +223,7 @@ class SimulatorProcess:
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
         sim = cls(process, [])
         try:
@@ -261,23 +261,7 @@ class SimulatorProcess:
         raise SimulatorError(f"the simulator was not ready within {timeout_s:.0f} s")
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to SIGTERM it when the gateway dies."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        stop(self.process, timeout_s)
 
 
 def _healthy(url: str) -> bool:
