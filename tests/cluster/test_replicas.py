@@ -242,7 +242,8 @@ async def test_workers_share_one_port_and_a_private_store(fake_engine: FakeEngin
 
         assert await wait_for(replaced, 20.0)
     finally:
-        process.send_signal(signal.SIGTERM)
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0, stderr.decode()[-2000:]
     socket_dir = store.removeprefix("unix://").split("?")[0].rsplit("/", 1)[0]

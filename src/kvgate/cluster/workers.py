@@ -10,10 +10,11 @@ when none is installed) and stops it on exit.
 The supervisor owns its children: it holds the port for them (a bound, non-listening
 SO_REUSEPORT socket, so a restarted worker gets the same port), forwards SIGTERM, SIGINT
 and SIGHUP to every worker (they drain and reload as one `kvgate serve` does), restarts a
-worker that dies while serving, and gives up, stopping the others, when a worker fails as
-it starts (a configuration the workers refuse is not retried in a loop). Workers run in
-sessions of their own, so Ctrl-C in a terminal reaches the supervisor once and it tells
-each worker once; and each dies with the supervisor if that is killed.
+worker that dies while serving (or is killed), and gives up, stopping the others, when a
+worker exits with an error as it starts (a configuration the workers refuse is not retried
+in a loop). Workers run in sessions of their own, so Ctrl-C in a terminal reaches the
+supervisor once and it tells each worker once; and each dies with the supervisor if that
+is killed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from kvgate.cluster.urls import redact
 
 log = logging.getLogger("kvgate.workers")
 
-#: A worker that exits with an error sooner than this after its start failed to start.
+#: A worker that exits with an error code sooner than this after its start failed to start
+#: (killed by a signal, it crashed: it is restarted).
 _START_GRACE_S = 10.0
 _RESTART_DELAY_S = 1.0
 _POLL_S = 0.1
@@ -123,7 +125,7 @@ class Supervisor:
                 if code is None or self._stopping:
                     continue
                 ran = time.monotonic() - worker.started_at
-                if code != 0 and ran < _START_GRACE_S:
+                if code > 0 and ran < _START_GRACE_S:  # refused to start; a signal is a crash
                     log.error("worker %d failed as it started (exit code %d)", worker.index, code)
                     self._stop_all(signal.SIGTERM)
                     return code
