@@ -6,7 +6,10 @@ Stacks, interleaved round by round (so load from elsewhere falls on all of them 
 - `1 process`: `kvgate serve` alone, no store (kvgate as it runs without replicas);
 - `1 process + store`: the same with `--store` on a redis-server of this benchmark's (the
   sync task runs, admission reads the peers' views; no request waits for the store);
-- `2 workers`: `kvgate serve --workers 2` (SO_REUSEPORT, a private redis-server).
+- `2 workers`: `kvgate serve --workers 2` (SO_REUSEPORT, a private redis-server);
+- `2 processes, no store`: the control: two independent `kvgate serve` on two ports, the
+  client's connections split between them; what two gateway processes do on this machine
+  with nothing shared.
 
 Each stack sits in front of the fast fake engine of `benchmarks/proxy_overhead` (instant
 non-streaming answers, in its own process) with the default policy (`adaptive`) and the
@@ -14,12 +17,15 @@ default access log. The load is closed-loop: `--clients` client processes, each 
 `--connections` keep-alive connections, send `--requests` small non-streaming completions
 in all after a warm-up. Measured per phase:
 
-- throughput (requests / wall time);
+- throughput (requests / wall time), and the answers other than 200 (a gateway that finds
+  its engine's samples stale refuses with 503: the engine shares the cores too);
 - CPU per request of every party, from `/proc/<pid>/task/*/schedstat`: the gateway (all
   its processes: workers, supervisor), its redis-server, the engine, the clients;
 - the cores in use (the parties' CPU over wall time; the machine has 2);
-- store commands per second (redis `INFO commandstats`, every command): the sync ticks,
-  20 per second per process whatever the traffic; no request waits for one.
+- store round trips per second (redis `INFO commandstats`: EVALSHA, EVAL, SCRIPT LOAD):
+  the sync ticks, 20 per second per process whatever the traffic; no request waits for one;
+- what else ran: the machine's busy cores beyond our parties (`/proc/stat`), and the
+  hypervisor's steal time (CPU time the VM's cores were runnable but not running).
 
     .venv/bin/python benchmarks/workers/bench.py [--rounds 3] [--requests 6000]
 """
@@ -49,7 +55,7 @@ import bench as proxy  # noqa: E402  (the fake engine, the client and the CPU re
 
 from kvgate.cluster.redis_server import RedisServer  # noqa: E402
 
-STACKS = ("1 process", "1 process + store", "2 workers")
+STACKS = ("1 process", "1 process + store", "2 workers", "2 processes, no store")
 
 
 @dataclass
@@ -62,6 +68,9 @@ class Phase:
     engine_cpu_s: float
     client_cpu_s: float
     store_commands: int
+    machine_busy_s: float
+    steal_s: float
+    refused: int
 
     @property
     def rps(self) -> float:
@@ -71,13 +80,16 @@ class Phase:
         return cpu_s / self.requests * 1000
 
     @property
+    def ours_s(self) -> float:
+        return self.gateway_cpu_s + self.redis_cpu_s + self.engine_cpu_s + self.client_cpu_s
+
+    @property
     def cores(self) -> float:
-        busy = self.gateway_cpu_s + self.redis_cpu_s + self.engine_cpu_s + self.client_cpu_s
-        return busy / self.wall_s
+        return self.ours_s / self.wall_s
 
-
-def _redis_pids(root: int) -> list[int]:
-    return [p for p in proxy._tree(root) if _comm(p) == "redis-server"]
+    @property
+    def others_cores(self) -> float:
+        return max(0.0, self.machine_busy_s - self.ours_s) / self.wall_s
 
 
 def _comm(pid: int) -> str:
@@ -91,8 +103,20 @@ def _cpu(pids: list[int]) -> float:
     return sum(proxy.cpu_seconds(p) for p in pids)
 
 
+def _machine() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+_ROUND_TRIPS = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_script|load")
+
+
 def _commands(url: str | None) -> int:
-    """Every command the store has run so far (0 without a store)."""
+    """The round trips the store has served so far (0 without a store): the commands
+    clients send, not those the scripts run."""
     if url is None:
         return 0
     import redis
@@ -102,39 +126,52 @@ def _commands(url: str | None) -> int:
         stats = client.info("commandstats")
     finally:
         client.close()
-    return sum(int(v["calls"]) for v in stats.values())
+    return sum(int(stats[name]["calls"]) for name in _ROUND_TRIPS if name in stats)
 
 
 @contextlib.contextmanager
 def start_stack(
     stack: str, engine_port: int, workdir: Path
-) -> Iterator[tuple[int, int, str | None, list[int]]]:
-    """Yields (port, gateway pid, store URL or None, redis pids outside the gateway's tree)."""
-    port = proxy.free_port()
+) -> Iterator[tuple[list[int], list[int], str | None, list[int]]]:
+    """Yields (ports, gateway root pids, store URL or None, redis pids of this benchmark's)."""
     env = proxy.stack_env(engine_port, "adaptive")
-    command = [sys.executable, "-m", "kvgate", "serve", "--port", str(port)]
     redis: RedisServer | None = None
+    extra: list[str] = []
     if stack == "1 process + store":
         redis = RedisServer.start(port=None)
-        command += ["--store", redis.url]
+        extra = ["--store", redis.url]
     elif stack == "2 workers":
-        command += ["--workers", "2"]
-    log = open(workdir / "gateway.log", "wb")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        extra = ["--workers", "2"]
+    count = 2 if stack == "2 processes, no store" else 1
+    ports = [proxy.free_port() for _ in range(count)]
+    logs = [open(workdir / f"gateway-{i}.log", "wb") for i in range(count)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kvgate", "serve", "--port", str(port), *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for port, log in zip(ports, logs, strict=True)
+    ]
     try:
-        proxy.wait_port(port)
+        for port in ports:
+            proxy.wait_port(port)
         time.sleep(2.0)  # workers up, scraper and sync warmed up
-        url = redis.url if redis is not None else _private_store(port)
+        url = redis.url if redis is not None else _private_store(ports[0])
         outside = [redis.process.pid] if redis is not None else []
-        yield port, process.pid, url, outside
+        yield ports, [p.pid for p in processes], url, outside
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for log in logs:
+            log.close()
         if redis is not None:
             redis.stop()
 
@@ -148,49 +185,86 @@ def _private_store(port: int) -> str | None:
     return None if cluster is None else str(cluster["store"])
 
 
-async def client_main(port: int, requests: int, connections: int) -> None:
-    wall = await proxy.nonstream_phase(port, requests, connections)
-    print(json.dumps({"wall_s": wall}), flush=True)
+async def client_phase(port: int, requests: int, connections: int) -> dict[str, int]:
+    """`requests` small completions over `connections` keep-alive connections; the count
+    of answers by status (a refusal is an answer: the benchmark counts it, not stops)."""
+    body = json.dumps({"model": proxy.MODEL, "prompt": "hello world", "max_tokens": 4})
+    payload = proxy._request(port, body.encode())
+    remaining = requests
+    statuses: dict[str, int] = {}
+
+    async def connection() -> None:
+        nonlocal remaining
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while remaining > 0:
+                remaining -= 1
+                writer.write(payload)
+                status = (await proxy._read_response(reader))[9:12].decode()
+                statuses[status] = statuses.get(status, 0) + 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(connection() for _ in range(connections)))
+    return statuses
 
 
-def run_clients(port: int, requests: int, clients: int, connections: int) -> float:
-    """`clients` client processes sharing `requests`; the wall time until all are done
-    (their CPU shows in this process's children times once they have exited)."""
+async def client_main(ports: list[int], requests: int, connections: int) -> None:
+    """The requests and connections split evenly over `ports`."""
+    n = len(ports)
+    results = await asyncio.gather(
+        *(client_phase(p, requests // n, connections // n) for p in ports)
+    )
+    statuses: dict[str, int] = {}
+    for result in results:
+        for status, count in result.items():
+            statuses[status] = statuses.get(status, 0) + count
+    print(json.dumps(statuses), flush=True)
+
+
+def run_clients(
+    ports: list[int], requests: int, clients: int, connections: int
+) -> tuple[float, int]:
+    """`clients` client processes sharing `requests`: (the wall time until all are done,
+    answers other than 200). Their CPU shows in this process's children times once they
+    have exited."""
     share = requests // clients
-    command = [sys.executable, __file__, "client", "--port", str(port),
+    command = [sys.executable, __file__, "client", "--ports", ",".join(map(str, ports)),
                "--requests", str(share), "--connections", str(connections)]  # fmt: skip
-    procs = [subprocess.Popen(command, stdout=subprocess.PIPE) for _ in range(clients)]
     started = time.perf_counter()
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE) for _ in range(clients)]
+    refused = 0
     for p in procs:
         out, _ = p.communicate(timeout=600)
         if p.returncode != 0:
             raise RuntimeError("a client failed")
-        json.loads(out)
-    return time.perf_counter() - started
+        refused += sum(n for status, n in json.loads(out).items() if status != "200")
+    return time.perf_counter() - started, refused
 
 
 def measure(
     stack: str, engine_pid: int, engine_port: int, args: argparse.Namespace, workdir: Path
 ) -> Phase:
-    with start_stack(stack, engine_port, workdir) as (port, gw_pid, store_url, outside):
-        run_clients(port, 500, 1, args.connections)  # warm-up
-        redis_pids = outside or _redis_pids(gw_pid)
-        gw_pids = [p for p in proxy._tree(gw_pid) if p not in redis_pids]
-        before = (
-            _cpu(gw_pids),
-            _cpu(redis_pids),
-            proxy.cpu_seconds(engine_pid),
-            _commands(store_url),
-        )
+    with start_stack(stack, engine_port, workdir) as (ports, roots, store_url, outside):
+        run_clients(ports, 500, 1, args.connections)  # warm-up
+        tree = [p for root in roots for p in proxy._tree(root)]
+        redis_pids = outside or [p for p in tree if _comm(p) == "redis-server"]
+        gw_pids = [p for p in tree if p not in redis_pids]
+
+        def reading() -> tuple[float, float, float, int, tuple[float, float]]:
+            return (
+                _cpu(gw_pids),
+                _cpu(redis_pids),
+                proxy.cpu_seconds(engine_pid),
+                _commands(store_url),
+                _machine(),
+            )
+
+        before = reading()
         children_before = os.times()
-        wall = run_clients(port, args.requests, args.clients, args.connections)
+        wall, refused = run_clients(ports, args.requests, args.clients, args.connections)
         children_after = os.times()
-        after = (
-            _cpu(gw_pids),
-            _cpu(redis_pids),
-            proxy.cpu_seconds(engine_pid),
-            _commands(store_url),
-        )
+        after = reading()
     client_cpu = (children_after.children_user + children_after.children_system) - (
         children_before.children_user + children_before.children_system
     )
@@ -203,6 +277,9 @@ def measure(
         engine_cpu_s=after[2] - before[2],
         client_cpu_s=client_cpu,
         store_commands=after[3] - before[3],
+        machine_busy_s=after[4][0] - before[4][0],
+        steal_s=after[4][1] - before[4][1],
+        refused=refused,
     )
 
 
@@ -214,8 +291,9 @@ def render(phases: dict[str, list[Phase]], args: argparse.Namespace, load: str) 
         f" median of {args.rounds} interleaved rounds (per column); {load}.",
         "",
         "| stack | req/s | gateway CPU ms / req | redis CPU ms / req | engine CPU ms / req"
-        " | client CPU ms / req | cores busy | store commands / s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        " | client CPU ms / req | cores busy (ours) | others' cores | steal"
+        " | store round trips / s | not 200 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for stack, runs in phases.items():
         lines.append(_row(stack, runs))
@@ -233,7 +311,10 @@ def _row(stack: str, runs: list[Phase]) -> str:
         f" | {med(lambda p: p.per_request_ms(p.engine_cpu_s)):.3f}"
         f" | {med(lambda p: p.per_request_ms(p.client_cpu_s)):.3f}"
         f" | {med(lambda p: p.cores):.2f}"
-        f" | {med(lambda p: p.store_commands / p.wall_s):.1f} |"
+        f" | {med(lambda p: p.others_cores):.2f}"
+        f" | {med(lambda p: p.steal_s / p.wall_s / (os.cpu_count() or 1)):.0%}"
+        f" | {med(lambda p: p.store_commands / p.wall_s):.1f}"
+        f" | {sum(p.refused for p in runs)} |"
     )
 
 
@@ -270,7 +351,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     client = sub.add_parser("client", help="one client process (used by `run`)")
-    client.add_argument("--port", type=int, required=True)
+    client.add_argument("--ports", required=True, help="comma-separated")
     client.add_argument("--requests", type=int, required=True)
     client.add_argument("--connections", type=int, default=16)
     bench = sub.add_parser("run", help="measure every stack and print a Markdown table")
@@ -284,7 +365,8 @@ def main() -> int:
 
     if args.command == "client":
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(client_main(args.port, args.requests, args.connections))
+            ports = [int(p) for p in args.ports.split(",")]
+            runner.run(client_main(ports, args.requests, args.connections))
         return 0
     return run(args)
 
