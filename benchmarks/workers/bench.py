@@ -9,7 +9,11 @@ Stacks, interleaved round by round (so load from elsewhere falls on all of them 
 - `2 workers`: `kvgate serve --workers 2` (SO_REUSEPORT, a private redis-server);
 - `2 processes, no store`: the control: two independent `kvgate serve` on two ports, the
   client's connections split between them; what two gateway processes do on this machine
-  with nothing shared.
+  with nothing shared;
+- `2 processes + store`: the same two processes sharing a store (the store's part of
+  `2 workers`, without SO_REUSEPORT);
+- `2 processes + store on one port`: two `kvgate serve` started by hand as workers are
+  (SO_REUSEPORT on one port, one store), without the supervisor.
 
 Each stack sits in front of the fast fake engine of `benchmarks/proxy_overhead` (instant
 non-streaming answers, in its own process) with the default policy (`adaptive`) and the
@@ -55,7 +59,14 @@ import bench as proxy  # noqa: E402  (the fake engine, the client and the CPU re
 
 from kvgate.cluster.redis_server import RedisServer  # noqa: E402
 
-STACKS = ("1 process", "1 process + store", "2 workers", "2 processes, no store")
+STACKS = (
+    "1 process",
+    "1 process + store",
+    "2 workers",
+    "2 processes, no store",
+    "2 processes + store",
+    "2 processes + store on one port",
+)
 
 
 @dataclass
@@ -100,7 +111,15 @@ def _comm(pid: int) -> str:
 
 
 def _cpu(pids: list[int]) -> float:
-    return sum(proxy.cpu_seconds(p) for p in pids)
+    """CPU seconds of exactly these processes (all their threads; not their children)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    stat = Path(f"/proc/{pid}/task/{task}/schedstat").read_text()
+                    total += int(stat.split()[0])
+    return total / 1e9
 
 
 def _machine() -> tuple[float, float]:
@@ -137,13 +156,17 @@ def start_stack(
     env = proxy.stack_env(engine_port, "adaptive")
     redis: RedisServer | None = None
     extra: list[str] = []
-    if stack == "1 process + store":
+    if stack.endswith("+ store") or stack.endswith("one port"):
         redis = RedisServer.start(port=None)
         extra = ["--store", redis.url]
+    if stack.endswith("one port"):
+        extra += ["--as-worker", "2"]
     elif stack == "2 workers":
         extra = ["--workers", "2"]
-    count = 2 if stack == "2 processes, no store" else 1
+    count = 2 if stack.startswith("2 processes") else 1
     ports = [proxy.free_port() for _ in range(count)]
+    if stack.endswith("one port"):
+        ports = [ports[0]] * count
     logs = [open(workdir / f"gateway-{i}.log", "wb") for i in range(count)]
     processes = [
         subprocess.Popen(
@@ -155,7 +178,7 @@ def start_stack(
         for port, log in zip(ports, logs, strict=True)
     ]
     try:
-        for port in ports:
+        for port in set(ports):
             proxy.wait_port(port)
         time.sleep(2.0)  # workers up, scraper and sync warmed up
         url = redis.url if redis is not None else _private_store(ports[0])
@@ -323,13 +346,14 @@ def run(args: argparse.Namespace) -> int:
     engine = subprocess.Popen(
         [sys.executable, str(PROXY_BENCH), "engine", "--port", str(engine_port)]
     )
-    phases: dict[str, list[Phase]] = {s: [] for s in STACKS}
+    stacks = [s for s in STACKS if not args.only or s in args.only.split(",")]
+    phases: dict[str, list[Phase]] = {s: [] for s in stacks}
     load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     try:
         proxy.wait_port(engine_port)
         with tempfile.TemporaryDirectory(prefix="kvgate-workers-") as tmp:
             for round_no in range(args.rounds):
-                for stack in STACKS:
+                for stack in stacks:
                     workdir = Path(tmp) / f"{round_no}-{stack.replace(' ', '_')}"
                     workdir.mkdir()
                     phase = measure(stack, engine.pid, engine_port, args, workdir)
@@ -360,6 +384,7 @@ def main() -> int:
     bench.add_argument("--connections", type=int, default=32, help="per client process")
     bench.add_argument("--rounds", type=int, default=3)
     bench.add_argument("--out", type=Path, help="also write the table to this file")
+    bench.add_argument("--only", help="comma-separated stacks")
     args = parser.parse_args()
     import uvloop
 
