@@ -72,8 +72,8 @@ class RecordingSink:
     def observe(self, node_id: str, sample: NodeSample) -> None:
         self.samples.append((node_id, sample))
 
-    def observe_failure(self, node_id: str) -> None:
-        self.failures.append(node_id)
+    def observe_failure(self, node_id: str, hard: bool = True) -> None:
+        self.failures.append(node_id if hard else f"{node_id} (soft)")
 
     def last(self, node_id: str) -> NodeSample | None:
         found = [s for n, s in self.samples if n == node_id]

@@ -72,3 +72,12 @@ def test_forgotten_engines_are_neither_published_nor_remembered() -> None:
     ledger.record_sample("kept", sample(1.0), 1.0)
     ledger.keep_only({"kept"})
     assert set(ledger.records(1.0, link_at(0.0))) == {"kept"}
+
+
+def test_polls_abandoned_unanswered_are_fed_as_soft_failures() -> None:
+    ledger = SampleLedger()
+    policy = RecordingSink()
+    link = link_at(0.0)
+    ledger.feed("n1", Record(10.0, 1, sample(9.9), soft_failures=2), link, policy)
+    assert policy.failures == ["n1", "n1 (soft)", "n1 (soft)"]
+    assert Record.from_json(Record(1.0, 0, None, 3).to_json()) == Record(1.0, 0, None, 3)

@@ -40,14 +40,16 @@ class Record:
     """One engine as its publisher last saw it; times on the store's clock."""
 
     attempt_at: float
-    failures: int  # consecutive failed scrapes after `sample`
+    failures: int  # consecutive hard failures (refused, reset, bad page) after `sample`
     sample: NodeSample | None  # the last good one (None: none yet)
+    soft_failures: int = 0  # and polls abandoned unanswered (a busy engine, not a dead one)
 
     def to_json(self) -> dict[str, Any]:
         sample = self.sample
         return {
             "at": self.attempt_at,
             "fails": self.failures,
+            "soft": self.soft_failures,
             "sample": None if sample is None else {f: getattr(sample, f) for f in _SAMPLE_FIELDS},
         }
 
@@ -57,15 +59,16 @@ class Record:
         try:
             at = float(data["at"])
             fails = int(data["fails"])
+            soft = int(data.get("soft", 0))
             raw = data["sample"]
             sample = None if raw is None else NodeSample(**{f: raw[f] for f in _SAMPLE_FIELDS})
         except (TypeError, ValueError, KeyError):
             return None
-        if not math.isfinite(at) or fails < 0:
+        if not math.isfinite(at) or fails < 0 or soft < 0:
             return None
         if sample is not None and not isinstance(sample.sampled_at, int | float):
             return None
-        return cls(at, fails, sample)
+        return cls(at, fails, sample, soft)
 
 
 @dataclass(slots=True)
@@ -73,6 +76,7 @@ class _Local:
     attempt_at: float  # local clock
     failures: int
     sample: NodeSample | None
+    soft_failures: int = 0
 
 
 class SampleLedger:
@@ -80,21 +84,23 @@ class SampleLedger:
 
     def __init__(self) -> None:
         self._local: dict[str, _Local] = {}
-        # node -> (store time of the peer sample fed last, failures fed on top of it)
-        self._fed: dict[str, tuple[float | None, int]] = {}
+        # node -> (store time of the peer sample fed last, hard and soft failures fed since)
+        self._fed: dict[str, tuple[float | None, int, int]] = {}
 
     # ---- first hand -------------------------------------------------------------------
 
     def record_sample(self, node_id: str, sample: NodeSample, now: float) -> None:
         self._local[node_id] = _Local(now, 0, sample)
 
-    def record_failure(self, node_id: str, now: float) -> None:
+    def record_failure(self, node_id: str, now: float, hard: bool = True) -> None:
         entry = self._local.get(node_id)
         if entry is None:
-            self._local[node_id] = _Local(now, 1, None)
-        else:
-            entry.attempt_at = now
+            entry = self._local[node_id] = _Local(now, 0, None)
+        entry.attempt_at = now
+        if hard:
             entry.failures += 1
+        else:
+            entry.soft_failures += 1
 
     def records(self, now: float, link: ClockLink) -> dict[str, dict[str, Any]]:
         """The JSON of every recent first-hand record, in store time."""
@@ -105,7 +111,8 @@ class SampleLedger:
             sample = entry.sample
             if sample is not None:
                 sample = replace(sample, sampled_at=link.to_store(sample.sampled_at))
-            out[node_id] = Record(link.to_store(entry.attempt_at), entry.failures, sample).to_json()
+            at = link.to_store(entry.attempt_at)
+            out[node_id] = Record(at, entry.failures, sample, entry.soft_failures).to_json()
         return out
 
     def keep_only(self, node_ids: set[str]) -> None:
@@ -118,18 +125,21 @@ class SampleLedger:
 
     def feed(self, node_id: str, record: Record, link: ClockLink, sink: SignalSink) -> None:
         """Tell `sink` what `record` adds to what was fed before: a newer sample, then the
-        failures counted after it."""
-        fed_at, fed_failures = self._fed.get(node_id, (None, 0))
+        failures counted after it (hard and soft, as the scraper tells them)."""
+        fed_at, fed_hard, fed_soft = self._fed.get(node_id, (None, 0, 0))
         sample = record.sample
         at = None if sample is None else sample.sampled_at
         if sample is not None and at is not None and (fed_at is None or at > fed_at):
             sink.observe(node_id, replace(sample, sampled_at=link.to_local(at)))
-            fed_at, fed_failures = at, 0
-        if at == fed_at and record.failures > fed_failures:
-            for _ in range(min(record.failures - fed_failures, _MAX_FAILURES_FED)):
-                sink.observe_failure(node_id)
-            fed_failures = record.failures
-        self._fed[node_id] = (fed_at, fed_failures)
+            fed_at, fed_hard, fed_soft = at, 0, 0
+        if at == fed_at:
+            for _ in range(min(record.failures - fed_hard, _MAX_FAILURES_FED)):
+                sink.observe_failure(node_id, True)
+            for _ in range(min(record.soft_failures - fed_soft, _MAX_FAILURES_FED)):
+                sink.observe_failure(node_id, False)
+            fed_hard = max(fed_hard, record.failures)
+            fed_soft = max(fed_soft, record.soft_failures)
+        self._fed[node_id] = (fed_at, fed_hard, fed_soft)
 
 
 class SharingSink:
@@ -145,6 +155,6 @@ class SharingSink:
         self._ledger.record_sample(node_id, sample, self._clock.now())
         self._sink.observe(node_id, sample)
 
-    def observe_failure(self, node_id: str) -> None:
-        self._ledger.record_failure(node_id, self._clock.now())
-        self._sink.observe_failure(node_id)
+    def observe_failure(self, node_id: str, hard: bool = True) -> None:
+        self._ledger.record_failure(node_id, self._clock.now(), hard)
+        self._sink.observe_failure(node_id, hard)
