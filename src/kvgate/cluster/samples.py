@@ -23,9 +23,9 @@ from kvgate.cluster.participant import SignalSink
 from kvgate.core.clock import Clock
 from kvgate.core.signals import NodeSample
 
-#: A record whose last attempt is older than this means its publisher stopped polling
-#: (dead, isolated or moved on): the engine is scraped locally again. Well inside the
-#: core's `stale_after_s` (1 s by default), so the node stays fresh through a handover.
+#: An owner whose view was published longer ago than this stopped ticking (dead,
+#: isolated, stalled): its engines are scraped locally again. Well inside the core's
+#: `stale_after_s` (1 s by default), so a node stays fresh through a handover.
 SHARED_FRESH_S = 0.5
 #: First-hand records are published while their last attempt is this recent.
 PUBLISH_FOR_S = 1.0

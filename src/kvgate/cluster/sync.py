@@ -31,9 +31,11 @@ engine is scraped locally again, since nobody's samples arrive. It keeps trying,
 period at first, then backing off to `RETRY_MAX_S`; the first good tick (a restarted, empty
 store included: each replica simply beats itself back in) returns to normal, no restart.
 
-**Shards in flux.** An engine whose owner's record is older than `SHARED_FRESH_S` (the
-owner died, is isolated, or does not know the engine yet) is scraped locally until the
-owner's samples come back, so no engine goes unwatched through a handover.
+**Shards in flux.** An engine whose owner has not published a view for `SHARED_FRESH_S`
+(it died, or is isolated), or does not say that it polls the engine (it does not know it
+yet), is scraped locally until the owner's samples come back, so no engine goes unwatched
+through a handover. A live owner that is slow to get an answer from a busy engine keeps
+it: a poll may take seconds, and every replica polling that engine would load it more.
 
 A replica that is not in sync first reconnects (`ClusterStore.prepare`, bounded by
 `PREPARE_TIMEOUT_S`), and only then exchanges under `SYNC_TIMEOUT_S`: a connection
@@ -248,6 +250,7 @@ class ClusterSync:
             "pid": os.getpid(),
             "state": self.state,
             "scrapes": sorted(n for n in self.served_nodes() if n not in self._remote),
+            "at": self.link.to_store(now) if self.link.known else None,
         }
         return Envelope(core if isinstance(core, dict) else {}, samples, meta)
 
@@ -271,9 +274,7 @@ class ClusterSync:
             owner = self.shards[node_id]
             if owner == me:
                 continue
-            owner_view = self._peers.get(owner)
-            record = None if owner_view is None else owner_view.record(node_id)
-            if record is not None and self.link.to_local(record.attempt_at) >= now - SHARED_FRESH_S:
+            if self._served_by(owner, node_id, now):
                 remote.add(node_id)
         self._remote = frozenset(remote)
         views_in = [env.core for env in self._peers.values() if env is not None]
@@ -313,6 +314,19 @@ class ClusterSync:
         self.stats.isolations_total += 1
         self.stats.isolated_since = self.clock.now()
         self._call(self.participant.set_isolated, members)
+
+    def _served_by(self, owner: str, node_id: str, now: float) -> bool:
+        """Does `owner` poll `node_id` for us: its view was published lately, says it polls
+        the engine and holds a record of it? The age of the record does not matter: the
+        poll of a busy engine may take seconds (the scraper waits for it), and polling it
+        from every replica then would only load it more."""
+        env = self._peers.get(owner)
+        if env is None or node_id not in (env.meta.get("scrapes") or ()):
+            return False
+        published = env.meta.get("at")
+        if not isinstance(published, int | float):
+            return False
+        return self.link.to_local(published) >= now - SHARED_FRESH_S and node_id in env.samples
 
     def _newest_record(self, node_id: str) -> Record | None:
         newest: Record | None = None
