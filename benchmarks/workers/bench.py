@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,41 +209,15 @@ def _private_store(port: int) -> str | None:
     return None if cluster is None else str(cluster["store"])
 
 
-async def client_phase(port: int, requests: int, connections: int) -> dict[str, int]:
-    """`requests` small completions over `connections` keep-alive connections; the count
-    of answers by status (a refusal is an answer: the benchmark counts it, not stops)."""
-    body = json.dumps({"model": proxy.MODEL, "prompt": "hello world", "max_tokens": 4})
-    payload = proxy._request(port, body.encode())
-    remaining = requests
-    statuses: dict[str, int] = {}
-
-    async def connection() -> None:
-        nonlocal remaining
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            while remaining > 0:
-                remaining -= 1
-                writer.write(payload)
-                status = (await proxy._read_response(reader))[9:12].decode()
-                statuses[status] = statuses.get(status, 0) + 1
-        finally:
-            writer.close()
-
-    await asyncio.gather(*(connection() for _ in range(connections)))
-    return statuses
-
-
 async def client_main(ports: list[int], requests: int, connections: int) -> None:
-    """The requests and connections split evenly over `ports`."""
+    """The requests and connections split evenly over `ports`; prints the count of
+    answers other than 200 (a refusal is an answer: counted, not a reason to stop)."""
     n = len(ports)
-    results = await asyncio.gather(
-        *(client_phase(p, requests // n, connections // n) for p in ports)
+    refused: Counter[int] = Counter()
+    await asyncio.gather(
+        *(proxy.nonstream_phase(p, requests // n, refused, connections // n) for p in ports)
     )
-    statuses: dict[str, int] = {}
-    for result in results:
-        for status, count in result.items():
-            statuses[status] = statuses.get(status, 0) + count
-    print(json.dumps(statuses), flush=True)
+    print(json.dumps({str(status): count for status, count in refused.items()}), flush=True)
 
 
 def run_clients(

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from conftest import FakeEngine, free_port
 from gateway.helpers import until_ready
+
+from kvgate.testing import FakeEngine, free_port
 
 CLIENT_TIMEOUT_S = 5.0  # a request not answered within this is a hang
 SCRAPE_INTERVAL_S = 0.1  # lighter than the default 50 ms on a 2-core machine

@@ -18,11 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FakeEngine
 from gateway.helpers import until_ready
 
-from kvgate.cluster.redis_server import RedisServer, free_port
+from kvgate.cluster.redis_server import RedisServer
 from kvgate.cluster.sync import REMOVAL_BOUND_S
+from kvgate.testing import FakeEngine, free_port
 
 from .conftest import DelayProxy
 from .helpers import (

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from conftest import FakeEngine, eventually
+from kvgate.testing import FakeEngine, eventually
 
 
 async def test_workers_without_a_store_or_redis_server_say_what_they_need() -> None:

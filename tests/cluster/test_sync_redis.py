@@ -8,12 +8,12 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import eventually
 
-from kvgate.cluster.redis_server import RedisServer, free_port
+from kvgate.cluster.redis_server import RedisServer
 from kvgate.cluster.redis_store import RedisStore
 from kvgate.cluster.sync import ClusterSync
 from kvgate.core.clock import MonotonicClock
+from kvgate.testing import eventually, free_port
 
 from .conftest import DelayProxy, RecordingParticipant, RecordingSink
 

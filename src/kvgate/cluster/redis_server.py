@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvgate.children import die_with_parent, stop
+from kvgate.testing.ports import free_port
 
 REDIS_SERVER = "redis-server"
 _START_TIMEOUT_S = 10.0
@@ -31,14 +32,6 @@ class RedisServerUnavailable(RuntimeError):
 def find_redis_server() -> str | None:
     """The path of the `redis-server` executable, or None when it is not installed."""
     return shutil.which(REDIS_SERVER)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class RedisServer:
