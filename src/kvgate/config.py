@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
+from kvgate.cluster.settings import StoreSettings
 from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.gateway.security.settings import AuthSettings
 from kvgate.gateway.settings import LimitSettings, ServerSettings, UpstreamSettings
@@ -40,6 +41,7 @@ class KvgateConfig(BaseSettings):
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
 
     @field_validator("backends", mode="before")
     @classmethod

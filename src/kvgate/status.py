@@ -134,6 +134,7 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
         "released_tokens_per_s": base.get("released_tokens_per_s"),
         "counters": _obj(raw.get("counters")) or _obj(raw.get("gateway")),
         "scrape": _obj(raw.get("scrape")) or _obj(raw.get("scraper")),
+        "cluster": _obj(raw.get("cluster")),
     }
 
 
@@ -183,7 +184,41 @@ def rates(old: Totals | None, new: Totals) -> dict[str, float] | None:
 def render(state: dict[str, Any], per_second: dict[str, float] | None = None) -> RenderableType:
     """The whole screen: cluster summary, then one row per node (worst first)."""
     state = normalize(state)
-    return Group(_cluster_table(state, per_second), _node_table(state))
+    parts: list[RenderableType] = [_cluster_table(state, per_second)]
+    if state["cluster"]:
+        parts.append(_replica_table(state["cluster"]))
+    parts.append(_node_table(state))
+    return Group(*parts)
+
+
+def _replica_table(cluster: dict[str, Any]) -> Table:
+    """The replicas sharing this gateway's admission state, and who polls which engine."""
+    sync = _obj(cluster.get("sync"))
+    health = str(cluster.get("state", "?"))
+    style = {"synced": "green", "isolated": "bold red"}.get(health, "yellow")
+    last = _num(sync.get("last_latency_ms"))
+    title = Text.assemble(
+        f"replicas ({_fmt(_num(cluster.get('replicas')))}) · store {cluster.get('store', '?')} ",
+        (health.upper(), style),
+        f" · sync {_fmt(last)} ms" if last is not None else "",
+    )
+    table = Table(title=title, show_header=True)
+    for column in ("replica", "host", "pid", "state", "owns", "polls"):
+        table.add_column(column, justify="right" if column == "pid" else "left")
+    for member in cluster.get("members") or []:
+        member = _obj(member)
+        mark = " (this one)" if member.get("self") else ""
+        table.add_row(
+            f"{member.get('id', '?')}{mark}",
+            str(member.get("host") or ""),
+            _fmt(_num(member.get("pid"))),
+            str(member.get("state") or ""),
+            _fmt(len(member.get("owns") or [])),
+            _fmt(len(member.get("scrapes") or [])),
+        )
+    if sync.get("last_error"):
+        table.caption = f"last store error: {sync['last_error']}"
+    return table
 
 
 def _cluster_table(state: dict[str, Any], per_second: dict[str, float] | None) -> Table:
@@ -246,9 +281,21 @@ def _node_table(state: dict[str, Any]) -> Table:
         table.add_column(column, justify="left" if column in ("node", "state") else "right")
     for column in ("running", "waiting", "iter. latency", "scrape"):
         table.add_column(column, justify="right")
+    polled_here = _polled_here(state)
     for node_id in sorted(nodes, key=lambda n: (_severity(nodes[n]), _natural(n))):
-        table.add_row(*_node_cells(node_id, nodes[node_id], _obj(scrape.get(node_id))))
+        cells = _node_cells(node_id, nodes[node_id], _obj(scrape.get(node_id)))
+        if polled_here is not None and node_id not in polled_here:
+            cells[-1] = "shared"  # polled by another replica, its samples taken from the store
+        table.add_row(*cells)
     return table
+
+
+def _polled_here(state: dict[str, Any]) -> set[str] | None:
+    """The engines this replica polls itself (None: not one of several replicas)."""
+    for member in _obj(state.get("cluster")).get("members") or []:
+        if _obj(member).get("self"):
+            return set(_obj(member).get("scrapes") or [])
+    return None
 
 
 def _node_cells(node_id: str, node: dict[str, Any], scrape: dict[str, Any]) -> list[Any]:

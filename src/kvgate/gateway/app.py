@@ -20,6 +20,9 @@ import orjson
 
 from kvgate.adapters.backend import Backend, unique
 from kvgate.adapters.push import MAX_PUSH_BYTES, PushValidationError, parse_push
+from kvgate.cluster.replica import join
+from kvgate.cluster.sync import ClusterSync
+from kvgate.cluster.telemetry import ClusterCollector
 from kvgate.config import KvgateConfig
 from kvgate.core.clock import Clock, MonotonicClock
 from kvgate.core.cost import CostEstimator
@@ -47,7 +50,9 @@ class Gateway:
     `load_config` re-reads the configuration the gateway was started from (its file, the
     environment and the command line): with it, SIGHUP and `POST /admin/reload` apply a
     changed list of backends, API keys and tenant limits without a restart (see
-    kvgate.gateway.engines.backend_set).
+    kvgate.gateway.engines.backend_set). With `store.url` it is one replica of many that
+    admit as one (kvgate.cluster); `replicas` is how many to assume while the store has
+    never been reached (`kvgate serve --workers N`).
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class Gateway:
         backends: list[Backend] | None = None,
         load_config: Callable[[], KvgateConfig] | None = None,
         resolver: Resolver = resolve_ipv4,
+        replicas: int = 1,
     ) -> None:
         self.config = config
         self._load_config = load_config
@@ -96,6 +102,9 @@ class Gateway:
             spawn=self.spawn,
         )
         self.scraper: Scraper | None = None
+        #: With `store.url`: this replica's link to the others (started by `running`).
+        self.cluster: ClusterSync | None = None
+        self.replicas = replicas
         self._group: asyncio.TaskGroup | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.routes: dict[tuple[str, str], ASGIApp] = {
@@ -178,6 +187,7 @@ class Gateway:
                 try:
                     await self._discover()  # before the scraper: it starts with every node
                     self.spawn(self._watch_dns())
+                    self._join_replicas()
                     self._start_scraper()
                     self.spawn(self.catalog.refresh())
                     yield self
@@ -200,14 +210,30 @@ class Gateway:
         task.add_done_callback(self._background.discard)
         return task
 
+    def _join_replicas(self) -> None:
+        """With a store: share admission state and engine samples with the other replicas."""
+        if not self.config.store.url:
+            return
+        self.cluster = join(
+            self.config.store.url,
+            self.admission,
+            self.clock,
+            nodes=lambda: [b.node_id for b in self.backends],
+            expected_members=self.replicas,
+        )
+        self.metrics.registry.register(ClusterCollector(self.cluster))
+        self.spawn(self.cluster.run())
+
     def _start_scraper(self) -> None:
+        cluster = self.cluster
         self.scraper = Scraper(
             self.backends,
             self.config.scrape,
-            self.admission,
+            self.admission if cluster is None else cluster.sink,
             None,
             self.clock,
             stale_after_s=self.config.admission.stale_after_s,
+            polls=None if cluster is None else cluster.scrapes,
         )
         self.metrics.scraper_stats = self.scraper.snapshot
         self.metrics.scraper_node_stats = self.scraper.stats
@@ -331,6 +357,7 @@ class Gateway:
             "time": self.clock.now(),
             "policy": self.admission.snapshot(),
             "scraper": None if self.scraper is None else self.scraper.snapshot(),
+            "cluster": None if self.cluster is None else self.cluster.snapshot(),
             "gateway": {
                 **self.metrics.counters(),
                 "backends": [
@@ -403,8 +430,9 @@ class Gateway:
             raise GatewayError(
                 400, f"Unknown node id(s): {', '.join(unknown)}.", "unknown_node", param="node"
             )
+        sink = self.admission if self.cluster is None else self.cluster.sink  # shared with peers
         for node_id, sample in samples:
-            self.admission.observe(node_id, sample)
+            sink.observe(node_id, sample)
         return len(samples)
 
     def _draining(self) -> bool:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +20,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
+
+from kvgate.children import die_with_parent, stop
 
 log = logging.getLogger("kvgate.serve")
 
@@ -52,6 +52,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="uvicorn (HTTP/1.1, fastest) or hypercorn (HTTP/2: h2c, or h2 over TLS)",
     )
     parser.add_argument("--log-level", help="log level (default info)")
+    parser.add_argument(
+        "--store",
+        metavar="URL",
+        help="Redis the replicas share, to admit as one gateway"
+        " (redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N processes sharing the port and a store (a private redis-server if no --store)",
+    )
+    # One of N workers started by --workers N: listen with SO_REUSEPORT.
+    parser.add_argument("--as-worker", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,6 +76,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "server.server": args.server,
         "server.log_level": args.log_level,
         "admission.policy": args.policy,
+        "store.url": args.store,
     }
     if args.backend:
         overrides["backends"] = [{"url": url} for url in args.backend]
@@ -72,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
 
     from kvgate.config import load_config
 
+    if args.workers < 1:
+        print("kvgate serve: --workers must be at least 1", file=sys.stderr)
+        return 2
     overrides = _overrides(args)
     try:
         config = load_config(args.config, **overrides)
@@ -91,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
             )
             overrides["backends"] = [{"url": u} for u in sim.urls]
             config = load_config(args.config, **overrides)
+        if args.workers > 1 and not args.as_worker:
+            return _serve_workers(args, config, overrides)
         # What SIGHUP and /admin/reload re-read: the same file, environment and flags
         # (backends given with --backend, or the simulator's, stay as they are).
-        return _serve(config, lambda: load_config(args.config, **overrides))
+        return _serve(config, lambda: load_config(args.config, **overrides), args.as_worker)
     except SimulatorError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 1
@@ -102,19 +123,39 @@ def run(args: argparse.Namespace) -> int:
             sim.stop()
 
 
-def _serve(config: Any, reread: Callable[[], Any]) -> int:
+def _serve_workers(args: argparse.Namespace, config: Any, overrides: dict[str, Any]) -> int:
+    """`--workers N`: this process supervises N `kvgate serve` workers (kvgate.cluster.workers)."""
+    from kvgate.cluster.workers import serve_workers
+
+    flags = {"--config": args.config, "--policy": args.policy, "--server": args.server,
+             "--log-level": args.log_level}  # fmt: skip
+    worker_args = [part for flag, value in flags.items() if value for part in (flag, value)]
+    for backend in overrides.get("backends") or []:  # --backend, or the simulator's
+        worker_args += ["--backend", backend["url"]]
+    server = config.server
+    return serve_workers(
+        args.workers,
+        worker_args,
+        host=server.host,
+        port=server.port,
+        store_url=config.store.url,
+        drain_timeout_s=server.drain_timeout_s,
+    )
+
+
+def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0) -> int:
     from kvgate.gateway.app import Gateway
     from kvgate.gateway.http.server import bind_socket, run_server
     from kvgate.gateway.relay.tokenizers import TokenizerLoadError
 
     server = config.server
     try:
-        sock = bind_socket(server.host, server.port)
+        sock = bind_socket(server.host, server.port, reuse_port=as_worker > 0)
     except OSError as exc:
         print(f"kvgate serve: cannot listen on {server.host}:{server.port}: {exc}", file=sys.stderr)
         return 1
     try:
-        gateway = Gateway(config, load_config=reread)
+        gateway = Gateway(config, load_config=reread, replicas=max(1, as_worker))
     except TokenizerLoadError as exc:
         sock.close()
         print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
@@ -182,7 +223,7 @@ class SimulatorProcess:
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
         sim = cls(process, [])
         try:
@@ -220,23 +261,7 @@ class SimulatorProcess:
         raise SimulatorError(f"the simulator was not ready within {timeout_s:.0f} s")
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to SIGTERM it when the gateway dies."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        stop(self.process, timeout_s)
 
 
 def _healthy(url: str) -> bool:

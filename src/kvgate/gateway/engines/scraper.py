@@ -36,7 +36,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -166,6 +166,8 @@ class Scraper:
     scraper's own keep-alive client (`LeanHttpFetcher`), closed when `run()` ends.
     `clock` stamps the samples on the core's time base; `stale_after_s` is the core's
     (`admission.stale_after_s`): it sizes the hang bound and the back-off.
+    `polls(node_id)`, when given, is asked before each poll: False skips it (a replica of a
+    cluster skips the engines another replica polls for it, see kvgate.cluster.sync).
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class Scraper:
         clock: Clock,
         *,
         stale_after_s: float = _STALE_AFTER_S,
+        polls: Callable[[str], bool] | None = None,
     ) -> None:
         ids = [b.node_id for b in backends]
         if len(set(ids)) != len(ids):
@@ -189,6 +192,7 @@ class Scraper:
         self._owns_fetcher = fetcher is None
         self._fetcher: MetricsFetcher = LeanHttpFetcher() if fetcher is None else fetcher
         self._clock = clock
+        self._polls = polls
         self._stats: dict[str, NodeStats] = {}
         # Nodes whose adapter can ask for a narrowed page: node id -> its URL. Which page
         # a node is polled on is decided by `_check_narrowed_page`, node by node.
@@ -334,6 +338,9 @@ class Scraper:
             delay = next_at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if self._polls is not None and not self._polls(backend.node_id):
+                next_at += self._interval  # another replica polls it and shares its samples
+                continue
             due = self._check_due.get(backend.node_id)
             if due is not None and loop.time() >= due:
                 # Beside the polls, which go on with the full page meanwhile: a slow check

@@ -36,11 +36,17 @@ log = logging.getLogger(__name__)
 _SERVER_GRACE_S = 3.0
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0 picks a free one; read it from `getsockname()`)."""
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket (port 0 picks a free one; read it from `getsockname()`).
+
+    `reuse_port`: SO_REUSEPORT, so that several worker processes listen on one port and
+    the kernel spreads the connections over them (`kvgate serve --workers N`).
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.setblocking(False)

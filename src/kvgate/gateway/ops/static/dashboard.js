@@ -195,6 +195,7 @@
       released_tokens_per_s: base.released_tokens_per_s,
       counters: obj(raw.counters) || obj(raw.gateway) || {},
       scrape: obj(raw.scrape) || obj(raw.scraper) || {},
+      cluster: obj(raw.cluster),
       raw,
     };
   }
@@ -457,6 +458,11 @@
   }
 
   function scrapeInfo(state, id) {
+    const me = selfMember(state);
+    if (me && Array.isArray(me.scrapes) && !me.scrapes.includes(id)) {
+      const owner = obj(state.cluster.shards)?.[id];
+      return { text: "shared", title: `polled by replica ${owner ?? "?"}; samples from the store` };
+    }
     const s = obj(obj(state.scrape)?.[id]) || obj(obj(obj(state.scrape)?.nodes)?.[id]);
     if (!s) return { text: "–", title: "" };
     const lat = num(first(s, ["latency_s", "last_latency_s", "scrape_latency_s"]));
@@ -609,6 +615,33 @@
     if (el.innerHTML !== text) el.innerHTML = text;
   }
 
+  // ---------- replicas ----------
+  function selfMember(state) {
+    const members = state.cluster && Array.isArray(state.cluster.members) ? state.cluster.members : [];
+    return members.find((m) => obj(m) && m.self) || null;
+  }
+
+  function renderReplicas(state) {
+    const c = state.cluster;
+    const section = $("replicas");
+    if (section.hidden !== !c) section.hidden = !c;
+    if (!c) return;
+    const sync = obj(c.sync) || {};
+    const lat = num(sync.last_latency_ms);
+    const summary = `(${fmtNum(num(c.replicas))}) · store ${c.store ?? "?"} ` +
+      `${String(c.state ?? "?").toUpperCase()}${lat !== null ? ` · sync ${fmtNum(lat, 2)} ms` : ""}` +
+      (sync.last_error ? ` · last error: ${sync.last_error}` : "");
+    if ($("replica-summary").textContent !== summary) $("replica-summary").textContent = summary;
+    section.classList.toggle("alert", c.state === "isolated");
+    const rowsHtml = (Array.isArray(c.members) ? c.members : []).map((m) => {
+      const cell = (v, cls) => `<td${cls ? ` class="${cls}"` : ""}>${escapeHtml(v ?? "")}</td>`;
+      const count = (a) => (Array.isArray(a) ? a.length : "–");
+      return `<tr>${cell(m.id + (m.self ? " (this one)" : ""))}${cell(m.host)}${cell(m.pid, "num")}` +
+        `${cell(m.state)}${cell(count(m.owns), "num")}${cell(count(m.scrapes), "num")}</tr>`;
+    }).join("");
+    if ($("replica-rows").innerHTML !== rowsHtml) $("replica-rows").innerHTML = rowsHtml;
+  }
+
   function escapeHtml(s) {
     return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
   }
@@ -624,6 +657,7 @@
     renderTiles(lastState);
     renderCharts();
     renderNodes(lastState, false);
+    renderReplicas(lastState);
     renderReasons();
     renders++;
     renderMs.push(performance.now() - t0);

@@ -1,0 +1,52 @@
+"""What one replica publishes in the store each tick: its *view*, as one JSON blob.
+
+    {"v": 1,
+     "core": {...},        # the core's local_view(): holds, demand, tenants, fairness
+     "samples": {...},     # engine id -> record (kvgate.cluster.samples), first hand
+     "meta": {...}}        # host, pid, state and which engines it scrapes: for operators
+
+A blob that is not valid JSON of this version is ignored (that member still counts as a
+member: its holds are unknown, not absent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from kvgate.cluster.samples import Record
+
+VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    core: dict[str, Any]
+    samples: dict[str, Any]  # raw JSON records, parsed on demand
+    meta: dict[str, Any]
+
+    def encode(self) -> bytes:
+        return orjson.dumps(
+            {"v": VERSION, "core": self.core, "samples": self.samples, "meta": self.meta},
+            option=orjson.OPT_NON_STR_KEYS,
+        )
+
+    def record(self, node_id: str) -> Record | None:
+        raw = self.samples.get(node_id)
+        return None if raw is None else Record.from_json(raw)
+
+
+def decode(blob: bytes) -> Envelope | None:
+    """The envelope in `blob`, or None when it is not one this version can read."""
+    try:
+        data = orjson.loads(blob)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("v") != VERSION:
+        return None
+    core, samples, meta = data.get("core"), data.get("samples"), data.get("meta")
+    if not (isinstance(core, dict) and isinstance(samples, dict) and isinstance(meta, dict)):
+        return None
+    return Envelope(core, samples, meta)

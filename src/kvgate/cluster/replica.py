@@ -1,0 +1,42 @@
+"""How a gateway becomes one replica of many: its store from the URL, and its admission
+core (the flow controller) as both the participant whose views are exchanged and the sink
+of the engine samples other replicas scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from kvgate.cluster.participant import ClusterParticipant, SignalSink
+from kvgate.cluster.redis_store import RedisStore
+from kvgate.cluster.sync import ClusterSync, new_member_id
+from kvgate.core.clock import Clock
+
+
+class Admission(ClusterParticipant, SignalSink, Protocol):
+    """The core object a replica shares: views out and in, samples in."""
+
+    replica: str
+
+
+def join(
+    url: str,
+    admission: Admission,
+    clock: Clock,
+    *,
+    nodes: Callable[[], Iterable[str]],
+    expected_members: int = 1,
+) -> ClusterSync:
+    """The sync task of one replica (not started: the caller owns `run()`). The admission
+    core takes the member id as its replica name, the one its views carry."""
+    member_id = new_member_id()
+    admission.replica = member_id
+    return ClusterSync(
+        RedisStore(url, client_name=f"kvgate-{member_id}"),
+        admission,
+        admission,
+        clock,
+        nodes=nodes,
+        expected_members=expected_members,
+        member_id=member_id,
+    )
