@@ -50,6 +50,7 @@ from kvgate.gateway.http.errors import (
 from kvgate.gateway.http.h1client import H1Response
 from kvgate.gateway.http.scope import CancelScope, ScopeCancelled
 from kvgate.gateway.ops.telemetry import GatewayMetrics, log_access
+from kvgate.gateway.relay.context import check_context
 from kvgate.gateway.relay.upstream import (
     HOP_BY_HOP,
     ModelCatalog,
@@ -85,6 +86,8 @@ class CostEstimator(Protocol):
 
     def estimate(self, model: str, body: dict[str, Any]) -> RequestCost: ...
 
+    def longest_prompt(self, model: str, body: dict[str, Any]) -> tuple[int, bool]: ...
+
     def learn(self, model: str, estimated_prompt: int, actual_prompt_tokens: int) -> None: ...
 
 
@@ -115,6 +118,7 @@ class Exchange:
     completion_tokens: int | None = None
     retried: bool = False
     estimated_prompt: int = 0
+    reason: str | None = None  # why the gateway answered an error itself
     # SSE data events relayed so far (a stream's tokens, or more when an engine merges
     # several into one event), and those received after the client's disconnect was noticed.
     events: int = 0
@@ -227,6 +231,7 @@ class Relay:
             )
         except GatewayError as err:
             ex.status = err.status
+            ex.reason = _reason(err)
             if ex.ending == "done":
                 ex.ending = "rejected" if err.status in (429, 503) else "bad_request"
             ex.first_byte_at = time.monotonic()
@@ -266,12 +271,17 @@ class Relay:
     ) -> tuple[RequestCost, tuple[str, ...], ParsedRequest]:
         parsed = parse_completion(body)
         ex.model = parsed.model
+        prompt = "messages" if ex.route.endswith("/chat/completions") else "prompt"
+        if prompt not in parsed.data:
+            raise _bad(f"`{prompt}` is required.", prompt)
         try:
             cost = self.estimator.estimate(parsed.model, parsed.data)
         except ValueError as exc:
             raise _bad(f"{exc}.", getattr(exc, "param", None)) from None
         ex.estimated_prompt = cost.prompt_tokens
         nodes = await self._nodes_for(parsed.model)
+        limit = self.catalog.max_model_len(parsed.model)
+        check_context(limit, parsed.model, parsed.data, cost, self.estimator)
         return cost, nodes, parsed
 
     async def _passthrough_plan(
@@ -616,6 +626,7 @@ class Relay:
                 "ttft_s": None if first is None else _us(first - ex.started),
                 "total_s": _us(total),
                 "ending": ex.ending,
+                "reason": ex.reason,
                 "retried": ex.retried,
             }
         )
@@ -852,6 +863,15 @@ def _rejection(decision: Reject, *, after_failure: bool) -> GatewayError:
     if status == 429 and decision.reason == "tenant_limit":  # security.auth.TenantGate
         code = "tenant_limit_exceeded"
     return GatewayError(status, decision.message, code, headers=headers)
+
+
+def _reason(err: GatewayError) -> str:
+    """Why the gateway refused, for the access log: the `x-kvgate-reason` it sends, else
+    the error's code."""
+    for name, value in err.headers:
+        if name == b"x-kvgate-reason":
+            return value.decode("latin-1")
+    return str(err.code)
 
 
 def _response_headers(
