@@ -1,7 +1,7 @@
 """kvgate's whole configuration: one YAML file, overridden by `KVGATE_*` variables.
 
 Precedence, highest first: command-line flags, environment (`KVGATE_SERVER__PORT=9000`,
-`KVGATE_ADMISSION__POLICY=seed`, `KVGATE_BACKENDS='[{"url": "..."}]'`), the YAML file,
+`KVGATE_SERVER__LOG_FORMAT=json`, `KVGATE_BACKENDS='[{"url": "..."}]'`), the YAML file,
 the defaults below. Every key is documented by its `description`, from which the README's
 reference table is generated (`kvgate config-doc`), so docs and code cannot drift.
 

@@ -31,11 +31,11 @@ SIM_START_TIMEOUT_S = 60.0
 _URL_RE = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
 
 EPILOG = """\
-settings: every flag has a configuration key; a key without a flag is set in the YAML
-file or in the environment as KVGATE_<SECTION>__<KEY> (e.g. KVGATE_SERVER__PORT=9000,
-KVGATE_ADMISSION__POLICY=seed, KVGATE_BACKENDS='["http://gpu-1:8000"]'). Flags beat the
-environment, which beats the file. `kvgate config-doc` lists every key with its default
-and meaning.
+settings: every configuration key can be set in the YAML file (--config) or in the
+environment as KVGATE_<SECTION>__<KEY>, e.g. KVGATE_SERVER__ADMIN_TOKEN=...,
+KVGATE_SCRAPE__INTERVAL_S=0.1, KVGATE_BACKENDS='["http://gpu-1:8000"]'; the flags above
+set the most common ones. Flags beat the environment, which beats the file.
+`kvgate config-doc` lists every key with its default and meaning.
 
 Without any backend (no --backend, none in the file or the environment) kvgate starts
 the built-in engine simulator (--sim-nodes x --sim-preset) and stops it on exit.
