@@ -271,9 +271,9 @@ class Relay:
     ) -> tuple[RequestCost, tuple[str, ...], ParsedRequest]:
         parsed = parse_completion(body)
         ex.model = parsed.model
-        prompt = "messages" if ex.route.endswith("/chat/completions") else "prompt"
-        if prompt not in parsed.data:
-            raise _bad(f"`{prompt}` is required.", prompt)
+        if "messages" not in parsed.data and "prompt" not in parsed.data:
+            field = "messages" if ex.route.endswith("/chat/completions") else "prompt"
+            raise _bad(f"`{field}` is required.", field)
         try:
             cost = self.estimator.estimate(parsed.model, parsed.data)
         except ValueError as exc:
