@@ -13,8 +13,10 @@ Access lines (one per request, `kvgate.access`) skip `LogRecord`s: the relay han
 to `telemetry.log_access`, which writes it in batches (`telemetry.BufferedLineWriter`; a
 record and a write per request cost ~15% of the relay's CPU). They carry the same leading
 fields: in `json` the record's keys follow `time`, `level` and `logger` in one object; in
-`text` the record is the message, as compact JSON. They are written at level `info`: a
-higher `--log-level` turns them off.
+`text` the record is the message, as compact JSON. Their timestamps are formatted once a
+second (`_Stamps`): a line costs ~0.8-1.0 µs more than the bare `orjson.dumps` of its
+record (timeit, side by side). They are written at level `info`: a higher `--log-level`
+turns them off.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
-            "time": _stamps.iso(record.created),
+            "time": _iso(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -73,50 +75,54 @@ def setup_logging(level: str, fmt: LogFormat) -> None:
 
 def access_line(fmt: LogFormat) -> Callable[[dict[str, Any]], bytes]:
     """How an access record becomes its line, in `fmt` (see the module docstring)."""
+    stamps = _Stamps(json=fmt == "json")
     if fmt == "json":
         head = b'","level":"info","logger":"' + ACCESS_LOGGER.encode() + b'",'
 
         def as_json(record: dict[str, Any]) -> bytes:
-            body = orjson.dumps(record)
-            return b'{"time":"' + _stamps.iso(time.time()).encode() + head + body[1:]
+            return b'{"time":"' + stamps.now() + head + orjson.dumps(record)[1:]
 
         return as_json
     tail = b" INFO " + ACCESS_LOGGER.encode() + b": "
 
     def as_text(record: dict[str, Any]) -> bytes:
-        return _stamps.local(time.time()).encode() + tail + orjson.dumps(record)
+        return stamps.now() + tail + orjson.dumps(record)
 
     return as_text
 
 
+#: Milliseconds as three digits, made once.
+_MILLIS = [b"%03d" % ms for ms in range(1000)]
+
+
 class _Stamps:
-    """Timestamps for log lines, formatted once per second (an access line per request).
+    """Access-line timestamps (a line per request): the date and time are formatted once
+    per second, the milliseconds looked up. `json`: UTC, ISO 8601
+    (`2026-12-01T14:40:07.123Z`); else local time as `logging.Formatter`'s default
+    (`2026-12-01 14:40:07,123`). Used from the event loop's thread only."""
 
-    The cached second and its two renderings live in one tuple, replaced at once: threads
-    that log (the simulator's output reader) never see a half-updated cache.
-    """
+    __slots__ = ("_head", "_json", "_second", "_tail")
 
-    def __init__(self) -> None:
-        self._cached: tuple[int, str, str] = (-1, "", "")
+    def __init__(self, *, json: bool) -> None:
+        self._json = json
+        self._second = -1
+        self._head = b""
+        self._tail = b"Z" if json else b""
 
-    def _at(self, now: float) -> tuple[tuple[int, str, str], int]:
+    def now(self) -> bytes:
+        now = time.time()
         second = int(now)
-        cached = self._cached
-        if cached[0] != second:
-            iso = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-            local = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
-            cached = self._cached = (second, iso, local)
-        return cached, int((now - second) * 1000)
-
-    def iso(self, now: float) -> str:
-        """UTC, ISO 8601, milliseconds: `2026-12-01T14:40:07.123Z`."""
-        (_, iso, _), ms = self._at(now)
-        return f"{iso}.{ms:03d}Z"
-
-    def local(self, now: float) -> str:
-        """As `logging.Formatter`'s default `asctime`: local time, comma, milliseconds."""
-        (_, _, local), ms = self._at(now)
-        return f"{local},{ms:03d}"
+        if second != self._second:
+            if self._json:
+                text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
+            else:
+                text = time.strftime("%Y-%m-%d %H:%M:%S,", time.localtime(second))
+            self._head = text.encode()
+            self._second = second
+        return self._head + _MILLIS[int((now - second) * 1000)] + self._tail
 
 
-_stamps = _Stamps()
+def _iso(created: float) -> str:
+    """UTC, ISO 8601, milliseconds: `2026-12-01T14:40:07.123Z`."""
+    millis = int((created - int(created)) * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{millis:03d}Z"
