@@ -95,3 +95,22 @@ async def test_text_logs_tls_flags_and_a_simulator_of_chosen_size(tmp_path: Path
     assert b"started the built-in simulator (1 x gpu-8b)" in log
     assert b"kvgate listening on https://" in log
     assert all(TEXT_LINE.match(line) for line in log.splitlines()), log.decode()
+
+
+async def test_an_embedded_gateway_binds_its_metrics_address_itself(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    metrics = f"127.0.0.1:{free_port()}"
+    gw = await gateway_factory([fake_engine.url], overrides={"server.metrics_listen": metrics})
+    async with httpx.AsyncClient() as client:
+        hidden = await client.get(gw.url + "/metrics")
+        scraped = await client.get(f"http://{metrics}/metrics")
+        refused = await client.post(f"http://{metrics}/metrics")
+    assert hidden.status_code == 404
+    assert scraped.status_code == 200 and b"kvgate_requests_in_flight" in scraped.content
+    assert refused.status_code == 405
+    gw.server.stop()
+    await gw.task
+    with pytest.raises(httpx.ConnectError):  # the metrics server stops with the gateway
+        async with httpx.AsyncClient() as client:
+            await client.get(f"http://{metrics}/metrics")
