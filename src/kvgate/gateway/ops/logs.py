@@ -63,6 +63,7 @@ def setup_logging(level: str, fmt: LogFormat) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # Python's warnings too (logger `py.warnings`)
     access = logging.getLogger(ACCESS_LOGGER)
     access.propagate = False
     access.setLevel(logging.CRITICAL + 1)  # lines go to the batched writer, or nowhere
