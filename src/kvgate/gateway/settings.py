@@ -32,8 +32,9 @@ class ServerSettings(BaseModel):
     )
     admin_token: str | None = Field(
         None,
-        description="Bearer token that `POST /admin/signals` and `POST /admin/reload` require"
-        " (both are refused while it is unset).",
+        description="Bearer token of the admin routes: `POST /admin/signals` and"
+        " `POST /admin/reload` always need it (refused while it is unset); with API keys,"
+        " `/admin/*` and `/dashboard` need it too.",
     )
     metrics_listen: str | None = Field(
         None,
