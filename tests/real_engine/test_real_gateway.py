@@ -312,7 +312,7 @@ async def test_over_long_requests_get_the_engines_own_400_from_kvgate(
 ) -> None:
     """What vLLM refuses for its length (max_model_len 2048), kvgate refuses itself in the
     engine's words, without sending it; what vLLM serves cut short, kvgate sends."""
-    gateway = start_gateway(**TOLERANT_OF_SLOW_SCRAPES)
+    gateway = start_gateway()
     long_ids = {"model": MODEL_NAME, "prompt": list(range(10, 3010)), "max_tokens": 10}
     much_output = {**CHAT, "max_tokens": 3000}
     # 1,000 + 1,100 tokens: over the context, served with the output cut at 2,048 - 1,000.
