@@ -147,22 +147,6 @@ def access_lines(log: bytes) -> list[dict[str, Any]]:
     return records
 
 
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    """A throwaway certificate and key for 127.0.0.1, made with the openssl CLI."""
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
-            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
-            *("-keyout", str(key), "-out", str(cert)),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
-    return cert, key
-
-
 def openai_error(body: bytes) -> dict[str, Any]:
     """The `error` object of an OpenAI-shaped error body, checked for its four keys."""
     data = orjson.loads(body)

@@ -4,7 +4,6 @@ metrics flags, and what `--backend` does to the file's backends."""
 from __future__ import annotations
 
 import re
-import shutil
 import ssl
 import subprocess
 import sys
@@ -13,9 +12,9 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from conftest import FakeEngine, free_port
 
-from gateway.helpers import access_lines, kvgate_serve, self_signed, until_ready
+from gateway.helpers import access_lines, kvgate_serve, until_ready
+from kvgate.testing import FakeEngine, free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -76,9 +75,10 @@ async def test_json_logs_metrics_address_and_backend_flag(
     ]
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-async def test_text_logs_tls_flags_and_a_simulator_of_chosen_size(tmp_path: Path) -> None:
-    cert, key = self_signed(tmp_path)
+async def test_text_logs_tls_flags_and_a_simulator_of_chosen_size(
+    tmp_path: Path, self_signed: tuple[Path, Path]
+) -> None:
+    cert, key = self_signed
     args = ("--sim-nodes", "1", "--sim-preset", "gpu-8b", "--certfile", str(cert))
     args += ("--keyfile", str(key))
     async with kvgate_serve(*args, cwd=tmp_path, stop_within=20.0) as served:

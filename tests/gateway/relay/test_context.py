@@ -3,28 +3,16 @@ and never sent; one that only the estimator's safety margin would push over is s
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Callable
+from typing import Any
 
 import httpx
-import pytest
-from conftest import FakeEngine
 
-from kvgate.sim.engine import Engine
 from kvgate.sim.presets import CPU_TINY
 from kvgate.sim.server import SimServer
 
 LIMIT = CPU_TINY.max_model_len  # 2048, listed by the simulator's /v1/models as vLLM does
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[SimServer]:
-    # The fake engine's model name, so that one test can put both behind one gateway.
-    server = SimServer(Engine(CPU_TINY, seed=0), model_name="fake-model")
-    await server.start("127.0.0.1", 0)
-    try:
-        yield server
-    finally:
-        await server.close()
+MODEL = "sim-llama"
 
 
 def _relayed(gw: object) -> int:
@@ -34,32 +22,32 @@ def _relayed(gw: object) -> int:
 
 
 async def test_over_the_context_is_the_engines_400_without_sending(
-    sim: SimServer, gateway_factory
+    sim_server: SimServer, gateway_factory
 ) -> None:
-    gw = await gateway_factory([f"http://127.0.0.1:{sim.port}"])
+    gw = await gateway_factory([f"http://127.0.0.1:{sim_server.port}"])
     await gw.gateway.catalog.refresh()
-    assert gw.gateway.catalog.max_model_len("fake-model") == LIMIT
+    assert gw.gateway.catalog.max_model_len(MODEL) == LIMIT
     async with httpx.AsyncClient(base_url=gw.url) as client:
         ids = list(range(10, 3010))  # exactly 3,000 tokens
         long_ids = await client.post(
-            "/v1/completions", json={"model": "fake-model", "prompt": ids, "max_tokens": 10}
+            "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 10}
         )
         output = await client.post(
             "/v1/chat/completions",
-            json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                   "max_tokens": 3000},
         )  # fmt: skip
         # 8,800 characters: 2,200 tokens at 4 characters per token, margin or not.
         long_text = await client.post(
             "/v1/completions",
-            json={"model": "fake-model", "prompt": "abcd" * 2200, "max_tokens": 10},
+            json={"model": MODEL, "prompt": "abcd" * 2200, "max_tokens": 10},
         )
         relayed_before = _relayed(gw)
         # A batch: each prompt alone fits, as vLLM checks them, so it is sent (the simulator
         # then answers that it serves one prompt per request).
         batch = await client.post(
             "/v1/completions",
-            json={"model": "fake-model", "prompt": ["abcd" * 400] * 3, "max_tokens": 4},
+            json={"model": MODEL, "prompt": ["abcd" * 400] * 3, "max_tokens": 4},
         )
     assert long_ids.status_code == 400
     assert long_ids.json() == {
@@ -87,14 +75,14 @@ async def test_over_the_context_is_the_engines_400_without_sending(
     assert "x-kvgate-reason" not in batch.headers and _relayed(gw) == 1
 
 
-async def test_only_the_unscaled_estimate_counts(sim: SimServer, gateway_factory) -> None:
+async def test_only_the_unscaled_estimate_counts(sim_server: SimServer, gateway_factory) -> None:
     """1,950 tokens by the estimator's ratio, 2,145 with its 1.1 safety factor: the margin
     must not refuse a prompt the engine takes (the simulator counts 4 characters a token)."""
-    gw = await gateway_factory([f"http://127.0.0.1:{sim.port}"])
+    gw = await gateway_factory([f"http://127.0.0.1:{sim_server.port}"])
     async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
         response = await client.post(
             "/v1/completions",
-            json={"model": "fake-model", "prompt": "abcd" * 1950, "max_tokens": 50},
+            json={"model": MODEL, "prompt": "abcd" * 1950, "max_tokens": 50},
         )
     # vLLM serves a prompt that fits and cuts the output at the limit; so does the sim.
     assert response.status_code == 200, response.text
@@ -103,17 +91,18 @@ async def test_only_the_unscaled_estimate_counts(sim: SimServer, gateway_factory
 
 
 async def test_no_limit_is_assumed_when_a_backend_does_not_list_one(
-    sim: SimServer, fake_engine: FakeEngine, gateway_factory
+    sim_server: SimServer, engine_factory: Callable[..., Any], gateway_factory
 ) -> None:
-    """The fake engine lists `fake-model` without `max_model_len`: its limit is unknown,
-    so the gateway checks nothing and the engines decide."""
-    gw = await gateway_factory([f"http://127.0.0.1:{sim.port}", fake_engine.url])
+    """A fake engine lists the simulator's model without `max_model_len`: its limit is
+    unknown, so the gateway checks nothing and the engines decide."""
+    fake = await engine_factory(model=MODEL)
+    gw = await gateway_factory([f"http://127.0.0.1:{sim_server.port}", fake.url])
     async with httpx.AsyncClient(base_url=gw.url) as client:
         await gw.gateway.catalog.refresh()
-        assert gw.gateway.catalog.max_model_len("fake-model") is None
+        assert gw.gateway.catalog.max_model_len(MODEL) is None
         response = await client.post(
             "/v1/completions",
-            json={"model": "fake-model", "prompt": list(range(3000)), "max_tokens": 10},
+            json={"model": MODEL, "prompt": list(range(3000)), "max_tokens": 10},
         )
     assert response.headers.get("x-kvgate-reason") != "context_length"
     assert _relayed(gw) == 1
