@@ -323,8 +323,10 @@ async def test_over_long_requests_get_the_engines_own_400_from_kvgate(
             ("/v1/chat/completions", much_output),
             ("/v1/completions", {**cut_short, **VLLM_ONLY}),
         ]:
-            direct = await client.post(idle_engine.url + path, json=body)
+            # Through kvgate first: the engine's own answer must not leave KV in use that
+            # kvgate's next sample would still show.
             relayed = await client.post(gateway.url + path, json=body)
+            direct = await client.post(idle_engine.url + path, json=body)
             assert relayed.status_code == direct.status_code, (body, relayed.text)
             if direct.status_code == 400:
                 assert relayed.json() == direct.json()
