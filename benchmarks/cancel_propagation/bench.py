@@ -105,7 +105,7 @@ async def run(trials: int) -> str:
     engine = await FakeEngine().start()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    env["KVGATE_SERVER__ACCESS_LOG"] = "false"
+    env["KVGATE_SERVER__LOG_LEVEL"] = "warning"  # no access lines
     backend = f"http://127.0.0.1:{engine.port}"
     cmd = ["-m", "kvgate", "serve", "--port", str(port), "--policy", "none", "--backend", backend]
     gateway = await asyncio.create_subprocess_exec(

@@ -4,7 +4,7 @@
 
 Deterministic and independent of machine load: what the live simulator produces when it
 keeps up, to set against the real engine's figures measured on a quiet machine
-(shared/real-vllm/README.md).
+(scripts/real-vllm/README.md).
 """
 
 from __future__ import annotations

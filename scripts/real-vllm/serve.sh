@@ -2,8 +2,7 @@
 # Start the real vLLM (CPU build) OpenAI-compatible server on 127.0.0.1 with a deliberately
 # small KV cache, serving the tiny random-weight model installed by
 # scripts/install-real-vllm.sh. Runs in the foreground; stop it with SIGTERM (2-4 s).
-# (A copy of ../shared/real-vllm/serve.sh that also honours KVGATE_VLLM_ROOT, so CI needs
-# nothing outside the repository but the package registries.)
+# What the engine is and what was measured with it: README.md beside this script.
 #
 # Usage: serve.sh [PORT]          (default 8000)
 # Env knobs (defaults in brackets):

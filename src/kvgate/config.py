@@ -1,22 +1,28 @@
 """kvgate's whole configuration: one YAML file, overridden by `KVGATE_*` variables.
 
 Precedence, highest first: command-line flags, environment (`KVGATE_SERVER__PORT=9000`,
-`KVGATE_ADMISSION__POLICY=seed`, `KVGATE_BACKENDS='[{"url": "..."}]'`), the YAML file,
+`KVGATE_SERVER__LOG_FORMAT=json`, `KVGATE_BACKENDS='[{"url": "..."}]'`), the YAML file,
 the defaults below. Every key is documented by its `description`, from which the README's
 reference table is generated (`kvgate config-doc`), so docs and code cannot drift.
+
+Whatever is wrong with a configuration (an unreadable file, malformed YAML, a bad value)
+is raised as one `ConfigError` whose message names the file position or the key, made
+for a human reading a terminal: `kvgate serve` prints it and exits with status 2.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
@@ -65,18 +71,66 @@ class KvgateConfig(BaseSettings):
         return env_settings, init_settings
 
 
+#: Keys whose values an error message never repeats.
+_SECRET = re.compile(r"key|token|password", re.IGNORECASE)
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message says where and why."""
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> KvgateConfig:
     """Read the YAML file (if any), apply `KVGATE_*`, then the caller's overrides.
 
-    `overrides` use dotted keys for nested settings: `{"server.port": 9000}`.
+    `overrides` use dotted keys for nested settings: `{"server.port": 9000}`. Raises
+    ConfigError.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
+    try:
+        return _load(path, overrides)
+    except ValidationError as exc:
+        raise ConfigError(describe(exc)) from None
+    except SettingsError as exc:  # a KVGATE_* variable that does not parse
+        raise ConfigError(f"{exc} (lists and sections are given as JSON)") from None
+
+
+def describe(exc: ValidationError) -> str:
+    """A validation error as `key: problem (got value)`, one per line when there are several."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        key = ".".join(str(part) for part in error["loc"]) or "configuration"
+        message = error["msg"].removeprefix("Value error, ")
+        value = error.get("input")
+        shown = not (isinstance(value, dict | list) or value is None or _SECRET.search(key))
+        got = f" (got {value!r})" if shown and repr(value) not in message else ""
+        problems.append(f"{key}: {message}{got}")
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:" + "".join(f"\n  {p}" for p in problems)
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
         text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text") from None
+    try:
         loaded = yaml.safe_load(text) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: the top level of a config file must be a mapping")
-        data = loaded
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = " ".join(p for p in (exc.context, exc.problem) if p)
+        raise ConfigError(f"{where}: not valid YAML: {what}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level of a config file must be a mapping")
+    return loaded
+
+
+def _load(path: str | Path | None, overrides: dict[str, Any]) -> KvgateConfig:
+    data = _read_yaml(path) if path is not None else {}
     config = KvgateConfig(**data)
     if not overrides:
         return config

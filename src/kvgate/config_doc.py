@@ -72,6 +72,6 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
 
 def reference_table() -> str:
     """Markdown table of every key: `section.key`, default, meaning."""
-    env = "Environment: `KVGATE_<SECTION>__<KEY>`, e.g. `KVGATE_ADMISSION__POLICY=seed`."
+    env = "Environment: `KVGATE_<SECTION>__<KEY>`, e.g. `KVGATE_SERVER__LOG_FORMAT=json`."
     head = ["| key | default | meaning |", "| --- | --- | --- |"]
     return "\n".join([*head, *_rows(KvgateConfig, "")]) + "\n\n" + env

@@ -9,6 +9,7 @@ every `--interval` seconds and adds per-second rates derived from the counters.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -327,23 +328,36 @@ def _node_cells(node_id: str, node: dict[str, Any], scrape: dict[str, Any]) -> l
 
 
 def _watch(args: argparse.Namespace, console: Console) -> int:
-    """Redraw until Ctrl-C (or `--count` frames); an unreachable gateway is shown, not fatal."""
+    """Redraw until Ctrl-C (or `--count` frames); an unreachable gateway is shown, not fatal.
+
+    On a terminal each frame replaces the last; redirected to a file or a pipe, frames are
+    appended one after the other, each flushed at once (a `tail -f` sees it as it comes).
+    """
     from rich.live import Live
 
     previous: Totals | None = None
     shown = 0
-    with Live(console=console, auto_refresh=False, screen=False) as live:
+    live = Live(console=console, auto_refresh=False, screen=False) if console.is_terminal else None
+
+    def show(frame: RenderableType) -> None:
+        if live is not None:
+            live.update(frame, refresh=True)
+        else:
+            console.print(frame)
+            console.file.flush()
+
+    with live if live is not None else contextlib.nullcontext():
         try:
             while args.count is None or shown < args.count:
                 started = time.monotonic()
                 try:
                     state = fetch_state(args.url, args.admin_token, args.timeout)
                 except StatusError as exc:
-                    live.update(Text(f"error: {exc} (retrying)", style="red"), refresh=True)
+                    show(Text(f"error: {exc} (retrying)", style="red"))
                     previous = None
                 else:
                     current = totals(state, started)
-                    live.update(render(state, rates(previous, current)), refresh=True)
+                    show(render(state, rates(previous, current)))
                     previous = current
                 shown += 1
                 if args.count is not None and shown >= args.count:

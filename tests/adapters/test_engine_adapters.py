@@ -11,7 +11,7 @@ from kvgate.adapters.base import HistogramDelta, MetricScanner, MetricsParseErro
 
 from .pages import drop_lines, page, replace_line
 
-# ---- vLLM: pages/vllm.txt, a copy of ../shared/real-vllm/metrics_sample.txt --------------
+# ---- vLLM: pages/vllm.txt, a whole page of the real engine (scripts/real-vllm/) ----------
 
 
 def test_vllm_real_page() -> None:

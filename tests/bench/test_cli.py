@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,35 @@ def test_bad_arguments_get_a_message_not_a_traceback(
 ) -> None:
     assert main(["bench", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+_WITHOUT_BENCH_EXTRA = """
+import sys
+sys.modules["numpy"] = None  # as if `pip install kvgate` had not brought the bench extra
+sys.modules["matplotlib"] = None
+from kvgate.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _without_extra(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_BENCH_EXTRA, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_help_works_and_a_run_names_the_extra_without_it() -> None:
+    helped = _without_extra("bench", "--help")
+    assert helped.returncode == 0, helped.stderr
+    for option in ("virtual,live-sim,live-vllm", "--loads", "--policies", "--quick"):
+        assert option in helped.stdout
+    assert "pip install 'kvgate[bench]'" in " ".join(helped.stdout.split())
+    for argv in (["bench", "virtual", "--quick"], ["bench", "virtual", "--policies", "seed"]):
+        ran = _without_extra(*argv)
+        assert ran.returncode == 2 and "Traceback" not in ran.stderr
+        assert ran.stderr.strip() == (
+            "kvgate bench needs the Python package 'numpy': pip install 'kvgate[bench]'"
+        )

@@ -148,3 +148,20 @@ def test_learning_counts_the_prompt_once_and_only_its_estimated_part() -> None:
     # An estimate it never made teaches nothing.
     est.learn("other", 12345, 10)
     assert est.ratio("other") == 4.0
+
+
+def test_longest_prompt_is_what_an_engine_compares_with_its_context() -> None:
+    """Per prompt (not summed over a batch or `n`), and estimated without the margin."""
+    est = estimator(chars_per_token=4.0)  # safety factor 1.1
+    assert est.longest_prompt("m", {"prompt": list(range(3000))}) == (3000, True)
+    assert est.longest_prompt("m", {"prompt": "x" * 400, "n": 4}) == (100, False)
+    assert est.estimate("m", {"prompt": "x" * 400}).prompt_tokens == math.ceil(100 * 1.1)
+    batch = {"prompt": ["x" * 40, list(range(50)), "x" * 80]}
+    assert est.longest_prompt("m", batch) == (50, True)
+    chat = {"messages": [{"role": "user", "content": "x" * 400}]}
+    tokens, exact = est.longest_prompt("m", chat)
+    assert tokens == math.ceil((len("user") + 400 + MESSAGE_OVERHEAD_CHARS) / 4) and not exact
+    tok = train_tokenizer()
+    exact_est = CostEstimator(AdmissionSettings(), tokenizers={"exact": tok})
+    text = "the quick brown fox jumps over the lazy dog"
+    assert exact_est.longest_prompt("exact", {"prompt": text}) == (len(tok.encode(text).ids), True)

@@ -136,6 +136,17 @@ async def until_ready(client: httpx.AsyncClient, within: float = 15.0) -> bool:
     return False
 
 
+def access_lines(log: bytes) -> list[dict[str, Any]]:
+    """The access records in a `kvgate serve` log, in either log format."""
+    records = []
+    for line in log.splitlines():
+        if b'"logger":"kvgate.access"' in line:  # json: one object per line
+            records.append(orjson.loads(line))
+        elif b" INFO kvgate.access: " in line:  # text: the record is the message
+            records.append(orjson.loads(line.split(b" INFO kvgate.access: ", 1)[1]))
+    return records
+
+
 def openai_error(body: bytes) -> dict[str, Any]:
     """The `error` object of an OpenAI-shaped error body, checked for its four keys."""
     data = orjson.loads(body)

@@ -6,10 +6,9 @@ import asyncio
 import time
 
 import httpx
-import orjson
 import pytest
 
-from gateway.helpers import RawClient, kvgate_serve, until_ready
+from gateway.helpers import RawClient, access_lines, kvgate_serve, until_ready
 from kvgate.testing import FakeEngine
 
 
@@ -60,8 +59,7 @@ async def test_kvgate_serve_relays_and_exits_cleanly_on_sigterm(fake_engine: Fak
         assert response.status_code == 200
     stderr = served.stderr
     assert served.returncode == 0, stderr.decode()
-    access = [orjson.loads(line) for line in stderr.splitlines() if line.startswith(b'{"id"')]
-    assert [line["id"] for line in access] == ["cli-1"]
+    assert [line["id"] for line in access_lines(stderr)] == ["cli-1"]
     assert b"Traceback" not in stderr
 
 

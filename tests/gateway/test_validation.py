@@ -45,6 +45,24 @@ async def test_malformed_requests_are_400(fake_engine: FakeEngine, gateway_facto
     assert not fake_engine.completions()
 
 
+async def test_a_missing_prompt_is_named_by_the_route(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    """A body with neither `prompt` nor `messages`: the error names the one the route
+    needs (`prompt` for `/v1/completions`, `messages` for chat)."""
+    gw = await gateway_factory([fake_engine.url])
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        for route, body, field in [
+            ("/v1/completions", {"model": "fake-model"}, "prompt"),
+            ("/v1/chat/completions", {"model": "fake-model"}, "messages"),
+        ]:
+            response = await client.post(route, json=body)
+            assert response.status_code == 400, (route, body)
+            error = openai_error(response.content)
+            assert error["param"] == field and f"`{field}` is required" in error["message"]
+    assert not fake_engine.completions()
+
+
 async def test_bad_priority_is_400(fake_engine: FakeEngine, gateway_factory) -> None:
     gw = await gateway_factory([fake_engine.url])
     async with httpx.AsyncClient(base_url=gw.url) as client:

@@ -53,7 +53,7 @@ def _stop(process: subprocess.Popen[str]) -> None:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "KVGATE_SERVER__ACCESS_LOG": "false"}
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def _start_sim(nodes: int, port: int) -> subprocess.Popen[str]:

@@ -2,7 +2,7 @@
 
 Every query must name a metric that kvgate or vLLM really exports: kvgate's are read from
 a live gateway's `/metrics`, vLLM's from a real engine's page
-(`shared/real-vllm/metrics_sample.txt`, or its copy under tests/adapters/pages/).
+(`tests/adapters/pages/vllm.txt`).
 With `promtool` installed (Debian's `prometheus` package) the config, the rules, the
 rules' unit tests and every dashboard query are also checked by Prometheus itself.
 """

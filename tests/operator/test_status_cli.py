@@ -6,6 +6,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from opview_synthetic import SyntheticCluster, router, serve
@@ -133,3 +134,27 @@ def test_status_reads_a_real_gateway(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "policy adaptive" in out
     assert "engine-a" in out
+
+
+def test_watch_redirected_to_a_file_writes_each_frame_at_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`kvgate status --watch > file` (no --count: stopped from outside, as a user does)."""
+    cluster = SyntheticCluster(2)
+    out = tmp_path / "status.txt"
+    env = {**os.environ, "NO_COLOR": "1"}
+    env.pop("KVGATE_SERVER__ADMIN_TOKEN", None)
+    with serve(router(cluster.state)) as url, out.open("w") as sink:
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "kvgate", "status", "--watch", "--url", url, "--interval=0.2"],
+            stdout=sink,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        try:
+            deadline = time.monotonic() + 20
+            while out.read_text().count("policy adaptive") < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            frames = out.read_text().count("policy adaptive")
+        finally:
+            watcher.terminate()
+            watcher.wait(10)
+    assert frames >= 2, out.read_text()

@@ -307,6 +307,35 @@ async def test_chat_relays_exactly(openai_client: AsyncOpenAI, idle_engine: Serv
     assert usage is not None and usage.completion_tokens == 16
 
 
+async def test_over_long_requests_get_the_engines_own_400_from_kvgate(
+    start_gateway: GatewayFactory, idle_engine: ServerProcess
+) -> None:
+    """What vLLM refuses for its length (max_model_len 2048), kvgate refuses itself in the
+    engine's words, without sending it; what vLLM serves cut short, kvgate sends."""
+    gateway = start_gateway()
+    long_ids = {"model": MODEL_NAME, "prompt": list(range(10, 3010)), "max_tokens": 10}
+    much_output = {**CHAT, "max_tokens": 3000}
+    # 1,000 + 1,100 tokens: over the context, served with the output cut at 2,048 - 1,000.
+    cut_short = {"model": MODEL_NAME, "prompt": list(range(10, 1010)), "max_tokens": 1100}
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        for path, body in [
+            ("/v1/completions", long_ids),
+            ("/v1/chat/completions", much_output),
+            ("/v1/completions", {**cut_short, **VLLM_ONLY}),
+        ]:
+            # Through kvgate first: the engine's own answer must not leave KV in use that
+            # kvgate's next sample would still show.
+            relayed = await client.post(gateway.url + path, json=body)
+            direct = await client.post(idle_engine.url + path, json=body)
+            assert relayed.status_code == direct.status_code, (body, relayed.text)
+            if direct.status_code == 400:
+                assert relayed.json() == direct.json()
+                assert relayed.headers["x-kvgate-reason"] == "context_length"
+            else:
+                assert "x-kvgate-reason" not in relayed.headers
+                assert relayed.json()["usage"]["completion_tokens"] == 2048 - 1000
+
+
 async def test_an_engine_added_by_a_reload_is_scraped_and_served(
     tmp_path: Path, idle_engine: ServerProcess
 ) -> None:

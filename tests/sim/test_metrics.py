@@ -11,8 +11,8 @@ from kvgate.sim.metrics import MetricsPage, only_samples
 from kvgate.sim.presets import CPU_TINY
 from kvgate.testing import overloaded_engine
 
-# The real vLLM CPU engine's page after an overload (a committed copy of
-# ../shared/real-vllm/metrics_sample.txt, so the test needs nothing outside the repository).
+# The real vLLM CPU engine's page after an overload (committed in
+# tests/adapters/pages/vllm.txt, so the test needs nothing outside the repository).
 REAL_SAMPLE = Path(__file__).resolve().parents[1] / "adapters" / "pages" / "vllm.txt"
 REQUIRED = {
     "vllm:kv_cache_usage_perc": "gauge",

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from kvgate.adapters import adapter_for
 from kvgate.adapters.base import EngineAdapter
-from kvgate.adapters.settings import BackendSettings
+from kvgate.adapters.settings import BackendSettings, http_url
 
 _DEFAULT_METRICS_PATH = {"trtllm": "/prometheus/metrics"}
 _TRITON_METRICS_PORT = 8002
@@ -30,7 +30,7 @@ class Backend:
 
     @classmethod
     def from_settings(cls, settings: BackendSettings) -> Backend:
-        base_url = _normalise(settings.url)
+        base_url = http_url(settings.url)
         return cls(
             node_id=settings.name or host_port(base_url),
             base_url=base_url,
@@ -59,13 +59,6 @@ def unique(backends: list[Backend]) -> list[Backend]:
             raise ValueError(f"two backends share the node id {b.node_id!r}: give them names")
         seen.add(b.node_id)
     return backends
-
-
-def _normalise(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"backend URL {url!r} must be http(s)://host[:port][/path]")
-    return url.rstrip("/")
 
 
 def host_port(url: str) -> str:

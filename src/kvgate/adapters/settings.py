@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 EngineKind = Literal["vllm", "sglang", "trtllm", "triton", "tgi", "llamacpp"]
 
@@ -36,12 +36,27 @@ class BackendSettings(BaseModel):
         ),
     )
 
+    @field_validator("url", "metrics_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            http_url(value)
+        return value
+
     @model_validator(mode="after")
     def _discovered_over_http(self) -> BackendSettings:
         # A pod's certificate names the service, not the pod address kvgate would dial.
         if self.discover == "dns" and urlsplit(self.url).scheme != "http":
             raise ValueError("`discover: dns` needs an http:// URL (TLS names the service)")
         return self
+
+
+def http_url(url: str) -> str:
+    """`url` without its trailing slash; a ValueError unless it is http(s)://host[...]."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not a URL: expected http(s)://host[:port][/path]")
+    return url.rstrip("/")
 
 
 class ScrapeSettings(BaseModel):

@@ -4,7 +4,8 @@
     kvgate bench live-sim [--nodes 2 --duration 60 ...]   # HTTP: kvgate serve -> kvgate sim
     kvgate bench live-vllm [--duration 90 ...]            # HTTP: the real vLLM CPU engine
 
-Every mode measures the sustainable capacity first (or takes `--capacity-scale`), then
+Needs the `bench` extra (`pip install 'kvgate[bench]'`: numpy, matplotlib); its help does
+not. Every mode measures the sustainable capacity first (or takes `--capacity-scale`), then
 runs each load x policy x seed on the same seeded workload and writes `report.md`, PNG
 plots and `results.json` into `--out`.
 """
@@ -15,8 +16,6 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-
-from kvgate.bench.profiles import DEFAULT_POLICIES, POLICIES
 
 DEFAULT_LOADS = "0.5,1,2,3"
 
@@ -36,6 +35,8 @@ def _ints(text: str) -> list[int]:
 
 
 def _policies(text: str) -> list[str]:
+    from kvgate.bench.profiles import DEFAULT_POLICIES, POLICIES  # the bench extra (numpy)
+
     names = list(DEFAULT_POLICIES) if text == "all" else [x.strip() for x in text.split(",") if x]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:

@@ -46,7 +46,7 @@ REAL_VLLM_LOCK = Path(
     or Path(os.environ.get("KVGATE_VLLM_ROOT") or _CACHE / "kvgate-vllm") / "engine.lock"
 )
 REAL_VLLM_SERVE = Path(
-    os.environ.get("KVGATE_REAL_VLLM_SERVE", str(REPO.parent / "shared/real-vllm/serve.sh"))
+    os.environ.get("KVGATE_REAL_VLLM_SERVE", str(REPO / "scripts/real-vllm/serve.sh"))
 )
 
 console = Console(stderr=True)

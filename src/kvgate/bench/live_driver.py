@@ -45,8 +45,10 @@ def _gateway_env(spec: RunSpec, engines: list[str], port: int, scrape_s: float) 
         "KVGATE_ADMISSION__SEED": str(spec.seed),
         "KVGATE_SERVER__PORT": str(port),
         "KVGATE_SERVER__HOST": "127.0.0.1",
-        "KVGATE_SERVER__ACCESS_LOG": os.environ.get("KVGATE_BENCH_ACCESS_LOG", "false"),
-        "KVGATE_SERVER__LOG_LEVEL": "warning",
+        # Access lines are written at info: on only when asked.
+        "KVGATE_SERVER__LOG_LEVEL": (
+            "info" if os.environ.get("KVGATE_BENCH_ACCESS_LOG") == "true" else "warning"
+        ),
     }
     for key, value in spec.policy_overrides.items():
         env[f"KVGATE_ADMISSION__{key.upper()}"] = str(value)

@@ -120,6 +120,29 @@ class CostEstimator:
             self._remember(model, tokens, chars, exact)
         return RequestCost(prompt_tokens=tokens, max_output_tokens=output)
 
+    def longest_prompt(self, model: str, body: dict[str, Any]) -> tuple[int, bool]:
+        """The tokens of the body's longest prompt, and whether that count is exact.
+
+        What an engine compares with its context limit: each prompt of a batch alone (and
+        `n` copies of one prompt are one prompt). Token ids are exact; text is counted by
+        the model's tokenizer if it has one (exact, but for the allowance a chat template
+        adds per message), else converted at its learned ratio *without*
+        `prompt_safety_factor`: the factor keeps reservations on the safe side, and must
+        not make a prompt look longer than it is to a check that refuses it for its length.
+        Raises CostError like `estimate`.
+        """
+        prompt = body.get("prompt") if "messages" not in body else None
+        if isinstance(prompt, list) and prompt and not all(isinstance(v, int) for v in prompt):
+            parts = [self._measure_prompt(item) if item else _Prompt() for item in prompt]
+        else:
+            parts = [self._measure(body)]
+        longest, exact = 0, True
+        for part in parts:
+            counted, chars, approx = self._prompt_tokens(model, part, factor=1.0)
+            if counted + approx > longest:
+                longest, exact = counted + approx, chars == 0 and not part.messages
+        return longest, exact
+
     def learn(self, model: str, estimated_prompt: int, actual_prompt_tokens: int) -> None:
         """Move the model's chars-per-token ratio towards what the engine actually counted.
 
@@ -220,8 +243,11 @@ class CostEstimator:
                 raise CostError("`prompt` items must be strings or arrays of token ids", "prompt")
         return prompt
 
-    def _prompt_tokens(self, model: str, prompt: _Prompt) -> tuple[int, int, int]:
-        """(exact tokens, characters left to estimate, their estimated tokens)."""
+    def _prompt_tokens(
+        self, model: str, prompt: _Prompt, factor: float | None = None
+    ) -> tuple[int, int, int]:
+        """(exact tokens, characters left to estimate, their estimated tokens), the estimate
+        multiplied by `factor` (default: `prompt_safety_factor`)."""
         chars = prompt.chars
         exact = prompt.exact_tokens
         tokenizer = self.tokenizer(model) if chars else None
@@ -233,7 +259,9 @@ class CostEstimator:
             chars -= MESSAGE_OVERHEAD_CHARS * prompt.messages
         if chars <= 0:
             return exact, 0, 0
-        approx = math.ceil(chars / self.ratio(model) * self.tuning.prompt_safety_factor)
+        if factor is None:
+            factor = self.tuning.prompt_safety_factor
+        approx = math.ceil(chars / self.ratio(model) * factor)
         return exact, chars, approx
 
     def _output_tokens(self, body: dict[str, Any]) -> int:

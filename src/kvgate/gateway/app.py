@@ -113,11 +113,12 @@ class Gateway:
             ("GET", "/v1/models"): self._models,
             ("GET", "/healthz"): self._healthz,
             ("GET", "/readyz"): self._readyz,
-            ("GET", "/metrics"): self._metrics,
             ("GET", "/admin/state"): self._state,
             ("POST", "/admin/signals"): self._signals,
             ("POST", "/admin/reload"): self._reload,
         }
+        if not config.server.metrics_listen:  # else only on its own address: serve_metrics
+            self.routes["GET", "/metrics"] = self._metrics
         self._merge_dashboard()
         self._paths = {path for _, path in self.routes}
         # A reload may change the keys, never switch them on or off (Security.update).
@@ -346,6 +347,18 @@ class Gateway:
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def serve_metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app of `server.metrics_listen`'s address: `GET /metrics`, nothing else."""
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/metrics":
+            await send_error(send, GatewayError(404, f"No route {scope['path']}.", "not_found"))
+        elif scope["method"] != "GET":
+            message = f"Method {scope['method']} not allowed."
+            await send_error(send, GatewayError(405, message, "method_not_allowed"))
+        else:
+            await self._metrics(scope, receive, send)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         models = await self.catalog.models()

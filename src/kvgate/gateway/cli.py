@@ -9,17 +9,17 @@ to protect.
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import os
 import re
+import ssl
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 from kvgate.children import die_with_parent, stop
 
@@ -30,28 +30,56 @@ SIM_PRESET = "cpu-tiny"
 SIM_START_TIMEOUT_S = 60.0
 _URL_RE = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
 
+EPILOG = """\
+settings: every configuration key can be set in the YAML file (--config) or in the
+environment as KVGATE_<SECTION>__<KEY>, e.g. KVGATE_SERVER__ADMIN_TOKEN=...,
+KVGATE_SCRAPE__INTERVAL_S=0.1, KVGATE_BACKENDS='["http://gpu-1:8000"]'; the flags above
+set the most common ones. Flags beat the environment, which beats the file.
+`kvgate config-doc` lists every key with its default and meaning.
+
+Without any backend (no --backend, none in the file or the environment) kvgate starts
+the built-in engine simulator (--sim-nodes x --sim-preset) and stops it on exit.
+"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvgate.sim.presets import PRESETS  # light: no aiohttp
+
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--config", metavar="FILE", help="YAML config file")
     parser.add_argument(
         "--backend",
         action="append",
         metavar="URL",
-        help="engine base URL (repeatable; a bare URL is a vLLM engine)",
+        help="engine base URL (repeatable; a bare URL is a vLLM engine); replaces the"
+        " backends of the config file and the environment",
     )
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
     parser.add_argument(
         "--policy",
         choices=["none", "static-qps", "static-concurrency", "seed", "adaptive"],
-        help="admission policy (default adaptive)",
+        help="admission policy (default adaptive; the others are the benchmark's baselines)",
     )
     parser.add_argument(
         "--server",
         choices=["uvicorn", "hypercorn"],
-        help="uvicorn (HTTP/1.1, fastest) or hypercorn (HTTP/2: h2c, or h2 over TLS)",
+        help="uvicorn (HTTP/1.1, the cheapest) or hypercorn (HTTP/2 as well: h2c, or h2 over TLS)",
     )
-    parser.add_argument("--log-level", help="log level (default info)")
+    parser.add_argument("--certfile", metavar="FILE", help="TLS certificate (PEM): serve HTTPS")
+    parser.add_argument("--keyfile", metavar="FILE", help="TLS private key (PEM)")
+    parser.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve /metrics on this address only (e.g. 0.0.0.0:9464), not on the main one",
+    )
+    parser.add_argument("--log-level", help="log level (default info; access lines are info)")
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="log lines as text (default) or as one JSON object each",
+    )
     parser.add_argument(
         "--store",
         metavar="URL",
@@ -67,6 +95,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # One of N workers started by --workers N: listen with SO_REUSEPORT.
     parser.add_argument("--as-worker", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sim-nodes",
+        type=_count,
+        default=SIM_NODES,
+        metavar="N",
+        help=f"built-in simulator: engines to start (default {SIM_NODES})",
+    )
+    parser.add_argument(
+        "--sim-preset",
+        choices=sorted(PRESETS),
+        default=SIM_PRESET,
+        help=f"built-in simulator: engine model (default {SIM_PRESET})",
+    )
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1: {text!r}")
+    return int(text)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +121,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "server.host": args.host,
         "server.port": args.port,
         "server.server": args.server,
+        "server.certfile": args.certfile,
+        "server.keyfile": args.keyfile,
+        "server.metrics_listen": args.metrics_listen,
         "server.log_level": args.log_level,
+        "server.log_format": args.log_format,
         "admission.policy": args.policy,
         "store.url": args.store,
     }
@@ -84,9 +135,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from kvgate.config import load_config
+    from kvgate.config import ConfigError, load_config
+    from kvgate.gateway.ops.logs import setup_logging
 
     if args.workers < 1:
         print("kvgate serve: --workers must be at least 1", file=sys.stderr)
@@ -94,18 +144,22 @@ def run(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
     try:
         config = load_config(args.config, **overrides)
-    except (OSError, ValueError, ValidationError) as exc:
+        # --backend replaces the backends the file and the environment name: say so.
+        replaced = len(load_config(args.config).backends) if args.backend else 0
+        _check_tls(config.server.certfile, config.server.keyfile)
+    except ConfigError as exc:
         print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    _setup_logging(config.server.log_level, config.server.access_log)
+    setup_logging(config.server.log_level, config.server.log_format)
+    origin = f" from --backend, in place of the configuration's {replaced}" if replaced else ""
     sim: SimulatorProcess | None = None
     try:
         if not config.backends:
-            sim = SimulatorProcess.start(SIM_NODES, SIM_PRESET)
+            sim = SimulatorProcess.start(args.sim_nodes, args.sim_preset)
             log.info(
                 "no backend configured: started the built-in simulator (%d x %s) at %s",
-                SIM_NODES,
-                SIM_PRESET,
+                args.sim_nodes,
+                args.sim_preset,
                 ", ".join(sim.urls),
             )
             overrides["backends"] = [{"url": u} for u in sim.urls]
@@ -114,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
             return _serve_workers(args, config, overrides)
         # What SIGHUP and /admin/reload re-read: the same file, environment and flags
         # (backends given with --backend, or the simulator's, stay as they are).
-        return _serve(config, lambda: load_config(args.config, **overrides), args.as_worker)
+        return _serve(config, lambda: load_config(args.config, **overrides), args.as_worker, origin)
     except SimulatorError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 1
@@ -128,7 +182,9 @@ def _serve_workers(args: argparse.Namespace, config: Any, overrides: dict[str, A
     from kvgate.cluster.workers import serve_workers
 
     flags = {"--config": args.config, "--policy": args.policy, "--server": args.server,
-             "--log-level": args.log_level}  # fmt: skip
+             "--log-level": args.log_level, "--log-format": args.log_format,
+             "--certfile": args.certfile, "--keyfile": args.keyfile,
+             "--metrics-listen": args.metrics_listen}  # fmt: skip
     worker_args = [part for flag, value in flags.items() if value for part in (flag, value)]
     for backend in overrides.get("backends") or []:  # --backend, or the simulator's
         worker_args += ["--backend", backend["url"]]
@@ -143,55 +199,64 @@ def _serve_workers(args: argparse.Namespace, config: Any, overrides: dict[str, A
     )
 
 
-def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0) -> int:
+def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: str = "") -> int:
     from kvgate.gateway.app import Gateway
     from kvgate.gateway.http.server import bind_socket, run_server
     from kvgate.gateway.relay.tokenizers import TokenizerLoadError
+    from kvgate.gateway.settings import listen_address
 
     server = config.server
+    sockets = []
     try:
-        sock = bind_socket(server.host, server.port, reuse_port=as_worker > 0)
-    except OSError as exc:
-        print(f"kvgate serve: cannot listen on {server.host}:{server.port}: {exc}", file=sys.stderr)
-        return 1
+        addresses = [(server.host, server.port)]
+        if server.metrics_listen:
+            addresses.append(listen_address(server.metrics_listen))
+        for host, port in addresses:
+            try:
+                # Workers share both ports (SO_REUSEPORT): the kernel picks one per connection.
+                sockets.append(bind_socket(host, port, reuse_port=as_worker > 0))
+            except OSError as exc:
+                print(f"kvgate serve: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+                return 1
+        try:
+            gateway = Gateway(config, load_config=reread, replicas=max(1, as_worker))
+        except (TokenizerLoadError, ValueError) as exc:
+            print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+        host, port = sockets[0].getsockname()[:2]
+        scheme = "https" if server.certfile and server.keyfile else "http"
+        log.info(
+            "kvgate listening on %s://%s:%d (%s, policy %s, %d backend(s)%s: %s)",
+            scheme,
+            host,
+            port,
+            server.server,
+            config.admission.policy,
+            len(gateway.backends),
+            origin,
+            ", ".join(b.node_id for b in gateway.backends),
+        )
+        metrics_sock = sockets[1] if len(sockets) > 1 else None
+        if metrics_sock is not None:
+            log.info("metrics on http://%s:%d/metrics", *metrics_sock.getsockname()[:2])
+        run_server(gateway, sockets[0], metrics_sock=metrics_sock)
+        return 0
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _check_tls(certfile: str | None, keyfile: str | None) -> None:
+    """Load the certificate and key once before serving: a wrong path or a key that does
+    not match is a configuration error, said plainly, not a traceback from the server."""
+    from kvgate.config import ConfigError
+
+    if not (certfile and keyfile):
+        return
     try:
-        gateway = Gateway(config, load_config=reread, replicas=max(1, as_worker))
-    except TokenizerLoadError as exc:
-        sock.close()
-        print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    host, port = sock.getsockname()[:2]
-    scheme = "https" if server.certfile and server.keyfile else "http"
-    log.info(
-        "kvgate listening on %s://%s:%d (%s, policy %s, %d backend(s): %s)",
-        scheme,
-        host,
-        port,
-        server.server,
-        config.admission.policy,
-        len(gateway.backends),
-        ", ".join(b.node_id for b in gateway.backends),
-    )
-    run_server(gateway, sock)
-    return 0
-
-
-def _setup_logging(level: str, access_log: bool) -> None:
-    from kvgate.gateway.ops.telemetry import BufferedLineWriter, set_access_writer
-
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    access = logging.getLogger("kvgate.access")
-    access.propagate = False
-    access.setLevel(logging.CRITICAL + 1)  # lines go to the batched writer, or nowhere
-    if access_log:
-        sys.stderr.flush()
-        writer = BufferedLineWriter(sys.stderr.fileno())
-        set_access_writer(writer)
-        atexit.register(writer.flush)
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"TLS: {exc}") from None
 
 
 class SimulatorError(RuntimeError):
@@ -216,10 +281,11 @@ class SimulatorProcess:
         ]  # fmt: skip
         # Its own session: Ctrl-C reaches only the gateway, which drains and then stops
         # the simulator; on Linux the child also dies with the gateway if that is killed.
+        # Its output goes through the gateway's logging (one format for the whole stream).
         process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
-            stderr=None,
+            stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
@@ -236,16 +302,9 @@ class SimulatorProcess:
     def _wait_ready(self, nodes: int, timeout_s: float) -> None:
         """One stdout line per ready engine; then each must answer `GET /health`."""
         lines: list[str] = []
-
-        def read() -> None:
-            assert self.process.stdout is not None
-            for line in self.process.stdout:
-                lines.append(line)
-                sys.stderr.write(line)
-            # keep draining so the child never blocks on a full pipe
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+        assert self.process.stdout is not None and self.process.stderr is not None
+        _forward(self.process.stdout, logging.INFO, lines)
+        _forward(self.process.stderr, logging.WARNING)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -262,6 +321,19 @@ class SimulatorProcess:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         stop(self.process, timeout_s)
+
+
+def _forward(pipe: IO[str], level: int, lines: list[str] | None = None) -> None:
+    """Log each line of the child's `pipe` (and keep it in `lines`) from a daemon thread,
+    until the child closes it: the child never blocks on a full pipe."""
+
+    def read() -> None:
+        for line in pipe:
+            if lines is not None:
+                lines.append(line)
+            log.log(level, "simulator: %s", line.rstrip())
+
+    threading.Thread(target=read, daemon=True).start()
 
 
 def _healthy(url: str) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ServerSettings(BaseModel):
@@ -13,22 +13,57 @@ class ServerSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="Port to listen on.")
     server: Literal["uvicorn", "hypercorn"] = Field(
-        "uvicorn", description="ASGI server: uvicorn (HTTP/1.1, fastest) or hypercorn (HTTP/2)."
+        "uvicorn",
+        description="ASGI server: uvicorn (HTTP/1.1, half hypercorn's CPU per request) or"
+        " hypercorn (HTTP/2 too: h2c, or h2 over TLS).",
     )
     certfile: str | None = Field(None, description="TLS certificate (enables HTTPS, h2 via ALPN).")
     keyfile: str | None = Field(None, description="TLS private key.")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, how long in-flight streams may finish."
     )
-    log_level: str = Field("info", description="Log level.")
-    access_log: bool = Field(
-        True, description="Write one JSON line per request to the `kvgate.access` logger."
+    log_level: str = Field(
+        "info", description="Log level; the access log (a line per request) is `info`."
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="`text` (for a terminal) or `json` (an object per line, for log"
+        " collectors): kvgate's lines, the HTTP server's and the access log alike.",
     )
     admin_token: str | None = Field(
         None,
-        description="Bearer token that `POST /admin/signals` and `POST /admin/reload` require"
-        " (both are refused while it is unset).",
+        description="Bearer token of the admin routes: `POST /admin/signals` and"
+        " `POST /admin/reload` always need it (refused while it is unset); with API keys,"
+        " `/admin/*` and `/dashboard` need it too.",
     )
+    metrics_listen: str | None = Field(
+        None,
+        description="`HOST:PORT` where `/metrics` is served instead of the main address"
+        " (e.g. `0.0.0.0:9464` for Prometheus inside the cluster): the address clients use"
+        " then has no `/metrics`.",
+    )
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            listen_address(value)
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSettings:
+        if bool(self.certfile) != bool(self.keyfile):
+            raise ValueError("TLS needs both certfile and keyfile")
+        return self
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 in brackets: `[::]:9464`) as (host, port); ValueError otherwise."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 0.0.0.0:9464)")
+    return host, int(port)
 
 
 class UpstreamSettings(BaseModel):

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-# Histogram bucket bounds copied from a real vLLM metrics page (see shared/real-vllm).
+# Histogram bucket bounds copied from a real vLLM metrics page (see scripts/real-vllm).
 TTFT_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,

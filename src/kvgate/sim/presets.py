@@ -1,6 +1,6 @@
 """Named engine configurations: one calibrated against a real engine, one for a real GPU.
 
-`cpu-tiny` mirrors the real vLLM CPU build in `shared/real-vllm/` (a 2-layer random-weight
+`cpu-tiny` mirrors the real vLLM CPU build of `scripts/real-vllm/` (a 2-layer random-weight
 Llama served by `serve.sh`): 8 MiB of KV = 4,096 tokens = 128 blocks of 32, `max_num_seqs`
 32, `max_model_len` 2048, and vLLM's CPU default `max_num_batched_tokens` of 2048
 (`vllm/engine/arg_utils.py`, `current_platform.is_cpu()` branch, OpenAI server). Its step

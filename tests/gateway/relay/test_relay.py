@@ -155,7 +155,35 @@ async def test_one_access_log_line_per_request_with_usage(
     assert line["backend"] == f"127.0.0.1:{fake_engine.port}"
     assert line["prompt_tokens"] == 7 and line["completion_tokens"] == 4
     assert line["ending"] == "done" and 0 < line["ttft_s"] <= line["total_s"]
+    assert line["reason"] is None
     assert lines[1]["status"] == 404 and lines[1]["ending"] == "bad_request"
+    assert lines[1]["reason"] == "model_not_found"
+
+
+async def test_access_lines_of_refusals_say_why(
+    fake_engine: FakeEngine, refused_url: str, gateway_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """429 and 503 lines carry the reason the client got in `x-kvgate-reason`."""
+    limited = await gateway_factory(
+        [fake_engine.url],
+        overrides={"admission.policy": "static-qps", "admission.static_qps": 0.001,
+                   "admission.static_burst": 1},
+    )  # fmt: skip
+    unreachable = await gateway_factory([refused_url])
+    caplog.set_level(logging.INFO, logger="kvgate.access")
+    body = {"model": "fake-model", "prompt": "hi"}
+    statuses = []
+    for gw in (limited, limited, unreachable):
+        async with httpx.AsyncClient(base_url=gw.url) as client:
+            response = await client.post("/v1/completions", json=body)
+        statuses.append((response.status_code, response.headers.get("x-kvgate-reason")))
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "kvgate.access"]
+    assert statuses == [(200, None), (429, "qps_limit"), (503, "no_backend")]
+    assert [(line["status"], line["ending"], line["reason"]) for line in lines] == [
+        (200, "done", None),
+        (429, "rejected", "qps_limit"),
+        (503, "rejected", "no_backend"),
+    ]
 
 
 @pytest.mark.parametrize("cut", [1, 2, 4, 5])

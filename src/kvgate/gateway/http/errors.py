@@ -35,16 +35,21 @@ _TYPES: dict[int, str] = {
 
 
 class GatewayError(Exception):
-    """An error the gateway answers itself, before anything was sent to the client."""
+    """An error the gateway answers itself, before anything was sent to the client.
+
+    `kind` replaces the OpenAI `type` of the status, for errors that must read exactly as
+    an engine's own (vLLM's `BadRequestError` with the integer `code` 400).
+    """
 
     def __init__(
         self,
         status: int,
         message: str,
-        code: str,
+        code: str | int,
         *,
         param: str | None = None,
         headers: Sequence[tuple[bytes, bytes]] = (),
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -52,6 +57,7 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.headers = list(headers)
+        self.kind = kind
 
 
 class UpstreamError(Exception):
@@ -66,13 +72,19 @@ class UpstreamConnectError(UpstreamError):
     """Refused or reset before any response byte: safe to retry on another backend."""
 
 
-def error_body(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
+def error_body(
+    status: int,
+    message: str,
+    code: str | int | None,
+    param: str | None = None,
+    kind: str | None = None,
+) -> bytes:
     """The JSON body of an OpenAI-style error."""
     return orjson.dumps(
         {
             "error": {
                 "message": message,
-                "type": _TYPES.get(status, "server_error"),
+                "type": kind or _TYPES.get(status, "server_error"),
                 "param": param,
                 "code": code,
             }
@@ -111,5 +123,5 @@ async def send_error(send: Send, error: GatewayError, request_id: bytes | None =
     headers = list(error.headers)
     if request_id is not None:
         headers.append((b"x-request-id", request_id))
-    body = error_body(error.status, error.message, error.code, error.param)
+    body = error_body(error.status, error.message, error.code, error.param, error.kind)
     await send_json(send, error.status, body, headers)

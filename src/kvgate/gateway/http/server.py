@@ -1,9 +1,20 @@
 """Serve the gateway with uvicorn (HTTP/1.1) or hypercorn (HTTP/2, h2c and TLS+ALPN).
 
 Why two servers: uvicorn with uvloop and httptools is the cheapest HTTP/1.1 server in
-Python (see `benchmarks/proxy_overhead/results.md`), but it does not speak HTTP/2;
-hypercorn does (prior-knowledge h2c on a plain port, h2 negotiated by ALPN with TLS) and
-maps an `RST_STREAM` to `http.disconnect` of that one stream.
+Python: hypercorn costs 2.3x its CPU per request for the same app and upstream client
+(`benchmarks/proxy_overhead/results.md`), so uvicorn is the default. But uvicorn does not
+speak HTTP/2, which kvgate's clients may (prior-knowledge h2c on a plain port, h2
+negotiated by ALPN with TLS: HTTP/2 clients and proxies that multiplex many streams on one
+connection); hypercorn does, and maps an `RST_STREAM` to `http.disconnect` of that one
+stream, so cancelling one stream cancels only its request. It is used only when asked
+(`server.server: hypercorn`).
+
+Logging: neither server installs log handlers of its own; their lines go through Python
+logging in the format kvgate's logging was given (kvgate.gateway.ops.logs).
+
+`/metrics` can be served on an address of its own (`server.metrics_listen`): a second,
+plain-HTTP uvicorn server on that socket runs `Gateway.serve_metrics`, and the main
+address then has no `/metrics`.
 
 Graceful shutdown is the same for both: the first SIGTERM/SIGINT closes the listening
 socket, new requests on kept-alive connections get 503, in-flight requests may finish for
@@ -28,7 +39,7 @@ import uvicorn
 from kvgate.gateway.app import Gateway
 from kvgate.gateway.http.guard import GuardCollector, GuardedHttpToolsProtocol, hypercorn_limits
 from kvgate.gateway.security.auth import exposure_message
-from kvgate.gateway.settings import ServerSettings
+from kvgate.gateway.settings import ServerSettings, listen_address
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +97,7 @@ class GatewayServer:
         self.settle_heap = settle_heap
         self._stop = asyncio.Event()
         self._uvicorn: _Uvicorn | None = None
+        self._metrics: _Uvicorn | None = None
         self._drain_task: asyncio.Task[None] | None = None
 
     @property
@@ -118,18 +130,60 @@ class GatewayServer:
         with contextlib.suppress(Exception):  # logged by the gateway; nothing was changed
             self.gateway.reload()
 
-    async def serve(self, sock: socket.socket, *, handle_signals: bool = True) -> None:
-        """Serve on `sock` until stopped; returns after the drain and the lifespan shutdown."""
+    async def serve(
+        self,
+        sock: socket.socket,
+        *,
+        handle_signals: bool = True,
+        metrics_sock: socket.socket | None = None,
+    ) -> None:
+        """Serve on `sock` until stopped; returns after the drain and the lifespan shutdown.
+
+        With `server.metrics_listen`, `/metrics` is served on `metrics_sock` (bound here
+        when not given) until the main server has stopped."""
+        if self.settings.metrics_listen and metrics_sock is None:
+            metrics_sock = bind_socket(*listen_address(self.settings.metrics_listen))
         if self.settle_heap:
             _settle_heap()  # what lives now lives to the end (uvicorn settles again, started)
         self._log_exposure(sock)
-        with self._signals(handle_signals):
-            if self.settings.server == "hypercorn":
-                await self._serve_hypercorn(sock)
-            else:
-                await self._serve_uvicorn(sock)
-        if self._drain_task is not None:
-            await self._drain_task
+        metrics_task = None
+        if metrics_sock is not None:
+            metrics_task = asyncio.get_running_loop().create_task(self._serve_metrics(metrics_sock))
+        try:
+            with self._signals(handle_signals):
+                if self.settings.server == "hypercorn":
+                    await self._serve_hypercorn(sock)
+                else:
+                    await self._serve_uvicorn(sock)
+            if self._drain_task is not None:
+                await self._drain_task
+        finally:
+            if metrics_task is not None:
+                if self._metrics is not None:
+                    self._metrics.should_exit = True
+                else:
+                    metrics_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await metrics_task
+
+    async def _serve_metrics(self, sock: socket.socket) -> None:
+        """`/metrics` alone, over plain HTTP/1.1, for Prometheus."""
+        config = uvicorn.Config(
+            self.gateway.serve_metrics,
+            interface="asgi3",  # a bound method: uvicorn would guess ASGI 2
+            loop="none",
+            lifespan="off",
+            ws="none",
+            log_config=None,
+            log_level=self.settings.log_level.lower(),
+            access_log=False,
+            server_header=False,
+            proxy_headers=False,
+        )
+        self._metrics = _Uvicorn(config, on_started=None)
+        if self._stop.is_set():
+            self._metrics.should_exit = True
+        await self._metrics.serve(sockets=[sock])
 
     async def _serve_uvicorn(self, sock: socket.socket) -> None:
         s = self.settings
@@ -142,6 +196,7 @@ class GatewayServer:
             loop="none",
             lifespan="on",
             ws="none",  # kvgate serves no WebSocket: no upgrade checks, no websockets import
+            log_config=None,  # its lines go through kvgate's logging (one format)
             log_level=s.log_level.lower(),
             access_log=False,
             server_header=False,
@@ -236,7 +291,10 @@ class _Uvicorn(uvicorn.Server):
 
 
 def run_server(
-    gateway: Gateway, sock: socket.socket, on_ready: Callable[[], None] | None = None
+    gateway: Gateway,
+    sock: socket.socket,
+    on_ready: Callable[[], None] | None = None,
+    metrics_sock: socket.socket | None = None,
 ) -> None:
     """Blocking entry point: an event loop (uvloop when installed) serving until SIGTERM."""
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
@@ -251,7 +309,7 @@ def run_server(
         server = GatewayServer(gateway, settle_heap=True)  # the process is this gateway's
         if on_ready is not None:
             on_ready()
-        await server.serve(sock)
+        await server.serve(sock, metrics_sock=metrics_sock)
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(main())

@@ -1,4 +1,4 @@
-"""kvgate's own Prometheus metrics and its one-JSON-line-per-request access log.
+"""kvgate's own Prometheus metrics and its one-line-per-request access log.
 
 Hot-path cost matters (the proxy's budget is a quarter of a millisecond of CPU per
 request), so counters are plain dict increments exposed by a custom collector at scrape
@@ -514,17 +514,22 @@ class BufferedLineWriter:
 
 
 _writer: BufferedLineWriter | None = None
+_render: Callable[[dict[str, Any]], bytes] = orjson.dumps
 
 
-def set_access_writer(writer: BufferedLineWriter | None) -> None:
-    """Send access lines to `writer` instead of the `kvgate.access` logger (None: logger)."""
-    global _writer
+def set_access_writer(
+    writer: BufferedLineWriter | None, render: Callable[[dict[str, Any]], bytes] = orjson.dumps
+) -> None:
+    """Send access lines to `writer` instead of the `kvgate.access` logger (None: logger),
+    each record made a line by `render` (kvgate.gateway.ops.logs: the log format's)."""
+    global _writer, _render
     _writer = writer
+    _render = render
 
 
 def log_access(record: dict[str, Any]) -> None:
-    """Write one request's JSON line (only if someone listens: no work when disabled)."""
+    """Write one request's line (only if someone listens: no work when disabled)."""
     if _writer is not None:
-        _writer.write(orjson.dumps(record))
+        _writer.write(_render(record))
     elif access_logger.isEnabledFor(logging.INFO):
         access_logger.info(orjson.dumps(record).decode())

@@ -55,6 +55,7 @@ from kvgate.gateway.http.errors import (
 from kvgate.gateway.http.h1client import H1Response
 from kvgate.gateway.http.scope import CancelScope, ScopeCancelled
 from kvgate.gateway.ops.telemetry import GatewayMetrics, log_access
+from kvgate.gateway.relay.context import check_context
 from kvgate.gateway.relay.upstream import (
     HOP_BY_HOP,
     ModelCatalog,
@@ -106,7 +107,7 @@ class Exchange:
     retried: bool = False
     estimated_prompt: int = 0
     queued_s: float | None = None  # time spent waiting in the gateway's queue
-    reason: str | None = None  # why a refused request was refused
+    reason: str | None = None  # why the gateway answered an error itself
     # SSE data events relayed so far (a stream's tokens, or more when an engine merges
     # several into one event), and those received after the client's disconnect was noticed.
     events: int = 0
@@ -231,6 +232,7 @@ class Relay:
             await self._admit_and_relay(call)
         except GatewayError as err:
             ex.status = err.status
+            ex.reason = _reason(err)
             if ex.ending == "done":
                 ex.ending = "rejected" if err.status in (429, 503) else "bad_request"
             ex.first_byte_at = time.monotonic()
@@ -256,31 +258,47 @@ class Relay:
                 self._idle.set()
             self._finish(ex)
 
-    def _with_default_max_tokens(self, parsed: ParsedRequest) -> bytes:
-        """The body with the output cap the reservation assumed, made explicit.
+    def _with_default_max_tokens(self, parsed: ParsedRequest, limit: int | None) -> bytes:
+        """The body with the output cap admission assumed, made explicit (no larger than the
+        model's context, which an engine would refuse).
 
-        Without it the engine may generate up to its context limit, past what was reserved.
+        Without it the engine may generate up to its context limit, past what was planned.
         Re-encoding happens only for requests that omit `max_tokens`.
         """
         cap = self.estimator.settings.default_max_tokens
+        if limit is not None:
+            cap = min(cap, limit)
         return orjson.dumps({**parsed.data, "max_tokens": cap})
 
     async def _completion_plan(self, call: Call) -> None:
         parsed = parse_completion(call.body)
         call.parsed = parsed
-        call.ex.model = parsed.model
+        ex = call.ex
+        ex.model = parsed.model
+        if "messages" not in parsed.data and "prompt" not in parsed.data:
+            field = "messages" if ex.route.endswith("/chat/completions") else "prompt"
+            raise _bad(f"`{field}` is required.", field)
         try:
             cost = self.estimator.estimate(parsed.model, parsed.data)
         except ValueError as exc:
             raise _bad(f"{exc}.", getattr(exc, "param", None)) from None
-        call.ex.estimated_prompt = cost.prompt_tokens
+        ex.estimated_prompt = cost.prompt_tokens
         request = call.request
         request.cost = cost
         request.model = parsed.model
         request.exact_output = parsed.exact_output
         request.candidates = await self._nodes_for(parsed.model)
+        limit = self.catalog.max_model_len(parsed.model)
+        check_context(limit, parsed.model, parsed.data, cost, self.estimator)
+        if limit is not None and cost.total > limit:
+            # The engine stops generating at its context length, so no request holds more.
+            # The prompt is over-estimated by design: leave room for it to be that much
+            # shorter, which leaves more room to generate.
+            shortest = int(cost.prompt_tokens / self.estimator.tuning.prompt_safety_factor)
+            output = min(cost.max_output_tokens, max(0, limit - shortest))
+            request.cost = RequestCost(cost.prompt_tokens, output)
         if parsed.max_tokens is None:
-            call.body = self._with_default_max_tokens(parsed)
+            call.body = self._with_default_max_tokens(parsed, limit)
 
     async def _passthrough_plan(self, call: Call) -> None:
         model = _model_of(call.body)
@@ -910,6 +928,15 @@ _CODES = {
     (400, ""): "context_length_exceeded",
     (400, "tenant_limit"): "tenant_limit_exceeded",
 }
+
+
+def _reason(err: GatewayError) -> str:
+    """Why the gateway refused, for the access log: the `x-kvgate-reason` it sends, else
+    the error's code."""
+    for name, value in err.headers:
+        if name == b"x-kvgate-reason":
+            return value.decode("latin-1")
+    return str(err.code)
 
 
 def _response_headers(

@@ -161,12 +161,22 @@ class UpstreamPool:
         return await self._h1.request(backend.base_url, method, path_qs, headers, body)
 
 
+#: How long the backends' model lists are reused. Models are loaded and unloaded on a scale
+#: of minutes, and a model the catalog does not know yet is looked up at once anyway
+#: (`ModelCatalog.resolve`), so a few seconds cost nothing and keep `/v1/models` cheap.
+MODELS_TTL_S = 5.0
+
+
 class ModelCatalog:
     """Which backend serves which model, from their `/v1/models`, refreshed lazily.
 
     The hot path only reads a dict. A stale catalog is used as is while one refresh runs in
     the background; an unknown model waits for a fresh look (at most four per second) before
     it is declared unknown, so a model loaded a moment ago is not refused.
+
+    It also keeps each model's context limit, from the `max_model_len` vLLM (and SGLang)
+    list for each model: `max_model_len(model)` is the largest among the backends serving
+    it, or None as soon as one of them does not say.
     """
 
     def __init__(
@@ -177,6 +187,7 @@ class ModelCatalog:
         self._timeout_s = timeout_s
         self._by_backend: dict[str, list[dict[str, Any]]] = {}
         self._nodes_by_model: dict[str, tuple[str, ...]] = {}
+        self._context_limits: dict[str, int | None] = {}
         self._fetched_at = -1e9
         self._refresh: asyncio.Task[None] | None = None
         self._spawn: Callable[[Awaitable[None]], asyncio.Task[None]] | None = None
@@ -207,6 +218,11 @@ class ModelCatalog:
         if time.monotonic() - self._fetched_at > self._ttl_s:
             self._refresh_in_background()
         return self._nodes_by_model.get(model)
+
+    def max_model_len(self, model: str) -> int | None:
+        """The longest context (prompt + output tokens) any backend serving `model` takes,
+        or None when one of them does not list it."""
+        return self._context_limits.get(model)
 
     async def resolve(self, model: str) -> tuple[str, ...] | None:
         """Like `nodes_for`, but looks again (rate-limited) before saying "unknown"."""
@@ -253,11 +269,19 @@ class ModelCatalog:
 
     def _index(self, by_backend: dict[str, list[dict[str, Any]]]) -> None:
         nodes: dict[str, list[str]] = {}
+        limits: dict[str, int | None] = {}
         for node_id, entries in by_backend.items():
             for entry in entries:
-                nodes.setdefault(str(entry.get("id")), []).append(node_id)
+                model = str(entry.get("id"))
+                nodes.setdefault(model, []).append(node_id)
+                limit = entry.get("max_model_len")
+                if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+                    limit = None
+                known = limits.get(model, limit)
+                limits[model] = None if known is None or limit is None else max(known, limit)
         self._by_backend = by_backend
         self._nodes_by_model = {k: tuple(v) for k, v in nodes.items()}
+        self._context_limits = limits
 
     async def _fetch(self, backend: Backend) -> list[dict[str, Any]] | None:
         headers = dict(backend.auth_headers())
