@@ -45,8 +45,11 @@ class Tuning:
     # From this many candidates on, placement looks at two random nodes, not all.
     p2c_min_nodes: int = 8
     # The prompt estimator: initial characters per token, its learned range, and the
-    # factor on estimated prompts (under-counting a prompt is the unsafe error).
-    chars_per_token: float = 4.0
+    # factor on estimated prompts (under-counting a prompt is the unsafe error). English
+    # prose runs about 4 characters per token, code and other languages fewer, and the
+    # random-token prompts of benchmark clients about 2.5: start at 3 and learn from the
+    # engines' usage, so that the first requests of a model are over-counted, not under-.
+    chars_per_token: float = 3.0
     chars_per_token_min: float = 1.0
     chars_per_token_max: float = 8.0
     prompt_safety_factor: float = 1.1
