@@ -84,8 +84,12 @@ _MARKS = 5
 # long prompt's prefill, which slows every decode for seconds, counts at its share of time.
 PACE_HALFLIFE_S = 10.0
 _PACE_MIN = 8  # measurements before the pace is trusted
-# Decode step time assumed for a node whose samples never reported one (seconds per token).
-DEFAULT_STEP_S = 0.03
+# Seconds per token assumed for a node before anything measured it (no stream has run on
+# it and its samples report no iteration latency: a fresh gateway, an idle engine). An
+# optimistic prior on purpose: a prediction made on a guess should queue a request rather
+# than refuse it; once requests run, their measured pace replaces it, and a waiter whose
+# wait then cannot be met is refused with the measured prediction.
+DEFAULT_STEP_S = 0.01
 
 
 class _Hold:
