@@ -312,8 +312,9 @@ class BasePolicy:
             if hold is not None:
                 self._prefilled(hold)
                 self._schedule(hold, now)
-        if hold is None or output_tokens <= hold.tok_cur:
-            return
+        if hold is None or min(output_tokens, hold.max_out) <= hold.tok_cur:
+            return  # (events past max_tokens are stream framing: they hold no KV)
+        output_tokens = min(output_tokens, hold.max_out)
         ticket.output_tokens = output_tokens
         self._progress(hold.node_id, now)
         book = self._books[hold.node_id]
