@@ -2,24 +2,55 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
+from kvgate.core.admission import Decision
 from kvgate.core.clock import ManualClock
+from kvgate.core.flow import FlowController
 from kvgate.core.policies import build_policy
 from kvgate.core.policies.base import BasePolicy
-from kvgate.core.request import RequestCost
-from kvgate.core.settings import AdmissionSettings
+from kvgate.core.request import AdmissionRequest, Priority, RequestCost
+from kvgate.core.settings import AdmissionSettings, QueueSettings, Tuning
 from kvgate.core.signals import NodeSample
+from kvgate.core.tenants import TenantLedger
+
+_TUNING = frozenset(f.name for f in dataclasses.fields(Tuning))
+_BASELINE = {"static_qps": "qps", "static_burst": "burst", "static_concurrency": "concurrency"}
+
+
+def admission_settings(policy: str = "adaptive", **overrides: Any) -> AdmissionSettings:
+    """Settings from flat keyword overrides: `Tuning` fields go through `tuned()`, the
+    baselines' `static_*` parameters into `baseline`, the rest are settings."""
+    tuning = {k: overrides.pop(k) for k in list(overrides) if k in _TUNING}
+    baseline = {_BASELINE[k]: overrides.pop(k) for k in list(overrides) if k in _BASELINE}
+    if baseline:
+        overrides["baseline"] = baseline
+    settings = AdmissionSettings(policy=policy, **overrides)  # type: ignore[arg-type]
+    return settings.tuned(**tuning) if tuning else settings
 
 
 def make(
     policy: str = "adaptive", seed: int = 1, **overrides: Any
 ) -> tuple[BasePolicy, ManualClock]:
     clock = ManualClock(100.0)
-    settings = AdmissionSettings(policy=policy, **overrides)  # type: ignore[arg-type]
-    built = build_policy(settings, clock, rng_seed=seed)
+    built = build_policy(admission_settings(policy, **overrides), clock, rng_seed=seed)
     assert isinstance(built, BasePolicy)
     return built, clock
+
+
+def make_flow(
+    policy: str = "adaptive",
+    seed: int = 1,
+    *,
+    queue: QueueSettings | None = None,
+    tenants: TenantLedger | None = None,
+    **overrides: Any,
+) -> tuple[FlowController, ManualClock]:
+    """A flow controller around `make(policy, ...)`'s policy."""
+    built, clock = make(policy, seed, **overrides)
+    return FlowController(built, queue, tenants=tenants), clock
 
 
 def sample(
@@ -45,15 +76,55 @@ def cost(prompt: int = 100, output: int = 100) -> RequestCost:
     return RequestCost(prompt_tokens=prompt, max_output_tokens=output)
 
 
+def request(
+    request_id: str,
+    c: RequestCost | None = None,
+    priority: Priority = Priority.STANDARD,
+    candidates: Sequence[str] = ("a",),
+    **fields: Any,
+) -> AdmissionRequest:
+    return AdmissionRequest(
+        request_id, c or cost(), priority, candidates=tuple(candidates), **fields
+    )
+
+
+def admit(
+    policy: BasePolicy,
+    request_id: str,
+    c: RequestCost | None = None,
+    priority: Priority = Priority.STANDARD,
+    candidates: Sequence[str] = ("a",),
+    **fields: Any,
+) -> Decision:
+    """The policy's answer for one request (no queue)."""
+    return policy.admit(request(request_id, c, priority, candidates, **fields))
+
+
 def assert_books_empty(policy: BasePolicy) -> None:
-    """Every reservation and in-flight counter is back to exactly zero."""
+    """Every hold and in-flight counter is back to exactly zero."""
     assert policy.in_flight_requests == 0
     assert policy.in_flight_tokens == 0
-    assert policy.store.total_reserved() == 0
-    assert policy.store.total_count() == 0
+    assert not policy._holds and not policy._books
     snap = policy.snapshot()
     assert snap["in_flight_requests"] == 0
     assert snap["controller"]["in_flight_tokens"] == 0
-    for node in snap["nodes"].values():
+    for node_id, node in snap["nodes"].items():
         assert node["reserved_tokens"] == 0
         assert node["in_flight"] == 0
+        assert policy.full_reserved_on(node_id) == 0
+        assert policy.unreflected_now(node_id) == 0
+
+
+def assert_flow_empty(flow: FlowController) -> None:
+    """The policy's books, the tenants' books and the queue are all back to zero."""
+    assert_books_empty(flow.policy)
+    assert flow.waiting == 0 and flow.queue.tokens == 0
+    assert not list(flow.queue.waiting())
+    assert not flow._leases
+    assert flow.tenants.total_tokens == 0 and flow.tenants.total_requests == 0
+    snap = flow.snapshot()
+    assert snap["queue"]["waiting"] == 0 and snap["queue"]["tokens"] == 0
+    for band in snap["queue"]["bands"].values():
+        assert band == {"waiting": 0, "tokens": 0, "oldest_s": 0.0}
+    for tenant in snap["tenants"].values():
+        assert tenant["in_flight_tokens"] == 0 and tenant["in_flight_requests"] == 0

@@ -10,9 +10,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from kvgate.core.cost import MESSAGE_OVERHEAD_CHARS, CostError, CostEstimator
 from kvgate.core.settings import AdmissionSettings
 
+from .helpers import admission_settings
+
 
 def estimator(**overrides: object) -> CostEstimator:
-    return CostEstimator(AdmissionSettings(**overrides))  # type: ignore[arg-type]
+    return CostEstimator(admission_settings(**overrides))
 
 
 def test_prompt_string_and_default_cap() -> None:

@@ -1,9 +1,9 @@
-"""Incremental reflection gives exactly what re-walking every live ticket at every sample gave.
+"""Incremental reflection gives exactly what re-walking every live hold at every sample gives.
 
-The reference below is the former O(live tickets) `_reflect`, kept here as the oracle; both
-policies are driven through the same random streams of admissions, first tokens, token
-counts, releases and samples (stale, equal-time, gauge-less ones included), and their books
-must agree after every step.
+The reference below walks every live hold of the node at every sample (O(live holds)), the
+oracle; both policies are driven through the same random streams of admissions, first
+tokens, token counts, releases and samples (stale, equal-time, gauge-less ones included),
+and their books must agree after every step.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import pytest
 from kvgate.core.admission import Admit, Outcome, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.policies import _REGISTRY, build_policy
-from kvgate.core.policies.base import BasePolicy, _Hold
+from kvgate.core.policies.base import BasePolicy, _Book, _Hold
 from kvgate.core.policies.none import NonePolicy
 from kvgate.core.request import Priority, RequestCost
-from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
+
+from .helpers import admission_settings, request
 
 NODES = ("a", "b", "c")
 
@@ -33,33 +34,38 @@ def _known_by(hold: _Hold, cutoff: float) -> int:
 
 
 class WalkingPolicy(NonePolicy):
-    """The former reflection: every live ticket of the node, at every sample."""
+    """Reflection by walking every live hold of the node, at every sample."""
 
     def _schedule(self, hold: _Hold, touched_at: float | None = None) -> None:
         return
 
-    def _reflect(self, node_id: str, sample: NodeSample) -> None:
-        on_node = self._by_node.get(node_id)
-        if not on_node or sample.kv_usage is None:
+    def _reflect(self, book: _Book, sample: NodeSample) -> None:
+        if sample.kv_usage is None:
             return
-        cutoff = sample.sampled_at - self.settings.reflect_margin_s
-        overhead = self.settings.reservation_overhead_tokens
-        for hold in on_node.values():
+        cutoff = sample.sampled_at - self.settings.tuning.reflect_margin_s
+        overhead = self.settings.tuning.reservation_overhead_tokens
+        for hold in book.holds.values():
             first = hold.ticket.first_token_at
             if first is None or first > cutoff:
                 continue
-            reflected = hold.ticket.cost.prompt_tokens + _known_by(hold, cutoff)
+            reflected = hold.prompt + _known_by(hold, cutoff)
             reflected = min(max(reflected, hold.reflected), hold.full - overhead)
-            if reflected != hold.reflected:
+            delta = reflected - hold.reflected
+            if delta:
                 hold.reflected = reflected
-                self.store.update(node_id, hold.key, hold.full - reflected)
+                book.upper -= delta
+                book.now -= delta
+
+
+def _books(policy: BasePolicy, node: str) -> tuple[int, int, int]:
+    return (policy.reserved_on(node), policy.unreflected_now(node), policy.full_reserved_on(node))
 
 
 def _drive(seed: int, margin: float, steps: int) -> int:
     """Run one random stream through both policies; returns how many samples changed books."""
     rng = random.Random(seed)
-    settings = AdmissionSettings(
-        policy="none", reflect_margin_s=margin, reservation_overhead_tokens=rng.choice([0, 16])
+    settings = admission_settings(
+        "none", reflect_margin_s=margin, reservation_overhead_tokens=rng.choice([0, 16])
     )
     clocks = (ManualClock(10.0), ManualClock(10.0))
     policies = (
@@ -74,7 +80,7 @@ def _drive(seed: int, margin: float, steps: int) -> int:
         op = rng.random()
         if op < 0.25:
             c = RequestCost(rng.randint(1, 500), rng.randint(0, 300))
-            pair = [p.admit(f"r{step}", c, Priority.STANDARD, NODES) for p in policies]
+            pair = [p.admit(request(f"r{step}", c, Priority.STANDARD, NODES)) for p in policies]
             assert isinstance(pair[0], Admit) and isinstance(pair[1], Admit)
             live.append((pair[0].ticket, pair[1].ticket))
         elif op < 0.35 and live:
@@ -104,18 +110,21 @@ def _drive(seed: int, margin: float, steps: int) -> int:
                 iteration_latency_s=0.02,
                 sampled_at=at,
             )
-            before = policies[1].store.reserved(node)
+            before = _books(policies[1], node)
             for p in policies:
                 p.observe(node, sample)
-            changed += policies[1].store.reserved(node) != before
+            changed += _books(policies[1], node) != before
         else:
             dt = rng.choice([0.0, 0.01, 0.05, 0.1, 0.3])
             for clock in clocks:
                 clock.advance(dt)
         for node in NODES:
-            assert policies[0].store.reserved(node) == policies[1].store.reserved(node), step
+            assert _books(policies[0], node) == _books(policies[1], node), step
         for ours, theirs in live:
-            assert ours.extra == theirs.extra
+            assert ours.key == theirs.key
+            assert (
+                policies[0]._holds[ours.key].reflected == policies[1]._holds[theirs.key].reflected
+            )
     for p in policies:
         for pair in live:
             for t in pair:
@@ -132,12 +141,12 @@ def test_incremental_reflection_matches_walking_every_ticket(seed: int, margin: 
 
 def _none_policy() -> tuple[ManualClock, NonePolicy]:
     clock = ManualClock(0.0)
-    return clock, NonePolicy(AdmissionSettings(policy="none"), clock, rng_seed=1)
+    return clock, NonePolicy(admission_settings("none"), clock, rng_seed=1)
 
 
 def _admit_counted(policy: NonePolicy, request_id: str, tokens: int) -> Ticket:
     """A 100 + 100 token request admitted on node "a" that reported `tokens` streamed."""
-    decision = policy.admit(request_id, RequestCost(100, 100), Priority.STANDARD, ("a",))
+    decision = policy.admit(request(request_id, RequestCost(100, 100)))
     assert isinstance(decision, Admit)
     policy.on_tokens(decision.ticket, tokens)
     return decision.ticket
@@ -149,31 +158,32 @@ def test_settled_holds_are_not_looked_at_again() -> None:
     tickets = [_admit_counted(policy, f"r{i}", 10) for i in range(200)]
     clock.advance(1.0)
     policy.observe("a", NodeSample(0.5, 100_000, 200, 0, 0.02, sampled_at=clock.now()))
-    assert policy.store.reserved("a") == 200 * (216 - 110)
-    assert not policy._wakeups.get("a")  # everything is settled
+    assert policy.reserved_on("a") == 200 * (216 - 110)
+    assert not policy._books["a"].wakeups  # everything is settled
     policy.on_tokens(tickets[0], 20)
-    assert len(policy._wakeups["a"]) == 1
+    assert len(policy._books["a"].wakeups) == 1
 
 
 @pytest.mark.parametrize("name", sorted(_REGISTRY))
 def test_every_policy_reflects_what_a_sample_shows(name: str) -> None:
     """Every policy (their own helper methods included) lowers a reservation the same way."""
     clock = ManualClock(0.0)
-    settings = AdmissionSettings(policy=name, reservation_overhead_tokens=16)  # type: ignore[arg-type]
+    settings = admission_settings(name, reservation_overhead_tokens=16)
     policy = build_policy(settings, clock, rng_seed=1)
     assert isinstance(policy, BasePolicy)
     policy.observe("a", NodeSample(0.1, 100_000, 0, 0, 0.02, sampled_at=clock.now()))
-    decision = policy.admit("r", RequestCost(300, 200), Priority.CRITICAL, ("a",))
+    decision = policy.admit(request("r", RequestCost(300, 200), Priority.CRITICAL))
     assert isinstance(decision, Admit)
-    assert policy.store.reserved("a") == 516
+    assert policy.reserved_on("a") == 516
     policy.on_first_token(decision.ticket)
     clock.advance(0.3)
     policy.on_tokens(decision.ticket, 50)
     clock.advance(0.3)
     policy.observe("a", NodeSample(0.1, 100_000, 1, 0, 0.02, sampled_at=clock.now()))
-    assert policy.store.reserved("a") == 516 - 300 - 50
+    assert policy.reserved_on("a") == 516 - 300 - 50
+    assert policy.unreflected_now("a") == 16  # the block rounding: all else is in the sample
     policy.release(decision.ticket, Outcome.DONE)
-    assert policy.store.reserved("a") == 0
+    assert policy.reserved_on("a") == 0 and policy.unreflected_now("a") == 0
 
 
 def test_queue_stays_bounded_on_a_node_without_kv_gauge() -> None:
@@ -186,5 +196,5 @@ def test_queue_stays_bounded_on_a_node_without_kv_gauge() -> None:
             policy.release(live.pop(0), Outcome.DONE)
         clock.advance(0.01)
         policy.observe("a", NodeSample(None, None, 10, 0, 0.02, sampled_at=clock.now()))
-    assert len(policy._wakeups["a"]) <= 2 * 10 + 64 + 1
-    assert policy.store.reserved("a") == 10 * 216
+    assert len(policy._books["a"].wakeups) <= 2 * 10 + 64 + 1
+    assert policy.reserved_on("a") == 10 * 216

@@ -1,96 +1,73 @@
-"""The limit algorithms on their own: anti-windup, derivative on measurement, Gradient2."""
+"""The margin controller on its own: zero while the plan holds, P then I on an overshoot,
+a bounded integral, and a fade with the configured half-life once the overshoot is gone."""
 
 from __future__ import annotations
 
-from kvgate.core.limits import GradientLimit, LimitMeasurement, PidLimit
+import pytest
 
-CAP = 10_000
+from kvgate.core.limits import HALFLIFE_S, KI, KP, MAX_DT_S, MarginController
 
-
-def measure(now: float, usage: float, own: int = 0) -> LimitMeasurement:
-    return LimitMeasurement(
-        now=now,
-        usage=usage,
-        capacity_tokens=CAP,
-        other_tokens=usage * CAP - own,
-        in_flight_tokens=own,
-    )
+TARGET = 0.92
+SPAN = 0.12
+DT = 0.05
 
 
-def pid(**kw: float) -> PidLimit:
-    gains = {"kp": 0.25, "ki": 2.0, "kd": 0.01, "hysteresis": 0.03} | kw
-    return PidLimit(0.80, 0.92, **gains)
+def run(margin: MarginController, usage: float, seconds: float, start: float) -> float:
+    """Feed `usage` every DT for `seconds` from `start`; returns the time reached."""
+    t = start
+    for _ in range(round(seconds / DT)):
+        margin.update(t, usage, TARGET)
+        t += DT
+    return t
 
 
-def test_integral_does_not_wind_up_during_a_long_overload() -> None:
-    limit = pid()
+def test_no_margin_while_measured_usage_stays_at_or_below_the_target() -> None:
+    margin = MarginController(SPAN)
     t = 0.0
-    for _ in range(1200):  # a minute at 100 %
-        limit.update(measure(t, 1.0))
-        t += 0.05
-    assert limit.pressure == 1.0
-    steps = 0
-    while limit.pressure > 0 and steps < 1000:
-        limit.update(measure(t, 0.5))
-        t += 0.05
-        steps += 1
-    assert steps * 0.05 <= 0.5  # released within half a second, not a minute
-    for _ in range(10):
-        limit.update(measure(t, 0.5))
-        t += 0.05
-        assert limit.pressure == 0.0  # no hidden integral jumping back
-    assert not limit.engaged
+    for usage in (0.0, 0.5, 0.85, 0.91, TARGET, 0.3):
+        assert margin.update(t, usage, TARGET) == 0.0
+        t += DT
+    assert margin.margin == 0.0
 
 
-def test_disengages_only_below_the_hysteresis_band() -> None:
-    limit = pid(kp=0.0, kd=0.0)
-    t = 0.0
-    for _ in range(20):
-        limit.update(measure(t, 0.85))
-        t += 0.05
-    assert limit.engaged and limit.pressure > 0
-    for _ in range(200):  # just under the setpoint: drains, yet stays engaged
-        limit.update(measure(t, 0.79))
-        t += 0.05
-    assert limit.engaged and limit.pressure == 0.0
-    limit.update(measure(t, 0.76))
-    assert not limit.engaged
+def test_an_overshoot_takes_its_size_at_once_then_grows_while_it_lasts() -> None:
+    margin = MarginController(SPAN)
+    margin.update(0.0, 0.5, TARGET)
+    first = margin.update(DT, 0.95, TARGET)  # P on the first evidence, I begins
+    assert abs(first - (KP * 0.03 + KI * 0.03 * DT)) < 1e-12
+    second = margin.update(2 * DT, 0.95, TARGET)
+    assert abs(second - (KP * 0.03 + 2 * KI * 0.03 * DT)) < 1e-12
+    assert second > first
 
 
-def test_derivative_acts_on_the_measurement_not_the_error() -> None:
-    with_d = pid(kp=0.0, ki=0.0, kd=0.05)
-    t = 0.0
-    for usage in (0.80, 0.82, 0.84, 0.86):  # rising fast above the setpoint
-        with_d.update(measure(t, usage))
-        t += 0.05
-    assert with_d.pressure > 0  # only D is on: a rising measurement raises pressure
-    steady = pid(kp=0.0, ki=0.0, kd=0.05)
-    for i in range(10):
-        steady.update(measure(i * 0.05, 0.86))
-    assert steady.pressure == 0.0  # a constant measurement gives no derivative kick
+def test_the_margin_never_passes_its_span_and_does_not_wind_up() -> None:
+    margin = MarginController(SPAN)
+    t = run(margin, 1.0, 60.0, 0.0)  # a minute at 100 %
+    assert margin.margin == SPAN
+    t = run(margin, 0.5, HALFLIFE_S, t)
+    # One half-life later it has halved from at most the span: the integral was capped.
+    assert margin.margin <= SPAN / 2 * 1.02
+    run(margin, 0.5, 20 * HALFLIFE_S, t)
+    assert margin.margin == 0.0  # faded out completely, no hidden integral left
 
 
-def test_budget_slides_from_panic_room_to_setpoint_room() -> None:
-    limit = pid()
-    limit.update(measure(0.0, 0.5, own=2000))
-    assert limit.ceiling == 0.92
-    assert limit.budget_tokens == 0.92 * CAP - (0.5 * CAP - 2000)
-    t = 0.05
-    for _ in range(100):
-        limit.update(measure(t, 0.9, own=2000))
-        t += 0.05
-    assert limit.pressure == 1.0 and abs(limit.ceiling - 0.80) < 1e-12
+def test_it_fades_with_its_half_life_once_the_overshoot_is_gone() -> None:
+    margin = MarginController(SPAN)
+    t = run(margin, 0.96, 0.5, 0.0)
+    held = margin.update(t, 0.5, TARGET)  # the P part goes at once, the I part remains
+    assert 0 < held < SPAN
+    t = run(margin, 0.5, HALFLIFE_S, t + DT)
+    assert abs(margin.margin - held / 2) < held * 0.02
 
 
-def test_gradient_shrinks_on_excursions_and_grows_back() -> None:
-    limit = GradientLimit(0.80, 0.92)
-    limit.update(measure(0.0, 0.3, own=3000))
-    full = limit.budget_tokens
-    assert full is not None and limit.pressure == 0.0
-    for i in range(10):
-        limit.update(measure(0.05 * (i + 1), 1.0, own=9000))
-    assert limit.budget_tokens is not None and limit.budget_tokens < full
-    assert limit.pressure > 0
-    for i in range(400):
-        limit.update(measure(1.0 + 0.05 * i, 0.3, own=0))
-    assert limit.pressure == 0.0
+def test_a_long_gap_between_samples_counts_as_at_most_max_dt() -> None:
+    margin = MarginController(SPAN)
+    margin.update(0.0, 0.93, TARGET)
+    after_gap = margin.update(60.0, 0.93, TARGET)
+    assert abs(after_gap - (KP * 0.01 + KI * 0.01 * MAX_DT_S)) < 1e-12
+    assert margin.update(59.0, 0.93, TARGET) >= after_gap  # a clock going back is no time
+
+
+def test_the_span_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        MarginController(0.0)
