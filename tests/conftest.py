@@ -2,7 +2,8 @@
 
 `gateway_factory` starts kvgate's real ASGI app under uvicorn (or hypercorn) on an
 ephemeral 127.0.0.1 port, and checks after the test that its in-flight gauge went back to
-zero and that the policy holds no ticket: a leak fails the test that caused it.
+zero, that the admission core holds no ticket and that nothing waits in its queue: a leak
+fails the test that caused it.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
     """`await gateway_factory([engine.url, ...], policy=..., server="hypercorn", **{"a.b": v})`.
 
     Dotted keyword overrides go to `load_config` (e.g. `**{"upstream.read_timeout_s": 0.2}`).
-    After the test, every gateway must be back to zero requests in flight and zero tickets.
+    After the test, every gateway must be back to zero requests in flight, zero tickets and
+    an empty queue.
     """
     from kvgate.config import load_config
     from kvgate.gateway.app import Gateway
@@ -153,9 +155,13 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
             await eventually(lambda h=handle: h.in_flight == 0, 2.0)
             if handle.in_flight:
                 leaks.append(f"{handle.url}: {handle.in_flight} request(s) still in flight")
-            tickets = handle.gateway.policy.snapshot().get("in_flight_requests", 0)
+            snap = handle.gateway.admission.snapshot()
+            tickets = snap["in_flight_requests"]
             if tickets:
                 leaks.append(f"{handle.url}: {tickets} ticket(s) never released")
+            waiting = snap["queue"]["waiting"]
+            if waiting:
+                leaks.append(f"{handle.url}: {waiting} request(s) still queued")
             handle.server.stop()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(handle.task, 10)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 import httpx
 
 from gateway.helpers import RawClient, openai_error
-from kvgate.core.admission import Outcome, Reject, Ticket
+from kvgate.core.admission import Decision, Outcome, Reject, Ticket
 from kvgate.core.clock import MonotonicClock
 from kvgate.core.policies import NonePolicy
-from kvgate.core.request import Priority, RequestCost
+from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.testing import FakeEngine
 
@@ -30,16 +30,22 @@ class RecordingPolicy(NonePolicy):
         self.tokens: dict[str, int] = {}
 
     def _decide(
-        self, now: float, cost: RequestCost, priority: Priority, candidates: Sequence[str]
+        self,
+        now: float,
+        request: AdmissionRequest,
+        expected: int,
+        promised: Mapping[str, float],
     ) -> str | Reject:
-        if priority in self.shed:
+        if request.priority in self.shed:
             return Reject(429, "test_shed", 2.4, "Shed by the test policy.")
-        return super()._decide(now, cost, priority, candidates)
+        return super()._decide(now, request, expected, promised)
 
-    def admit(self, request_id, cost, priority, candidates):  # type: ignore[no-untyped-def]
-        decision = super().admit(request_id, cost, priority, candidates)
+    def admit(
+        self, request: AdmissionRequest, promised: Mapping[str, float] | None = None
+    ) -> Decision:
+        decision = super().admit(request, promised)
         if not isinstance(decision, Reject):
-            self.admitted.append((request_id, cost, priority))
+            self.admitted.append((request.request_id, request.cost, request.priority))
         return decision
 
     def on_first_token(self, ticket: Ticket) -> None:

@@ -60,15 +60,15 @@ async def test_keys_are_required_and_never_forwarded(fake_engine: FakeEngine, ga
 
 async def test_priority_is_capped_by_the_key(fake_engine: FakeEngine, gateway_factory) -> None:
     gw = await gateway_factory([fake_engine.url], overrides=_auth())
-    asked: list[str] = []
-    inner = gw.gateway.policy.inner
-    original = inner.admit
+    asked: list[tuple[str, str]] = []
+    policy = gw.gateway.admission.policy
+    original = policy.admit
 
-    def spy(request_id, cost, priority, candidates):  # records what the policy was asked
-        asked.append(priority.name.lower())
-        return original(request_id, cost, priority, candidates)
+    def spy(request, promised=None):  # records what the policy was asked
+        asked.append((request.priority.label, request.tenant))
+        return original(request, promised)
 
-    inner.admit = spy
+    policy.admit = spy
     async with httpx.AsyncClient(base_url=gw.url) as client:
         for key, priority in ((BOB, None), (BOB, "critical"), (ALICE, "critical"), (ALICE, None)):
             headers = {"Authorization": f"Bearer {key}"}
@@ -81,7 +81,13 @@ async def test_priority_is_capped_by_the_key(fake_engine: FakeEngine, gateway_fa
             headers={"Authorization": f"Bearer {ALICE}", "X-Kvgate-Priority": "urgent"},
         )
     # Bob: default sheddable, `critical` lowered to his maximum; Alice may ask for critical.
-    assert asked == ["sheddable", "standard", "critical", "standard"]
+    # Each request reaches the core as its key's tenant.
+    assert asked == [
+        ("sheddable", "bob"),
+        ("standard", "bob"),
+        ("critical", "alice"),
+        ("standard", "alice"),
+    ]
     assert bad.status_code == 400 and openai_error(bad.content)["param"] == "X-Kvgate-Priority"
 
 
@@ -191,7 +197,8 @@ def test_ledger_refuses_and_releases_exactly_once() -> None:
     ledger.release(b)
     assert ledger.held("t") == (0, 0) and ledger.total_tokens == 0
     assert ledger.acquire("t", 101).limit == "tokens"  # can never fit
-    assert ledger.snapshot()["t"]["refused_total"] == 3
+    assert ledger.never_fits("t", 101) is not None and ledger.never_fits("t", 100) is None
+    assert ledger.snapshot()["t"]["admitted_total"] == 2
 
 
 async def test_start_up_says_who_can_reach_the_gateway(

@@ -51,7 +51,7 @@ async def _gateway(gateway_factory, nodes: list[ChaosNode], **overrides: Any):
 
 
 def _fresh(gw) -> set[str]:
-    nodes = gw.gateway.policy.snapshot()["nodes"]
+    nodes = gw.gateway.admission.snapshot()["nodes"]
     return {nid for nid, state in nodes.items() if state["fresh"]}
 
 
@@ -61,8 +61,8 @@ def _served(gw, node: str) -> int:
 
 
 def _assert_books_empty(gw) -> None:
-    snap = gw.gateway.policy.snapshot()
-    assert snap["in_flight_requests"] == 0
+    snap = gw.gateway.admission.snapshot()
+    assert snap["in_flight_requests"] == 0 and snap["queue"]["waiting"] == 0
     assert all(state["reserved_tokens"] == 0 for state in snap["nodes"].values()), snap["nodes"]
     assert gw.gateway.metrics.in_flight == 0
 

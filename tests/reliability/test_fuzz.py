@@ -167,7 +167,8 @@ def test_the_app_never_answers_500(gateway_loop, body, path, auth, priority, req
         assert status == 401
     # Nothing is held after the answer, whatever the path.
     assert gateway.metrics.in_flight == 0
-    assert gateway.policy.snapshot()["in_flight_requests"] == 0
+    snap = gateway.admission.snapshot()
+    assert snap["in_flight_requests"] == 0 and snap["queue"]["waiting"] == 0
     assert gateway.security.ledger.total_tokens == 0
 
 

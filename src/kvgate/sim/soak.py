@@ -10,10 +10,10 @@ mid-stream or while waiting for a non-streamed answer, and malformed ones.
 Every answer is checked (a correct completion, a correct stream ending in `[DONE]` or in an
 SSE `error` event, or an OpenAI-shaped error with an allowed status and, for 429/503, a
 Retry-After). After the traffic the engines are healed and the books are read from
-`/admin/state` and `/metrics`: requests in flight, tickets, reserved tokens, tenant usage,
-and the engines' own running/waiting queues must all be exactly zero; the gateway's RSS
-must not have grown by more than the stated bound since the end of the warm-up; its log
-must hold no traceback; and it must still serve.
+`/admin/state` and `/metrics`: requests in flight, tickets, reserved tokens, requests in the
+gateway's queue, tenant usage, and the engines' own running/waiting queues must all be
+exactly zero; the gateway's RSS must not have grown by more than the stated bound since
+the end of the warm-up; its log must hold no traceback; and it must still serve.
 
 Used by `tests/reliability/test_soak.py` (about a minute, in CI) and by
 `benchmarks/soak/run_soak.py` (longer, writes `results.md`).
@@ -474,6 +474,7 @@ def _books(state: dict[str, Any], metrics: str, nodes: list[ChaosNode]) -> dict[
         "gateway_in_flight": state["gateway"]["in_flight"],
         "policy_tickets": policy["in_flight_requests"],
         "policy_in_flight_tokens": policy["controller"].get("in_flight_tokens") or 0,
+        "queue_waiting": policy["queue"]["waiting"],
         "reserved_tokens": {n: s["reserved_tokens"] for n, s in policy["nodes"].items()
                             if s["reserved_tokens"]},
         "tenant_usage": {t: (u["in_flight_tokens"], u["in_flight_requests"])

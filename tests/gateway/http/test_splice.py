@@ -96,12 +96,13 @@ async def test_a_fault_inside_the_splice_ends_the_response_and_frees_everything(
     fake_engine: FakeEngine, gateway_factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The relay callback runs inside the upstream socket's callback: an error there (here
-    the policy's token accounting) must end this response, close the engine's request and
-    release the ticket (the fixture checks), never wedge the connection or the parser."""
+    the admission core's token accounting) must end this response, close the engine's
+    request and release the ticket (the fixture checks), never wedge the connection or the
+    parser."""
     gw = await gateway_factory([fake_engine.url])
-    policy = gw.gateway.policy
+    admission = gw.gateway.admission
     calls = 0
-    original = policy.on_tokens
+    original = admission.on_tokens
 
     def failing(ticket: Any, tokens: int) -> None:
         nonlocal calls
@@ -110,7 +111,7 @@ async def test_a_fault_inside_the_splice_ends_the_response_and_frees_everything(
             raise RuntimeError("accounting fault")
         original(ticket, tokens)
 
-    monkeypatch.setattr(policy, "on_tokens", failing)
+    monkeypatch.setattr(admission, "on_tokens", failing)
     body = {**BODY, "fake": {"chunks": 500, "interval": 0.01}}
     client = await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": "faulty"})
     received = await client.read_all(within=5.0)  # the gateway closes: no hang
