@@ -265,11 +265,11 @@ def admission(lay: Layout) -> None:
     )
     lay.add(
         timeseries(
-            "Shedding probability",
-            "Probability that a new request of each priority is shed right now.",
-            [("max by (priority) (kvgate_shed_probability)", "{{priority}}")],
-            "percentunit",
-            max_value=1,
+            "Waiting in the gateway's queue",
+            "Requests waiting for room in the gateway (not in an engine's KV cache), by"
+            " priority.",
+            [("sum by (priority) (kvgate_queue_waiting)", "{{priority}}")],
+            "short",
             overrides=priority_colors(),
         ),
         8,

@@ -75,7 +75,7 @@ def test_a_token_bucket_sheds_with_retry_after_and_the_client_waits(tmp_path: Pa
     spec = _spec(
         label="static-qps",
         policy="static-qps",
-        policy_overrides={"static_qps": 1.0, "static_burst": 1},
+        policy_overrides={"baseline": {"qps": 1.0, "burst": 1}},
     )
     run = run_virtual(spec, arrivals)
     s = summarize(run)

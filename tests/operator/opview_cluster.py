@@ -1,9 +1,10 @@
 """A real kvgate gateway in front of simulated vLLM engines, all as child processes.
 
 Two simulator processes are started so that one engine can be killed on its own: the
-gateway's scrapes of it then fail and the dashboard must flag it stale. `overload()` drives
-more KV-cache demand than the engines hold, with a share of clients that hang up mid-stream,
-so that shedding, Retry-After and cancellation propagation all show.
+gateway's scrapes of it then fail and the dashboard must flag it stale. `Overload` drives
+more KV-cache demand than the engines hold, with a share of clients that hang up mid-stream
+and a share that will not wait in the gateway's queue, so that queueing, shedding,
+Retry-After and cancellation propagation all show.
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ async def _client(
     hang_up = index % 4 == 0  # a quarter of the clients leave after the first token
     body = {"model": "sim-llama", "prompt": "tell me a story " * 40, "max_tokens": 600}
     headers = {"X-Kvgate-Priority": priority}
+    if priority == "sheddable":  # these will not wait in the gateway's queue: shed at once
+        headers["X-Kvgate-Max-Wait-Ms"] = "0"
     sent = 0
 
     def over() -> bool:

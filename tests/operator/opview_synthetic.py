@@ -42,6 +42,7 @@ class SyntheticCluster:
         self.retry_count = 0.0
         self.retry_sum = 0.0
         self.cancellations = 0.0
+        self.queued = 0.0
         self.lock = threading.Lock()
 
     def state(self) -> dict[str, Any]:
@@ -64,6 +65,7 @@ class SyntheticCluster:
                 self.retry_count += shed * dt
                 self.retry_sum += shed * dt * (2.0 if p == "sheddable" else 1.0)
         self.cancellations += (4.0 if self.overload else 0.5) * dt
+        self.queued += (20.0 if self.overload else 0.0) * dt
 
     def _snapshot(self, now: float) -> dict[str, Any]:
         t = now - self.started
@@ -82,30 +84,36 @@ class SyntheticCluster:
                 "sampled_at": now - (5.0 if stale else 0.05),
             }
             state = "stale" if stale else ("high" if predicted > 0.8 else "ok")
+            margin = 0.04 if self.overload and not stale else 0.0
             nodes[node] = {
                 "fresh": not stale,
                 "age_s": 5.0 if stale else 0.05,
                 "state": state,
                 "sample": sample,
+                "step_s": sample["iteration_latency_s"],
                 "reserved_tokens": int(predicted * 65536 * 0.3),
                 "in_flight": 12 + i % 5,
                 "predicted_usage": predicted,
+                "margin": margin,
+                "peak_usage": min(0.92, predicted + 0.02),
             }
-        shed = 0.6 if self.overload else 0.0
-        # The gateway's shape: the policy snapshot nested under "policy", its own counters
-        # under "gateway", the scraper's stats under "scraper".
+        # The gateway's shape: the flow controller's snapshot (the policy's, with the queue
+        # and the tenants) nested under "policy", its own counters under "gateway", the
+        # scraper's stats under "scraper".
         policy = {
             "policy": "adaptive",
             "time": now,
             "nodes": nodes,
             "controller": {
-                "budget_tokens": 900_000,
                 "in_flight_tokens": 880_000 if self.overload else 420_000,
-                "setpoint": 0.8,
-                "shed_probability": {"critical": 0.0, "standard": shed / 3, "sheddable": shed},
+                "feedback": True,
+                "margins": {node: entry["margin"] for node, entry in nodes.items()},
             },
             "in_flight_requests": 14 * len(self.ids),
             "released_tokens_per_s": 25_000.0,
+            "expected_output": {"sim-llama": 180},
+            "queue": self._queue(),
+            "tenants": {},
         }
         return {
             "time": now,
@@ -133,6 +141,28 @@ class SyntheticCluster:
                     for node in self.ids
                 },
             },
+        }
+
+    def _queue(self) -> dict[str, Any]:
+        """The flow controller's queue section: an overload keeps requests waiting."""
+        waiting = {"critical": 0, "standard": 40, "sheddable": 25} if self.overload else {}
+        bands = {
+            p: {
+                "waiting": waiting.get(p, 0),
+                "tokens": waiting.get(p, 0) * 1800,
+                "oldest_s": 4.0 if waiting.get(p) else 0.0,
+            }
+            for p in PRIORITIES
+        }
+        return {
+            "waiting": sum(b["waiting"] for b in bands.values()),
+            "tokens": sum(b["tokens"] for b in bands.values()),
+            "bands": bands,
+            "tenants": {"": sum(b["waiting"] for b in bands.values())} if self.overload else {},
+            "fairness": "tokens",
+            "counters": {"queued": int(self.queued), "admitted_after_wait": int(self.queued)},
+            "wait_total_s": self.queued * 1.5,
+            "service": {},
         }
 
     def _admissions(self) -> dict[str, int]:

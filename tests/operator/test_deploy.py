@@ -169,7 +169,7 @@ def test_dashboard_is_well_formed_grafana_json() -> None:
             assert target["datasource"]["uid"] == "${datasource}"
             assert target["expr"].strip()
     titles = " ".join(panel["title"] for panel in board["panels"]).lower()
-    for topic in ("rejected", "shedding", "predicted", "stale", "sample age", "cancel"):
+    for topic in ("rejected", "queue", "predicted", "stale", "sample age", "cancel"):
         assert topic in titles or topic in json.dumps(board).lower(), topic
 
 
