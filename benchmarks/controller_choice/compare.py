@@ -1,18 +1,19 @@
-"""Which limit algorithm between the watermarks? PID vs Gradient2 vs none, in virtual time.
+"""Feedback between the ceilings or not? The margin controller vs ceilings alone, in virtual time.
 
-Runs the `adaptive` policy on the virtual-time cluster of `kvgate.bench.virtual` (the
-paged-KV engine simulator, scraped every 50 ms with 10 ms delivery lag, clients with
-timeouts, retries and Retry-After) with three limit algorithms:
+Runs the `adaptive` policy, behind the gateway's queue, on the virtual-time cluster of
+`kvgate.bench.virtual` (the paged-KV engine simulator, scraped every 50 ms with 10 ms
+delivery lag, clients with timeouts, retries and Retry-After) two ways:
 
-* `pid`       - the default (`limits.PidLimit`);
-* `gradient`  - `limits.GradientLimit`, Netflix Gradient2 transposed to KV usage;
-* `ceilings`  - no feedback at all (all gains 0): only the per-priority ceilings;
+* `margin`    - the default: `limits.MarginController` lowers a node's ceilings for
+  non-critical work while its measured usage overshoots the panic watermark;
+* `ceilings`  - no feedback at all: only the per-priority ceilings on the planned peak;
 
 each on the cpu-tiny preset (2 engines of 4,096 KV tokens, the real vLLM CPU engine's
-size) at several loads and seeds, and in two prediction regimes: exact prompt costs, and
-prompts *under*-estimated by 40 % (a chars-per-token ratio that has not learned yet), the
-case feedback is meant to absorb, and with 30 % of the traffic invisible to the
-gateway's books (it bypasses kvgate). Writes results.md next to this file.
+size) at several loads and seeds, and in regimes where the plan is wrong: exact prompt
+costs; prompts *under*-estimated by 40 % (a chars-per-token ratio that has not learned
+yet), the case feedback is meant to absorb; 30 % of the traffic invisible to the
+gateway's books (it bypasses kvgate); and mixed priorities. Writes results.md next to
+this file.
 
     /work/venv/bin/python benchmarks/controller_choice/compare.py [--quick]
 """
@@ -20,11 +21,11 @@ gateway's books (it bypasses kvgate). Writes results.md next to this file.
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import statistics
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,67 +34,89 @@ from kvgate.bench.metrics import summarize
 from kvgate.bench.profiles import get_profile
 from kvgate.bench.suite import RunSpec
 from kvgate.bench.virtual import build_cluster, to_run_result
-from kvgate.core.admission import Outcome
-from kvgate.core.request import Priority, RequestCost
+from kvgate.core.admission import Admit, Decision, Outcome
+from kvgate.core.flow import FlowController, Waiter
+from kvgate.core.policies.base import BasePolicy
+from kvgate.core.request import AdmissionRequest, Priority, RequestCost
+from kvgate.sim.virtual import SHED, UNAVAILABLE, VirtualResult
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    "pid": {"controller": "pid"},
-    "gradient": {"controller": "gradient"},
-    "ceilings": {"controller": "pid", "controller_kp": 0, "controller_ki": 0, "controller_kd": 0},
-}
+CONFIGS: dict[str, bool] = {"margin": True, "ceilings": False}  # name -> feedback on
 
 
 _MIX = (Priority.CRITICAL,) * 2 + (Priority.STANDARD,) * 5 + (Priority.SHEDDABLE,) * 3
 
 
-class _Wrapped:
-    """Wraps a policy: prompts seen at `factor` of their size; optionally mixed priorities.
+def _user(request_id: str) -> str:
+    return request_id.split("#", 1)[0]
 
-    With `mixed`, a user's priority is fixed by its id (20 % critical, 50 % standard,
-    30 % sheddable) and refusals are counted per priority. With `hidden`, that share of
-    users is forgotten by the policy right after admission (traffic that bypasses kvgate).
-    """
 
-    def __init__(self, inner: Any, factor: float, mixed: bool, hidden: float = 0.0) -> None:
+def _mixed_priority(user: str) -> Priority:
+    """20 % critical, 50 % standard, 30 % sheddable, fixed by the user's id."""
+    return _MIX[zlib.crc32(user.encode()) % len(_MIX)]
+
+
+class _Seen:
+    """Wraps the placement policy: prompts seen at `factor` of their size; with `hidden`,
+    that share of users is forgotten by the policy right after admission (traffic that
+    bypasses kvgate: the engine runs it, the books do not hold it)."""
+
+    def __init__(self, inner: BasePolicy, factor: float, hidden: float) -> None:
         self._inner = inner
         self._factor = factor
-        self._mixed = mixed
         self._hidden = hidden
-        self.tries = {p: 0 for p in Priority}
-        self.refused = {p: 0 for p in Priority}
 
     def admit(
-        self, request_id: str, cost: RequestCost, priority: Priority, candidates: Sequence[str]
-    ) -> Any:
+        self, request: AdmissionRequest, promised: Mapping[str, float] | None = None
+    ) -> Decision:
+        cost = request.cost
         seen = RequestCost(max(1, int(cost.prompt_tokens * self._factor)), cost.max_output_tokens)
-        if self._mixed:
-            user = request_id.split("#", 1)[0]
-            priority = _MIX[zlib.crc32(user.encode()) % len(_MIX)]
-        decision = self._inner.admit(request_id, seen, priority, candidates)
-        user_hash = zlib.crc32(request_id.split("#", 1)[0].encode())
-        if hasattr(decision, "ticket") and (user_hash % 1000) < self._hidden * 1000:
-            # The engine runs it, but the gateway's books forget it at once: load kvgate
-            # cannot see except through the engine's own KV gauge.
+        decision = self._inner.admit(dataclasses.replace(request, cost=seen), promised)
+        user_hash = zlib.crc32(_user(request.request_id).encode())
+        if isinstance(decision, Admit) and (user_hash % 1000) < self._hidden * 1000:
             self._inner.release(decision.ticket, Outcome.DONE)
-        self.tries[priority] += 1
-        self.refused[priority] += not hasattr(decision, "ticket")
         return decision
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
 
+class _Mixed:
+    """Wraps the flow controller: each user's requests get its mixed priority."""
+
+    def __init__(self, inner: FlowController) -> None:
+        self._inner = inner
+
+    def submit(self, request: AdmissionRequest) -> Decision | Waiter:
+        request.priority = _mixed_priority(_user(request.request_id))
+        return self._inner.submit(request)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _refused(result: VirtualResult, mixed: bool) -> dict[Priority, float]:
+    """Share of each priority's tries refused (429 or 503)."""
+    tries = dict.fromkeys(Priority, 0)
+    refused = dict.fromkeys(Priority, 0)
+    for outcome in result.outcomes:
+        priority = _mixed_priority(outcome.id) if mixed else Priority.parse(outcome.priority)
+        tries[priority] += len(outcome.tries)
+        refused[priority] += sum(t.outcome in (SHED, UNAVAILABLE) for t in outcome.tries)
+    return {p: refused[p] / tries[p] if tries[p] else 0.0 for p in Priority}
+
+
 def _run(spec: RunSpec, factor: float, mixed: bool, hidden: float) -> dict[str, Any]:
     cluster = build_cluster(spec)
-    wrapped = _Wrapped(cluster.policies[0], factor, mixed, hidden)
-    cluster.policies[0] = wrapped  # type: ignore[assignment]
-    result = to_run_result(spec, cluster.run())
+    flow = cluster.policies[0]
+    flow.policy = _Seen(flow.policy, factor, hidden)  # type: ignore[assignment]
+    if mixed:
+        cluster.policies[0] = _Mixed(flow)  # type: ignore[assignment]
+    outcome = cluster.run()
+    result = to_run_result(spec, outcome)
     row = summarize(result)
-    for p in Priority:
-        tries = wrapped.tries[p]
-        row[f"refused_{p.name.lower()}"] = wrapped.refused[p] / tries if tries else 0.0
-    shed = result.series["shed_prob"]
-    row["shed_flips"] = sum(1 for a, b in itertools.pairwise(shed) if (a > 0) != (b > 0))
+    for p, share in _refused(outcome, mixed).items():
+        row[f"refused_{p.name.lower()}"] = share
+    row["queued_max"] = max(result.series["queued"], default=0.0)
     kv = sorted(result.series["kv_usage_max"])
     row["kv_max_p99"] = kv[int(0.99 * (len(kv) - 1))] if kv else float("nan")
     return row
@@ -126,14 +149,14 @@ def main() -> int:
         "ttft_p99_s",
         "preemptions",
         "rejected_429",
-        "shed_flips",
+        "queued_max",
         "kv_max_p99",
         "refused_critical",
         "refused_standard",
         "refused_sheddable",
     ]
     lines = [
-        "# Limit algorithm comparison (adaptive policy, virtual time)",
+        "# Feedback comparison (adaptive policy behind the queue, virtual time)",
         "",
         "Command: `python benchmarks/controller_choice/compare.py"
         f"{' --quick' if args.quick else ''}`."
@@ -147,7 +170,7 @@ def main() -> int:
         " (by id) are dropped from the policy's books right after admission, i.e. load"
         " kvgate sees only through the engines' KV gauge.",
         "",
-        "| regime | load | limit | " + " | ".join(metrics) + " |",
+        "| regime | load | feedback | " + " | ".join(metrics) + " |",
         "| --- | --- | --- | " + " | ".join("---" for _ in metrics) + " |",
     ]
     regimes = (
@@ -158,10 +181,10 @@ def main() -> int:
     )
     for regime, factor, mixed, hidden in regimes:
         for load in loads:
-            for name, overrides in CONFIGS.items():
+            for name, feedback in CONFIGS.items():
                 rows = [
                     _run(
-                        replace(base, load=load, seed=seed, policy_overrides=overrides),
+                        replace(base, load=load, seed=seed, feedback=feedback),
                         factor,
                         mixed,
                         hidden,

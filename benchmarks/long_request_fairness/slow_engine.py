@@ -5,7 +5,7 @@ In the real-engine overload runs the same engine, sharing 2 cores with the load 
 the gateway and other work, took 15-23 ms per token. This registers a preset `cpu-slow`
 whose step latency is `cpu-tiny`'s times FACTOR (same KV cache, same scheduler limits) and
 a benchmark profile for it identical to `cpu-tiny`'s, then runs `kvgate bench virtual` with
-the remaining arguments. `OVERRIDES='{"claims": true}'` sets admission settings of the
+the remaining arguments. `OVERRIDES='{"high_watermark": 0.75}'` sets admission settings of the
 `adaptive` runs (it is a settings override, not a code change).
 
     python benchmarks/long_request_fairness/slow_engine.py 4 --nodes 1 --loads 3 \\

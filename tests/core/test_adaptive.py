@@ -210,10 +210,10 @@ def test_latency_far_above_baseline_with_a_queue_is_thrashing() -> None:
     assert policy.snapshot()["nodes"]["a"]["state"] == "thrashing"
 
 
-def _first_refusal_peak(priority: Priority, usage: float = 0.0, **overrides) -> float:  # type: ignore[no-untyped-def]
+def _first_refusal_peak(priority: Priority) -> float:
     """The node's planned peak when the first request of `priority` no longer fits."""
-    policy, clock = make(reservation_overhead_tokens=0, **overrides)
-    policy.observe("a", sample(clock, usage=usage, capacity=10_000))
+    policy, clock = make(reservation_overhead_tokens=0)
+    policy.observe("a", sample(clock, usage=0.0, capacity=10_000))
     for i in range(200):
         decision = admit(policy, f"r{i}", cost(50, 50), priority)
         if isinstance(decision, Reject):
