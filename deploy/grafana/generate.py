@@ -266,8 +266,7 @@ def admission(lay: Layout) -> None:
     lay.add(
         timeseries(
             "Waiting in the gateway's queue",
-            "Requests waiting for room in the gateway (not in an engine's KV cache), by"
-            " priority.",
+            "Requests waiting for room in the gateway (not in an engine's KV cache), by priority.",
             [("sum by (priority) (kvgate_queue_waiting)", "{{priority}}")],
             "short",
             overrides=priority_colors(),

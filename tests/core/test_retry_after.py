@@ -1,13 +1,12 @@
-"""Retry-After: centred on excess / freed rate, +-20 % jitter, never below 1 s, clamped."""
+"""Retry-After: the predicted wait, else excess over the freeing rate; +-20 % jitter, >= 1 s."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from kvgate.core.admission import Admit, Outcome, Reject
 from kvgate.core.clock import ManualClock
