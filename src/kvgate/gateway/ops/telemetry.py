@@ -231,6 +231,7 @@ class _SnapshotCollector(Collector):
         yield from _client_gone_metrics(m)
         yield m._ttfb.family()
         yield m._duration.family()
+        yield m._queue_wait.family()
         if m.policy_snapshot is not None:
             yield from _policy_metrics(_safe(m.policy_snapshot))
         if m.scraper_stats is not None:
