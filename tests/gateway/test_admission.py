@@ -1,4 +1,6 @@
-"""The shell's side of admission: rejections, tickets released exactly once, priorities."""
+"""The shell's side of admission: rejections, tickets released exactly once, priorities,
+and requests that wait in the gateway's queue (admitted when room frees, gone when their
+client leaves)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from kvgate.core.clock import MonotonicClock
 from kvgate.core.policies import NonePolicy
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
-from kvgate.testing import FakeEngine
+from kvgate.testing import FakeEngine, eventually
 
 
 class RecordingPolicy(NonePolicy):
@@ -142,3 +144,106 @@ async def test_every_ticket_is_released_exactly_once_on_every_path(
         "crash": Outcome.UPSTREAM_ERROR,
         "cancel": Outcome.CLIENT_CANCEL,
     }
+
+
+class OneAtATime(RecordingPolicy):
+    """Room for one request at a time; the next one is predicted to start within 0.5 s,
+    so the flow controller lets it wait in the gateway."""
+
+    def _decide(
+        self,
+        now: float,
+        request: AdmissionRequest,
+        expected: int,
+        promised: Mapping[str, float],
+    ) -> str | Reject:
+        if self.in_flight_requests:
+            return Reject(429, "test_busy", 1.0, "One at a time.", waitable=True)
+        return super()._decide(now, request, expected, promised)
+
+    def start_estimate(self, request: AdmissionRequest) -> tuple[str, float] | None:
+        return (request.candidates[0], 0.5) if request.candidates else None
+
+
+async def _first_admitted(policy: RecordingPolicy, count: int = 1) -> None:
+    assert await eventually(lambda: len(policy.admitted) >= count, 5.0)
+
+
+async def test_a_queued_request_starts_when_the_one_before_it_ends(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    policy = OneAtATime()
+    gw = await gateway_factory([fake_engine.url], policy=policy)
+    admission = gw.gateway.admission
+    body = {"model": "fake-model", "prompt": "p"}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
+        first = asyncio.create_task(
+            client.post(
+                "/v1/completions",
+                json={**body, "fake": {"delay": 0.4}},
+                headers={"x-request-id": "first"},
+            )
+        )
+        await _first_admitted(policy)
+        second = asyncio.create_task(
+            client.post("/v1/completions", json=body, headers={"x-request-id": "second"})
+        )
+        assert await eventually(lambda: admission.waiting == 1, 5.0)
+        assert not any(r.request_id == "second" for r in fake_engine.completions())
+        assert (await first).status_code == 200
+        assert (await second).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert [rid for rid, _, _ in policy.admitted] == ["first", "second"]
+    assert admission.counts["queued"] == 1 and admission.counts["admitted_after_wait"] == 1
+    assert admission.wait_total_s > 0
+    assert 'kvgate_queue_wait_seconds_count{priority="standard"} 1.0' in metrics
+
+
+async def test_a_client_that_leaves_while_queued_leaves_the_queue(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    policy = OneAtATime()
+    gw = await gateway_factory([fake_engine.url], policy=policy)
+    admission = gw.gateway.admission
+    body = {"model": "fake-model", "prompt": "p"}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
+        first = asyncio.create_task(
+            client.post(
+                "/v1/completions",
+                json={**body, "fake": {"delay": 1.0}},
+                headers={"x-request-id": "first"},
+            )
+        )
+        await _first_admitted(policy)
+        raw = await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": "gone"})
+        assert await eventually(lambda: admission.waiting == 1, 5.0)
+        raw.drop()
+        assert await eventually(lambda: admission.waiting == 0, 5.0)
+        assert admission.counts["cancelled"] == 1
+        assert (await first).status_code == 200  # the one running is not disturbed
+    # It held nothing while it waited, and never reached the engine.
+    assert [rid for rid, _, _ in policy.admitted] == ["first"]
+    assert not any(r.request_id == "gone" for r in fake_engine.completions())
+
+
+async def test_a_client_that_will_not_wait_is_refused_at_once(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    policy = OneAtATime()
+    gw = await gateway_factory([fake_engine.url], policy=policy)
+    body = {"model": "fake-model", "prompt": "p"}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
+        first = asyncio.create_task(
+            client.post("/v1/completions", json={**body, "fake": {"delay": 0.4}})
+        )
+        await _first_admitted(policy)
+        now = await client.post("/v1/completions", json=body, headers={"X-Kvgate-Max-Wait-Ms": "0"})
+        bad = await client.post(
+            "/v1/completions", json=body, headers={"X-Kvgate-Max-Wait-Ms": "soon"}
+        )
+        assert (await first).status_code == 200
+    assert now.status_code == 429 and now.headers["x-kvgate-reason"] == "test_busy"
+    assert now.headers["retry-after"] == "1"  # the predicted start: 0.5 s, at least 1 s
+    assert bad.status_code == 400
+    assert openai_error(bad.content)["param"] == "X-Kvgate-Max-Wait-Ms"
+    assert gw.gateway.admission.counts["queued"] == 0
