@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
+from kvgate.core.clock import ManualClock
 from kvgate.core.flow import ArrivalOrder, FlowController, TokenFairness, Waiter
 from kvgate.core.flow.queue import WaitState
 from kvgate.core.policies.base import BasePolicy
@@ -32,34 +34,95 @@ TENANTS = ["", "t1", "t2"]
 CAPACITY = 10_000
 
 node_ids = st.sampled_from(NODES)
-node_events = st.one_of(
-    st.tuples(
-        st.just("observe"),
-        node_ids,
-        st.one_of(st.none(), st.floats(0, 1)),
-        st.integers(0, 64),
-        st.integers(0, 64),
-        st.floats(0, 0.2),
-    ),
-    st.tuples(st.just("failure"), node_ids),
-    st.tuples(st.just("remove"), node_ids),
-    st.tuples(st.just("add"), node_ids),
-    st.tuples(st.just("advance"), st.floats(0, 1.5)),
-)
-ticket_events = st.one_of(
-    st.tuples(st.just("first_token"), st.integers(0, 50)),
-    st.tuples(st.just("tokens"), st.integers(0, 50), st.integers(1, 500)),
-    st.tuples(st.just("release"), st.integers(0, 50), st.sampled_from(list(Outcome))),
-    st.tuples(st.just("release_again"), st.integers(0, 50)),
-)
-arrivals = st.tuples(
-    st.just("admit"),
-    st.lists(node_ids, min_size=0, max_size=3, unique=True),
-    st.sampled_from(list(Priority)),
-    st.integers(1, 3000),
-    st.integers(1, 3000),
-    st.booleans(),  # exact_output
-)
+
+# Kinds of events, repeated to weight them: arrivals dominate, so that nodes fill up and,
+# through the flow controller, queues form.
+NODE_EVENTS = ["observe"] * 3 + ["failure", "remove", "add", "advance", "advance"]
+TICKET_EVENTS = ["first_token"] * 2 + ["tokens"] * 3 + ["release"] * 3 + ["release_again"]
+POLICY_EVENTS = ["admit"] * 8 + TICKET_EVENTS + NODE_EVENTS
+FLOW_EVENTS = ["submit"] * 8 + ["burst"] * 2 + TICKET_EVENTS + ["cancel", "expire", "dispatch"]
+FLOW_EVENTS += NODE_EVENTS
+
+
+def _events(step_s: float, advance_s: float) -> dict[str, st.SearchStrategy[tuple]]:
+    """Each kind of event with its own values. `step_s`: the longest decode step a sample
+    reports; `advance_s`: the longest jump of the clock."""
+    index = st.integers(0, 50)
+    priorities = st.sampled_from(list(Priority))
+    candidates = st.lists(node_ids, min_size=1, max_size=3, unique=True)
+    table: dict[str, st.SearchStrategy[tuple]] = {
+        "admit": st.tuples(
+            st.just("admit"),
+            st.lists(node_ids, max_size=3, unique=True),
+            priorities,
+            st.integers(1, 3000),
+            st.integers(1, 3000),
+            st.booleans(),  # exact_output
+        ),
+        "submit": st.tuples(
+            st.just("submit"),
+            candidates,
+            priorities,
+            st.integers(500, 4000),
+            # Short outputs end within a wait bound, so those requests may wait.
+            st.one_of(st.integers(1, 40), st.integers(1, 3000)),
+            st.sampled_from(["", "", *TENANTS]),
+            st.sampled_from([None, 0.0, 0.5, 5.0, 100.0]),  # the client's own bound
+        ),
+        # Several alike at once: the queue forms behind them.
+        "burst": st.tuples(
+            st.just("burst"),
+            candidates,
+            priorities,
+            st.integers(1500, 3000),
+            st.integers(1, 40),
+            st.integers(2, 8),
+        ),
+        "tokens": st.tuples(st.just("tokens"), index, st.integers(1, 500)),
+        "release": st.tuples(st.just("release"), index, st.sampled_from(list(Outcome))),
+        "observe": st.tuples(
+            st.just("observe"),
+            node_ids,
+            st.one_of(st.none(), st.floats(0, 1)),
+            st.integers(0, 64),
+            st.integers(0, 64),
+            st.floats(0, step_s),
+        ),
+        "advance": st.tuples(st.just("advance"), st.floats(0, advance_s)),
+        "dispatch": st.tuples(st.just("dispatch")),
+    }
+    for kind in ("first_token", "release_again", "cancel", "expire"):
+        table[kind] = st.tuples(st.just(kind), index)
+    for kind in ("failure", "remove", "add"):
+        table[kind] = st.tuples(st.just(kind), node_ids)
+    return table
+
+
+POLICY_TABLE = _events(step_s=0.2, advance_s=1.5)
+# Decode steps and clock jumps short enough that waits fit their bounds.
+FLOW_TABLE = _events(step_s=0.05, advance_s=0.5)
+
+
+def _draw_event(
+    data: st.DataObject, kinds: list[str], table: dict[str, st.SearchStrategy[tuple]]
+) -> tuple:
+    return data.draw(table[data.draw(st.sampled_from(kinds))])
+
+
+# A failure's shrinking replays long programs many times: give it the minutes it needs to
+# end with a short example instead of pytest-timeout cutting it off.
+SHRINK_TIME = pytest.mark.timeout(600)
+
+
+def _any_policy(name: str, fail_open: bool) -> tuple[BasePolicy, ManualClock]:
+    """The policy `name`, with baselines tight enough to refuse within a short program."""
+    return make(
+        name,
+        fail_mode="open" if fail_open else "closed",
+        static_concurrency=5,
+        static_qps=5,
+        static_burst=5,
+    )
 
 
 def _observe(policy: BasePolicy | FlowController, op: tuple, now: float) -> None:
@@ -112,7 +175,7 @@ def _ticket_event(policy: BasePolicy | FlowController, op: tuple, tickets: list[
         policy.release(ticket, Outcome.CLIENT_CANCEL)
 
 
-def _node_event(policy: BasePolicy | FlowController, op: tuple, clock) -> None:  # type: ignore[no-untyped-def]
+def _node_event(policy: BasePolicy | FlowController, op: tuple, clock: ManualClock) -> None:
     kind = op[0]
     if kind == "observe":
         _observe(policy, op, clock.now())
@@ -126,24 +189,21 @@ def _node_event(policy: BasePolicy | FlowController, op: tuple, clock) -> None: 
         clock.advance(op[1])
 
 
+@SHRINK_TIME
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy_name=st.sampled_from(POLICIES),
     fail_open=st.booleans(),
-    program=st.lists(st.one_of(arrivals, ticket_events, node_events), max_size=80),
+    steps=st.integers(0, 100),
+    data=st.data(),
 )
 def test_holds_and_in_flight_return_to_zero(
-    policy_name: str, fail_open: bool, program: list[tuple]
+    policy_name: str, fail_open: bool, steps: int, data: st.DataObject
 ) -> None:
-    policy, clock = make(
-        policy_name,
-        fail_mode="open" if fail_open else "closed",
-        static_concurrency=5,
-        static_qps=5,
-        static_burst=5,
-    )
+    policy, clock = _any_policy(policy_name, fail_open)
     tickets: list[Ticket] = []
-    for op in program:
+    for _ in range(steps):
+        op = _draw_event(data, POLICY_EVENTS, POLICY_TABLE)
         kind = op[0]
         if kind == "admit":
             _, candidates, priority, prompt, output, exact = op
@@ -176,63 +236,6 @@ def test_holds_and_in_flight_return_to_zero(
 
 
 # --- the same books through the flow controller, with waiters -------------------------------
-
-# Kinds of events, repeated to weight them: arrivals dominate, so queues do form.
-FLOW_EVENTS = (
-    ["submit"] * 8
-    + ["burst", "burst"]
-    + ["first_token", "first_token", "tokens", "tokens", "tokens"]
-    + ["release", "release", "release", "release_again"]
-    + ["cancel", "expire", "dispatch"]
-    + ["observe", "observe", "observe", "failure", "remove", "add", "advance", "advance"]
-)
-
-
-def _draw_flow_event(data: st.DataObject) -> tuple:
-    """One event for the flow test, drawn by kind so that each kind gets its own values."""
-    kind = data.draw(st.sampled_from(FLOW_EVENTS))
-    index = st.integers(0, 50)
-    if kind == "submit":
-        return (
-            kind,
-            data.draw(st.lists(node_ids, min_size=1, max_size=3, unique=True)),
-            data.draw(st.sampled_from(list(Priority))),
-            data.draw(st.integers(500, 4000)),
-            # Short outputs end within a wait bound, so those requests may wait.
-            data.draw(st.one_of(st.integers(1, 40), st.integers(1, 3000))),
-            data.draw(st.sampled_from(["", "", *TENANTS])),
-            data.draw(st.sampled_from([None, 0.0, 0.5, 5.0, 100.0])),  # the client's bound
-        )
-    if kind == "burst":  # several alike at once: the queue forms behind them
-        return (
-            kind,
-            data.draw(st.lists(node_ids, min_size=1, max_size=3, unique=True)),
-            data.draw(st.sampled_from(list(Priority))),
-            data.draw(st.integers(1500, 3000)),
-            data.draw(st.integers(1, 40)),
-            data.draw(st.integers(2, 8)),
-        )
-    if kind in ("first_token", "release_again", "cancel", "expire"):
-        return (kind, data.draw(index))
-    if kind == "tokens":
-        return (kind, data.draw(index), data.draw(st.integers(1, 500)))
-    if kind == "release":
-        return (kind, data.draw(index), data.draw(st.sampled_from(list(Outcome))))
-    if kind == "observe":
-        return (
-            kind,
-            data.draw(node_ids),
-            data.draw(st.one_of(st.none(), st.floats(0, 1))),
-            data.draw(st.integers(0, 64)),
-            data.draw(st.integers(0, 64)),
-            data.draw(st.floats(0.001, 0.05)),  # decode steps short enough to wait for
-        )
-    if kind in ("failure", "remove", "add"):
-        return (kind, data.draw(node_ids))
-    if kind == "advance":
-        return (kind, data.draw(st.floats(0, 0.5)))
-    return (kind,)
-
 
 TENANT_LIMITS = {
     "t1": TenantLimits(max_in_flight_tokens=9000, max_in_flight_requests=3),
@@ -322,6 +325,7 @@ class _Books:
         json.dumps(flow.snapshot(), allow_nan=False)
 
 
+@SHRINK_TIME
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy_name=st.sampled_from([*POLICIES, "adaptive", "adaptive", "adaptive"]),
@@ -334,13 +338,7 @@ class _Books:
 def test_flow_books_return_to_zero_through_waits_cancels_and_expiry(
     policy_name: str, fail_open: bool, fcfs: bool, strict: bool, steps: int, data: st.DataObject
 ) -> None:
-    policy, clock = make(
-        policy_name,
-        fail_mode="open" if fail_open else "closed",
-        static_concurrency=5,
-        static_qps=5,
-        static_burst=5,
-    )
+    policy, clock = _any_policy(policy_name, fail_open)
     flow = FlowController(
         policy,
         QUEUE,
@@ -352,7 +350,7 @@ def test_flow_books_return_to_zero_through_waits_cancels_and_expiry(
     for node in NODES:
         flow.observe(node, NodeSample(0.2, CAPACITY, 1, 0, 0.02, clock.now()))
     for _ in range(steps):
-        op = _draw_flow_event(data)
+        op = _draw_event(data, FLOW_EVENTS, FLOW_TABLE)
         kind = op[0]
         if kind == "submit":
             _, candidates, priority, prompt, output, tenant, max_wait = op
@@ -413,22 +411,29 @@ def test_flow_books_return_to_zero_through_waits_cancels_and_expiry(
 
 # --- never under-count: a toy engine that reports the truth ------------------------------
 
-engine_ops = st.one_of(
-    st.tuples(st.just("admit"), st.integers(1, 2000), st.integers(1, 2000), st.floats(0.5, 1)),
-    st.tuples(st.just("prefill"), st.integers(0, 50)),
-    st.tuples(st.just("decode"), st.integers(0, 50), st.integers(1, 300)),
-    st.tuples(st.just("finish"), st.integers(0, 50)),
-    st.tuples(st.just("sample")),
-    st.tuples(st.just("capture")),
-    st.tuples(st.just("deliver")),
-    st.tuples(st.just("advance"), st.floats(0, 0.2)),
-    st.tuples(st.just("tick"), st.floats(0, 0.2)),
-)
+ENGINE_EVENTS = ["admit"] * 3 + ["prefill"] * 2 + ["decode"] * 3 + ["finish", "sample", "sample"]
+ENGINE_EVENTS += ["capture", "deliver", "advance", "tick"]
 
 
+ENGINE_TABLE: dict[str, st.SearchStrategy[tuple]] = {
+    "admit": st.tuples(
+        st.just("admit"), st.integers(1, 2000), st.integers(1, 2000), st.floats(0.5, 1)
+    ),
+    "prefill": st.tuples(st.just("prefill"), st.integers(0, 50)),
+    "finish": st.tuples(st.just("finish"), st.integers(0, 50)),
+    "decode": st.tuples(st.just("decode"), st.integers(0, 50), st.integers(1, 300)),
+    "advance": st.tuples(st.just("advance"), st.floats(0, 0.2)),
+    "tick": st.tuples(st.just("tick"), st.floats(0, 0.2)),
+    **{kind: st.tuples(st.just(kind)) for kind in ("sample", "capture", "deliver")},
+}
+
+
+@SHRINK_TIME
 @settings(max_examples=150, deadline=None)
-@given(program=st.lists(engine_ops, max_size=120), external=st.integers(0, 20_000))
-def test_the_bound_never_undercounts_the_coming_peak(program: list[tuple], external: int) -> None:
+@given(steps=st.integers(0, 120), external=st.integers(0, 20_000), data=st.data())
+def test_the_bound_never_undercounts_the_coming_peak(
+    steps: int, external: int, data: st.DataObject
+) -> None:
     """`bound` (used + every hold at its cap) >= what the live requests will hold at their
     peak (plus other load), and `now` >= what the engine holds at this moment.
 
@@ -461,7 +466,8 @@ def test_the_bound_never_undercounts_the_coming_peak(program: list[tuple], exter
     captured: tuple[int, float] | None = None
 
     report()
-    for op in program:
+    for _ in range(steps):
+        op = _draw_event(data, ENGINE_EVENTS, ENGINE_TABLE)
         kind = op[0]
         live = [i for i, s in state.items() if not s["done"]]
         if kind == "admit":
