@@ -610,8 +610,8 @@ class BasePolicy:
         middle of a long prefill would look fuller than it can ever be."""
         book = self._books.get(node.node_id)
         sample = node.sample
-        if book is None or sample is None:
-            return 0.0
+        if book is None or sample is None or sample.kv_usage is None:
+            return 0.0  # (a sample without a KV gauge holds none of it)
         at = sample.sampled_at
         sent_by = at - self.tuning.reflect_margin_s
         overlap = 0.0
