@@ -348,6 +348,7 @@ class BasePolicy:
         book.version += 1
         if not book.holds:
             del self._books[hold.node_id]  # its wake-up queue held only dead holds
+            self._envelopes.pop(hold.node_id, None)  # a new book counts its versions anew
         self._in_flight_tokens -= hold.full
         self.generation += 1
         node = self.nodes.get(hold.node_id)
@@ -370,6 +371,7 @@ class BasePolicy:
         if not node.accept(sample, now, self.settings):
             return
         self.generation += 1
+        self._envelopes.pop(node_id, None)  # its base is the sample's `used`
         book = self._books.get(node_id)
         if book is not None:
             book.version += 1
@@ -393,6 +395,7 @@ class BasePolicy:
         """Forget the node's state; its live tickets stay held until the shell releases them."""
         self.nodes.pop(node_id, None)
         self._paces.pop(node_id, None)
+        self._envelopes.pop(node_id, None)
         self.generation += 1
 
     def snapshot(self) -> dict[str, Any]:
