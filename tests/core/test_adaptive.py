@@ -102,6 +102,7 @@ def test_routes_to_most_headroom_and_fills_both() -> None:
     for i in range(30):
         decision = admit(policy, f"r{i}", cost(100, 100), Priority.CRITICAL, ("a", "b"))
         assert isinstance(decision, Admit)
+        policy.on_first_token(decision.ticket)  # prefilled: no prompt queued on either node
         placed.append(decision.ticket.node_id)
     # b first until it is as full as a, then both alternately.
     assert placed[:9] == ["b"] * 9
@@ -179,11 +180,11 @@ def test_fail_open_sends_to_the_most_recently_heard_node() -> None:
 
 def test_thrashing_node_is_taken_out_of_rotation_for_a_while() -> None:
     policy, clock = make(thrash_hold_s=2.0)
-    policy.observe("a", sample(clock, usage=0.85, running=8, waiting=1))
+    policy.observe("a", sample(clock, usage=0.93, running=8, waiting=1))
     policy.observe("b", sample(clock, usage=0.30, running=8, waiting=0))
     clock.advance(0.05)
-    # waiting rises while running falls at high usage: preemption.
-    policy.observe("a", sample(clock, usage=0.86, running=5, waiting=4))
+    # waiting rises while running falls with the cache full: preemption.
+    policy.observe("a", sample(clock, usage=0.94, running=5, waiting=4))
     policy.observe("b", sample(clock, usage=0.30, running=8, waiting=0))
     assert policy.snapshot()["nodes"]["a"]["state"] == "thrashing"
     clock.advance(0.05)
@@ -363,6 +364,38 @@ def test_stream_events_past_max_tokens_never_lift_what_it_holds_past_its_bound()
     assert _peak(policy, "a") <= PANIC + 1e-12
     for ticket in (first.ticket, filler.ticket):
         policy.release(ticket, Outcome.DONE)
+    assert_books_empty(policy)
+
+
+def test_a_new_sample_moves_the_planned_peak_of_a_node_without_requests() -> None:
+    """The envelope's base is the sample's `used`: a node on which this gateway runs
+    nothing must not be planned from the usage an earlier sample showed."""
+    policy, clock = make()
+    policy.observe("a", sample(clock, usage=0.10, capacity=100_000))
+    assert _peak(policy, "a") == 0.10  # the snapshot plans the node's peak (and keeps it)
+    clock.advance(0.05)
+    policy.observe("a", sample(clock, usage=0.85, capacity=100_000))  # traffic it cannot see
+    assert _peak(policy, "a") == 0.85
+    refused = admit(policy, "s", cost(2500, 2500), Priority.SHEDDABLE)
+    assert isinstance(refused, Reject) and refused.reason == "kv_high_watermark"
+
+
+def test_a_node_whose_requests_all_ended_is_planned_from_its_new_requests() -> None:
+    """When the last request on a node ends and new ones come, the node's planned peak is
+    theirs, not the one planned before (its books start again)."""
+    policy, clock = make(reservation_overhead_tokens=0)
+    policy.observe("a", sample(clock, usage=0.0, capacity=10_000))
+    small = admit(policy, "small", cost(100, 100), Priority.CRITICAL)
+    assert isinstance(small, Admit)
+    assert _peak(policy, "a") == 0.02
+    policy.release(small.ticket, Outcome.CLIENT_CANCEL)
+    big = admit(policy, "big", cost(4000, 4000), Priority.CRITICAL)
+    assert isinstance(big, Admit)
+    assert _peak(policy, "a") == 0.8
+    # 4,000 + 4,000 held now and growing for 1,000 steps: 10,000 at the peak, past panic.
+    refused = admit(policy, "next", cost(4000, 1000), Priority.CRITICAL)
+    assert isinstance(refused, Reject) and refused.waitable
+    policy.release(big.ticket, Outcome.DONE)
     assert_books_empty(policy)
 
 

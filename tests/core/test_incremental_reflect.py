@@ -25,14 +25,6 @@ from .helpers import admission_settings, request
 NODES = ("a", "b", "c")
 
 
-def _known_by(hold: _Hold, cutoff: float) -> int:
-    if hold.tok_cur_at <= cutoff:
-        return hold.tok_cur
-    if hold.tok_prev_at <= cutoff:
-        return hold.tok_prev
-    return 0
-
-
 class WalkingPolicy(NonePolicy):
     """Reflection by walking every live hold of the node, at every sample."""
 
@@ -48,7 +40,7 @@ class WalkingPolicy(NonePolicy):
             first = hold.ticket.first_token_at
             if first is None or first > cutoff:
                 continue
-            reflected = hold.prompt + _known_by(hold, cutoff)
+            reflected = hold.prompt + hold.known_by(cutoff)
             reflected = min(max(reflected, hold.reflected), hold.full - overhead)
             delta = reflected - hold.reflected
             if delta:

@@ -20,6 +20,7 @@ from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import ArrivalOrder, FlowController, TokenFairness, Waiter
 from kvgate.core.flow.queue import WaitState
+from kvgate.core.nodes import NodeState
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import QueueSettings
@@ -152,13 +153,24 @@ def _check_holds(policy: BasePolicy, live: list[Ticket]) -> None:
         assert policy.unreflected_now(node_id) >= 0
 
 
+def _fresh_peak(policy: BasePolicy, node: NodeState) -> float:
+    """The node's planned peak built from its books as they are now, the cache untouched."""
+    saved = policy._envelopes.pop(node.node_id, None)
+    try:
+        return policy.envelope(node).peak()
+    finally:
+        if saved is None:
+            policy._envelopes.pop(node.node_id, None)
+        else:
+            policy._envelopes[node.node_id] = saved
+
+
 def _check_peak(policy: BasePolicy, ticket: Ticket) -> None:
     """An adaptive admission never plans a node's peak past the panic watermark."""
     node = policy.nodes[ticket.node_id]
     if node.cap is None:
         return  # queue-gated: no capacity to plan against
-    peak = policy.envelope(node).peak()  # type: ignore[attr-defined]
-    assert peak <= policy.settings.panic_watermark * node.cap + 1e-6
+    assert _fresh_peak(policy, node) <= policy.settings.panic_watermark * node.cap + 1e-6
 
 
 def _ticket_event(policy: BasePolicy | FlowController, op: tuple, tickets: list[Ticket]) -> None:

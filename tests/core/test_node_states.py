@@ -11,7 +11,7 @@ from kvgate.core.nodes import LAG_LIMIT_FACTOR, STATES, NodeState
 from kvgate.core.request import Priority
 from kvgate.core.settings import AdmissionSettings
 
-from .helpers import assert_books_empty, cost, make, sample
+from .helpers import admit, assert_books_empty, cost, make, sample
 
 SETTINGS = AdmissionSettings(stale_after_s=1.0, failures_to_stale=3)
 
@@ -177,7 +177,7 @@ def test_snapshot_says_why() -> None:
 def test_a_lagging_node_is_admitted_to_and_sheds_with_429_not_503() -> None:
     policy, clock = make(stale_after_s=1.0)
     policy.observe("a", sample(clock, usage=0.1, capacity=10_000))
-    first = policy.admit("r0", cost(100, 100), Priority.STANDARD, ["a"])
+    first = admit(policy, "r0", cost(100, 100), Priority.STANDARD, ("a",))
     assert isinstance(first, Admit)
     clock.advance(0.5)
     policy.on_first_token(first.ticket)
@@ -186,14 +186,14 @@ def test_a_lagging_node_is_admitted_to_and_sheds_with_429_not_503() -> None:
         clock.advance(0.5)
         policy.on_tokens(first.ticket, i * 10)
         assert policy.snapshot()["nodes"]["a"]["state"] == ("ok" if i == 1 else "lagging")
-        light = policy.admit(f"light{i}", cost(100, 100), Priority.STANDARD, ["a"])
+        light = admit(policy, f"light{i}", cost(100, 100), Priority.STANDARD, ("a",))
         assert isinstance(light, Admit)  # served from the last sample plus the books
         policy.release(light.ticket, Outcome.DONE)
     # A burst the books say cannot fit is shed, as it would be on a fresh node.
     shed = 0
     admitted = []
     for i in range(40):
-        decision = policy.admit(f"big{i}", cost(1000, 1000), Priority.STANDARD, ["a"])
+        decision = admit(policy, f"big{i}", cost(1000, 1000), Priority.STANDARD, ("a",))
         if isinstance(decision, Reject):
             assert decision.status == 429, decision
             shed += 1
@@ -209,7 +209,7 @@ def test_without_tokens_a_silent_node_fails_closed() -> None:
     policy, clock = make(stale_after_s=1.0)
     policy.observe("a", sample(clock, usage=0.1))
     clock.advance(1.5)
-    refused = policy.admit("r", cost(), Priority.CRITICAL, ["a"])
+    refused = admit(policy, "r", cost(), Priority.CRITICAL, ("a",))
     assert isinstance(refused, Reject)
     assert refused.status == 503 and refused.reason == "no_fresh_node"
     assert policy.snapshot()["nodes"]["a"]["state"] == "stale"
@@ -218,14 +218,14 @@ def test_without_tokens_a_silent_node_fails_closed() -> None:
 def test_a_lagging_node_at_high_kv_sheds_with_429() -> None:
     policy, clock = make(stale_after_s=1.0)
     policy.observe("a", sample(clock, usage=0.5, capacity=10_000))
-    stream = policy.admit("s", cost(10, 10), Priority.CRITICAL, ["a"])
+    stream = admit(policy, "s", cost(10, 10), Priority.CRITICAL, ("a",))
     assert isinstance(stream, Admit)
     policy.observe("a", sample(clock, usage=0.97, capacity=10_000))
     clock.advance(2.0)
     policy.on_tokens(stream.ticket, 5)
     assert policy.snapshot()["nodes"]["a"]["state"] == "lagging"
     for priority in Priority:
-        decision = policy.admit(f"r{priority.name}", cost(), priority, ["a"])
+        decision = admit(policy, f"r{priority.name}", cost(), priority, ("a",))
         assert isinstance(decision, Reject) and decision.status == 429, decision
     policy.release(stream.ticket, Outcome.DONE)
     assert_books_empty(policy)
@@ -236,12 +236,12 @@ def test_soft_failures_reach_the_policy_without_ending_freshness() -> None:
     policy.observe("a", sample(clock))
     for _ in range(5):
         policy.observe_failure("a", hard=False)
-    decision = policy.admit("r", cost(), Priority.STANDARD, ["a"])
+    decision = admit(policy, "r", cost(), Priority.STANDARD, ("a",))
     assert isinstance(decision, Admit)
     for _ in range(3):
         policy.observe_failure("a")
     assert policy.snapshot()["nodes"]["a"]["state"] == "dead"
-    refused = policy.admit("r2", cost(), Priority.STANDARD, ["a"])
+    refused = admit(policy, "r2", cost(), Priority.STANDARD, ("a",))
     assert isinstance(refused, Reject) and refused.status == 503
     policy.release(decision.ticket, Outcome.DONE)
     assert_books_empty(policy)
