@@ -319,6 +319,7 @@ class BasePolicy:
         self._progress(hold.node_id, now)
         book = self._books[hold.node_id]
         book.now += output_tokens - hold.tok_cur
+        book.version += 1  # its envelope: requests progress unevenly, and past `expected`
         hold.tok_cur = output_tokens
         marks = hold.marks
         if not marks or now - marks[-1][0] >= self._mark_spacing:
