@@ -399,6 +399,28 @@ def test_a_node_whose_requests_all_ended_is_planned_from_its_new_requests() -> N
     assert_books_empty(policy)
 
 
+def test_a_request_that_outlives_its_expected_length_is_planned_to_its_cap() -> None:
+    """Past its learned length a request is expected to run to `max_tokens`: the node's
+    planned peak says so as soon as its count does, not at the next sample."""
+    policy, clock = make(reservation_overhead_tokens=0)
+    policy.observe("a", sample(clock, usage=0.0, capacity=10_000))
+    for i in range(16):  # the model's requests end after 10 tokens
+        learned = admit(policy, f"l{i}", cost(10, 1000), Priority.CRITICAL, model="m")
+        assert isinstance(learned, Admit)
+        policy.on_tokens(learned.ticket, 10)
+        policy.release(learned.ticket, Outcome.DONE)
+    long = admit(policy, "long", cost(1000, 1000), Priority.CRITICAL, model="m")
+    assert isinstance(long, Admit) and long.ticket.expected_output == 10
+    assert _peak(policy, "a") == 0.101  # its prompt and 10 tokens, then it frees
+    policy.on_tokens(long.ticket, 11)  # past its expected length: it may run to 1,000
+    assert _peak(policy, "a") == 0.2
+    # 6,500 + 1,000 beside it would peak at 9,521 tokens, past panic (9,200).
+    refused = admit(policy, "big", cost(6500, 1000), Priority.CRITICAL)
+    assert isinstance(refused, Reject) and refused.waitable
+    policy.release(long.ticket, Outcome.DONE)
+    assert_books_empty(policy)
+
+
 def test_refused_until_room_appears_and_a_503_once_the_node_is_stale() -> None:
     policy, clock = make(reservation_overhead_tokens=0)
     policy.observe("a", sample(clock, usage=0.0, capacity=1000))

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import httpx
 
 from gateway.helpers import RawClient, openai_error
-from kvgate.core.admission import Decision, Outcome, Reject, Ticket
+from kvgate.core.admission import Decision, Outcome, Reject, StartEstimate, Ticket
 from kvgate.core.clock import MonotonicClock
 from kvgate.core.policies import NonePolicy
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
@@ -161,8 +161,8 @@ class OneAtATime(RecordingPolicy):
             return Reject(429, "test_busy", 1.0, "One at a time.", waitable=True)
         return super()._decide(now, request, expected, promised)
 
-    def start_estimate(self, request: AdmissionRequest) -> tuple[str, float] | None:
-        return (request.candidates[0], 0.5) if request.candidates else None
+    def start_estimate(self, request: AdmissionRequest) -> StartEstimate | None:
+        return StartEstimate(request.candidates[0], 0.5, 0.5) if request.candidates else None
 
 
 async def _first_admitted(policy: RecordingPolicy, count: int = 1) -> None:
