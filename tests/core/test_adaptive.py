@@ -362,6 +362,9 @@ def test_stream_events_past_max_tokens_never_lift_what_it_holds_past_its_bound()
     filler = admit(policy, "f", cost(int(PANIC * 10_000 - upper) - 10, 10), Priority.CRITICAL)
     assert isinstance(filler, Admit)  # exactly up to the ceiling on the bound
     assert _peak(policy, "a") <= PANIC + 1e-12
+    clock.advance(0.5)
+    policy.on_tokens(first.ticket, 14)  # no KV, but it shows the engine serving
+    assert policy.nodes["a"].progress_at == clock.now()
     for ticket in (first.ticket, filler.ticket):
         policy.release(ticket, Outcome.DONE)
     assert_books_empty(policy)

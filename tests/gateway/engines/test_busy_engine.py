@@ -32,7 +32,7 @@ async def _client(client: httpx.AsyncClient, until: float, statuses: Counter[int
 
 async def _record_states(gw, node: str, states: Counter[str]) -> None:  # type: ignore[no-untyped-def]
     while True:
-        snapshot = gw.gateway.policy.snapshot()["nodes"].get(node)
+        snapshot = gw.gateway.admission.snapshot()["nodes"].get(node)
         if snapshot is not None:
             states[snapshot["state"]] += 1
         await asyncio.sleep(0.02)
@@ -49,7 +49,7 @@ async def test_a_slow_metrics_page_does_not_take_a_serving_engine_out(
             overrides={"admission.policy": "adaptive", "scrape.interval_s": 0.05},
         )
         node = f"127.0.0.1:{engine.port}"
-        policy = gw.gateway.policy
+        policy = gw.gateway.admission.policy
         assert await eventually(lambda: node in policy.nodes and policy.nodes[node].sample, 10)
         states: Counter[str] = Counter()
         recorder = asyncio.create_task(_record_states(gw, node, states))

@@ -312,11 +312,13 @@ class BasePolicy:
             if hold is not None:
                 self._prefilled(hold)
                 self._schedule(hold, now)
-        if hold is None or min(output_tokens, hold.max_out) <= hold.tok_cur:
-            return  # (events past max_tokens are stream framing: they hold no KV)
-        output_tokens = min(output_tokens, hold.max_out)
-        ticket.output_tokens = output_tokens
+        if hold is None or output_tokens <= hold.tok_cur:
+            return
         self._progress(hold.node_id, now)
+        output_tokens = min(output_tokens, hold.max_out)  # past it: stream framing, no KV
+        if output_tokens <= hold.tok_cur:
+            return
+        ticket.output_tokens = output_tokens
         book = self._books[hold.node_id]
         book.now += output_tokens - hold.tok_cur
         book.version += 1  # its envelope: requests progress unevenly, and past `expected`
