@@ -166,8 +166,8 @@ async def test_access_lines_of_refusals_say_why(
     """429 and 503 lines carry the reason the client got in `x-kvgate-reason`."""
     limited = await gateway_factory(
         [fake_engine.url],
-        overrides={"admission.policy": "static-qps", "admission.static_qps": 0.001,
-                   "admission.static_burst": 1},
+        overrides={"admission.policy": "static-qps", "admission.baseline.qps": 0.001,
+                   "admission.baseline.burst": 1},
     )  # fmt: skip
     unreachable = await gateway_factory([refused_url])
     caplog.set_level(logging.INFO, logger="kvgate.access")
