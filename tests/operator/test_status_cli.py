@@ -55,6 +55,14 @@ def test_status_prints_every_node_and_flags_the_stale_one() -> None:
     ]
     # Worst first: the stale node is listed before the merely high ones.
     assert out.index("node-03") < out.index("node-00")
+    # The overload shows in the gateway's queue: waiting per priority and in total.
+    queue_line = next(line for line in out.splitlines() if "waiting in queue" in line)
+    assert [cell for cell in queue_line.replace("│", " ").split() if cell.isdigit()] == [
+        "0",
+        "40",
+        "25",
+        "65",
+    ]
     assert "rejected by reason: kv_high" in out
     assert "Retry-After handed out" in out and "(mean " in out
 
