@@ -165,8 +165,19 @@ class OneAtATime(RecordingPolicy):
         return StartEstimate(request.candidates[0], 0.5, 0.5) if request.candidates else None
 
 
-async def _first_admitted(policy: RecordingPolicy, count: int = 1) -> None:
-    assert await eventually(lambda: len(policy.admitted) >= count, 5.0)
+async def _first_running(
+    client: httpx.AsyncClient, policy: RecordingPolicy, delay: float
+) -> asyncio.Task[httpx.Response]:
+    """A request the engine answers after `delay`, admitted and holding the only room."""
+    first = asyncio.create_task(
+        client.post(
+            "/v1/completions",
+            json={"model": "fake-model", "prompt": "p", "fake": {"delay": delay}},
+            headers={"x-request-id": "first"},
+        )
+    )
+    assert await eventually(lambda: len(policy.admitted) == 1, 5.0)
+    return first
 
 
 async def test_a_queued_request_starts_when_the_one_before_it_ends(
@@ -177,14 +188,7 @@ async def test_a_queued_request_starts_when_the_one_before_it_ends(
     admission = gw.gateway.admission
     body = {"model": "fake-model", "prompt": "p"}
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
-        first = asyncio.create_task(
-            client.post(
-                "/v1/completions",
-                json={**body, "fake": {"delay": 0.4}},
-                headers={"x-request-id": "first"},
-            )
-        )
-        await _first_admitted(policy)
+        first = await _first_running(client, policy, 0.4)
         second = asyncio.create_task(
             client.post("/v1/completions", json=body, headers={"x-request-id": "second"})
         )
@@ -207,14 +211,7 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue(
     admission = gw.gateway.admission
     body = {"model": "fake-model", "prompt": "p"}
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
-        first = asyncio.create_task(
-            client.post(
-                "/v1/completions",
-                json={**body, "fake": {"delay": 1.0}},
-                headers={"x-request-id": "first"},
-            )
-        )
-        await _first_admitted(policy)
+        first = await _first_running(client, policy, 1.0)
         raw = await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": "gone"})
         assert await eventually(lambda: admission.waiting == 1, 5.0)
         raw.drop()
@@ -233,10 +230,7 @@ async def test_a_client_that_will_not_wait_is_refused_at_once(
     gw = await gateway_factory([fake_engine.url], policy=policy)
     body = {"model": "fake-model", "prompt": "p"}
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
-        first = asyncio.create_task(
-            client.post("/v1/completions", json={**body, "fake": {"delay": 0.4}})
-        )
-        await _first_admitted(policy)
+        first = await _first_running(client, policy, 0.4)
         now = await client.post("/v1/completions", json=body, headers={"X-Kvgate-Max-Wait-Ms": "0"})
         bad = await client.post(
             "/v1/completions", json=body, headers={"X-Kvgate-Max-Wait-Ms": "soon"}
