@@ -20,8 +20,9 @@ Which errors are safe. Over-estimating a request's remaining steps or under-esti
 it holds now can only raise the computed peak: growth is counted longer and the end frees
 less. The callers lean that way: output not yet seen is counted as not generated, and a
 request that outlives its expected length is expected to run to its `max_tokens`. An
-envelope built from an older snapshot of the same requests is a peak over a longer future,
-so it too can only be higher.
+envelope of the same requests taken before they grew, with its base raised by what they
+grew since, counts each request's growth from the older point and frees less at its end:
+it too can only be higher, as long as no request's expected length changed meanwhile.
 
 `start_step` answers the scheduling question: how many steps from now until a newcomer of
 final size `F0` fits under a limit, i.e. the first end after which the peak of everything

@@ -320,8 +320,9 @@ class BasePolicy:
             return
         ticket.output_tokens = output_tokens
         book = self._books[hold.node_id]
-        book.now += output_tokens - hold.tok_cur
-        book.version += 1  # its envelope: requests progress unevenly, and past `expected`
+        grown = output_tokens - hold.tok_cur
+        book.now += grown
+        self._progressed(hold, book, grown, output_tokens)
         hold.tok_cur = output_tokens
         marks = hold.marks
         if not marks or now - marks[-1][0] >= self._mark_spacing:
@@ -332,6 +333,22 @@ class BasePolicy:
             if len(marks) > _MARKS:
                 del marks[0]
             self._schedule(hold, now)
+
+    def _progressed(self, hold: _Hold, book: _Book, grown: int, output_tokens: int) -> None:
+        """Keep the node's cached envelope safe as a request grows by `grown` tokens.
+
+        An envelope of the same requests taken before they progressed, with its base raised
+        by what they grew, counts every growth still to come from the older point and frees
+        less at each end: it can only plan a higher peak, so it stays usable. Not so when a
+        request passes its expected length: from then on it is planned to its cap, a longer
+        future the cached envelope does not have, so it is rebuilt."""
+        cached = self._envelopes.get(hold.node_id)
+        if cached is None or cached[0] != (book.version, self._peers_version):
+            return
+        if hold.tok_cur < hold.expected <= output_tokens and hold.expected < hold.max_out:
+            book.version += 1
+        else:
+            cached[1].base += grown
 
     def release(self, ticket: Ticket, outcome: Outcome) -> None:
         if ticket.released:
