@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 from core.helpers import assert_flow_empty
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -194,11 +193,6 @@ def test_a_tenants_first_burst_over_its_limit_waits_too() -> None:
     assert_flow_empty(flow)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="requests without a tenant (no API keys) are charged to tenant '' and held to"
-    " auth.default_tenant_limits, as if the whole gateway were one tenant",
-)
 def test_requests_without_a_tenant_are_not_held_to_tenant_limits() -> None:
     ledger = TenantLedger(default_limits=TenantLimits(max_in_flight_tokens=1))
     flow, _ = _flow(ledger)

@@ -37,6 +37,9 @@ from typing import Any, Protocol
 from kvgate.core.request import RequestCost
 from kvgate.core.settings import AdmissionSettings
 
+# Characters per token of typical English text: what a prompt's length is judged by against a
+# context limit before the model's own ratio has been learned.
+TYPICAL_CHARS_PER_TOKEN = 4.0
 # Template allowance per chat message (role markers, separators), in characters.
 MESSAGE_OVERHEAD_CHARS = 16
 # Exact-tokenizer template allowance per chat message, in tokens.
@@ -116,9 +119,12 @@ class CostEstimator:
         # Each of the `n` sequences may hold its own copy of the prompt (no prefix cache).
         tokens = (exact + approx) * per_prompt
         output = self._output_tokens(body) * per_prompt * prompt.sequences
+        floor = tokens
         if chars > 0:
             self._remember(model, tokens, chars, exact)
-        return RequestCost(prompt_tokens=tokens, max_output_tokens=output)
+            ratio = max(self.ratio(model), TYPICAL_CHARS_PER_TOKEN)
+            floor = (exact + int(chars / ratio)) * per_prompt
+        return RequestCost(prompt_tokens=tokens, max_output_tokens=output, prompt_floor=floor)
 
     def longest_prompt(self, model: str, body: dict[str, Any]) -> tuple[int, bool]:
         """The tokens of the body's longest prompt, and whether that count is exact.
@@ -127,8 +133,10 @@ class CostEstimator:
         `n` copies of one prompt are one prompt). Token ids are exact; text is counted by
         the model's tokenizer if it has one (exact, but for the allowance a chat template
         adds per message), else converted at its learned ratio *without*
-        `prompt_safety_factor`: the factor keeps reservations on the safe side, and must
-        not make a prompt look longer than it is to a check that refuses it for its length.
+        `prompt_safety_factor` (and, before the ratio is learned, at the typical 4 characters
+        per token rather than the estimator's cautious start): both keep reservations on the
+        safe side, and must not make a prompt look longer than it is to a check that refuses
+        it for its length.
         Raises CostError like `estimate`.
         """
         prompt = body.get("prompt") if "messages" not in body else None
@@ -137,8 +145,11 @@ class CostEstimator:
         else:
             parts = [self._measure(body)]
         longest, exact = 0, True
+        # Until the engines have taught it the model's ratio, the typical one: the estimator's
+        # starting ratio leans towards longer prompts, the safe way for admission only.
+        ratio = self._ratios.get(model, TYPICAL_CHARS_PER_TOKEN)
         for part in parts:
-            counted, chars, approx = self._prompt_tokens(model, part, factor=1.0)
+            counted, chars, approx = self._prompt_tokens(model, part, factor=1.0, ratio=ratio)
             if counted + approx > longest:
                 longest, exact = counted + approx, chars == 0 and not part.messages
         return longest, exact
@@ -244,10 +255,15 @@ class CostEstimator:
         return prompt
 
     def _prompt_tokens(
-        self, model: str, prompt: _Prompt, factor: float | None = None
+        self,
+        model: str,
+        prompt: _Prompt,
+        factor: float | None = None,
+        ratio: float | None = None,
     ) -> tuple[int, int, int]:
         """(exact tokens, characters left to estimate, their estimated tokens), the estimate
-        multiplied by `factor` (default: `prompt_safety_factor`)."""
+        at `ratio` characters per token (default: the model's) multiplied by `factor`
+        (default: `prompt_safety_factor`)."""
         chars = prompt.chars
         exact = prompt.exact_tokens
         tokenizer = self.tokenizer(model) if chars else None
@@ -261,7 +277,7 @@ class CostEstimator:
             return exact, 0, 0
         if factor is None:
             factor = self.tuning.prompt_safety_factor
-        approx = math.ceil(chars / self.ratio(model) * factor)
+        approx = math.ceil(chars / (ratio or self.ratio(model)) * factor)
         return exact, chars, approx
 
     def _output_tokens(self, body: dict[str, Any]) -> int:

@@ -36,10 +36,22 @@ class Priority(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class RequestCost:
-    """The KV-cache tokens a request may hold at its peak: prompt plus all it may generate."""
+    """The KV-cache tokens a request may hold at its peak: prompt plus all it may generate.
+
+    `prompt_tokens` leans long (under-counting a prompt is the unsafe error for admission);
+    `prompt_floor` is the fewest it can plausibly be (exact counts, or text at its usual
+    ratio without the safety factor), for refusals that say a request can never fit.
+    """
 
     prompt_tokens: int
     max_output_tokens: int
+    prompt_floor: int | None = None
+
+    @property
+    def floor_total(self) -> int:
+        """The fewest tokens the request may need at its end."""
+        floor = self.prompt_tokens if self.prompt_floor is None else self.prompt_floor
+        return floor + self.max_output_tokens
 
     @property
     def total(self) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.core.rates import DecayingRate
+from kvgate.core.request import DEFAULT_TENANT
 
 # Half-life of a tenant's measured rate of freeing tokens.
 RELEASE_HALFLIFE_S = 5.0
@@ -30,6 +31,9 @@ class TenantLimits:
 
     max_in_flight_tokens: int | None = None
     max_in_flight_requests: int | None = None
+
+
+_UNLIMITED = TenantLimits()
 
 
 @dataclass(slots=True, eq=False)
@@ -88,7 +92,11 @@ class TenantLedger:
     _epoch: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def limits_for(self, tenant: str) -> TenantLimits:
-        """The tenant's limits as this replica must apply them (its part when isolated)."""
+        """The tenant's limits as this replica must apply them (its part when isolated).
+        Requests without a tenant (a gateway without API keys) have none: limits are the
+        operator's per-tenant caps, not a cap on the whole gateway."""
+        if tenant == DEFAULT_TENANT:
+            return _UNLIMITED
         limits = self.limits.get(tenant, self.default_limits)
         if self.split <= 1:
             return limits

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 
 from kvgate.sim.presets import CPU_TINY
 from kvgate.sim.server import SimServer
@@ -16,20 +15,12 @@ LIMIT = CPU_TINY.max_model_len  # 2048, listed by the simulator's /v1/models as 
 MODEL = "sim-llama"
 
 
-_THREE_CHARS = pytest.mark.xfail(
-    strict=True,
-    reason="the estimator starts at 3 characters per token: a prompt the engine counts at 4"
-    " (1,950 tokens) is estimated at 2,600 and refused with a 400 for a context of 2,048",
-)
-
-
 def _relayed(gw: object) -> int:
     """Requests the gateway sent to a backend (`backend` is "-" for what it answered)."""
     requests = gw.gateway.metrics.requests  # type: ignore[attr-defined]
     return sum(n for (_, _, backend), n in requests.items() if backend != "-")
 
 
-@_THREE_CHARS
 async def test_over_the_context_is_the_engines_400_without_sending(
     sim_server: SimServer, gateway_factory
 ) -> None:
@@ -84,7 +75,6 @@ async def test_over_the_context_is_the_engines_400_without_sending(
     assert "x-kvgate-reason" not in batch.headers and _relayed(gw) == 1
 
 
-@_THREE_CHARS
 async def test_only_the_unscaled_estimate_counts(sim_server: SimServer, gateway_factory) -> None:
     """1,950 tokens by the estimator's ratio, 2,145 with its 1.1 safety factor: the margin
     must not refuse a prompt the engine takes (the simulator counts 4 characters a token)."""

@@ -481,7 +481,8 @@ class FlowController:
         """A 429 whose Retry-After is the predicted wait (a drain estimate or a small
         default when nothing predicts one), jittered, never the clamp by default."""
         if wait is None:
-            wait = self.policy.drain_time(request.cost.total, request.candidates)
+            short = self.policy.shortfall(request)
+            wait = self.policy.drain_time(short, request.candidates)
         centre = DEFAULT_RETRY_S if wait is None else wait
         top = self.settings.retry_after_max_s
         centre = min(max(MIN_RETRY_AFTER_S, centre), top)

@@ -216,14 +216,17 @@ class AdaptivePolicy(BasePolicy):
         if all(reason == "stale" for reason in reasons):
             return self._no_fresh(now, request.candidates)
         need = self.footprint(request, expected)
-        if self._never_fits(request, need):
+        cost = request.cost
+        at_least = cost.floor_total + self.tuning.reservation_overhead_tokens
+        if self._never_fits(request, at_least):
+            prompt = cost.prompt_tokens if cost.prompt_floor is None else cost.prompt_floor
             return Reject(
                 400,
                 "no_capacity",
                 0.0,
-                f"This request needs {need} KV tokens ({request.cost.prompt_tokens} in the"
-                f" prompt, up to {request.cost.max_output_tokens} generated), more than any"
-                f" backend for this model holds ({self._most_held(request)} tokens for"
+                f"This request needs at least {at_least} KV tokens ({prompt} in the prompt,"
+                f" up to {cost.max_output_tokens} generated), more than any backend for this"
+                f" model holds ({self._most_held(request)} tokens for"
                 f" {request.priority.label} requests). Shorten the prompt or lower max_tokens.",
             )
         fresh = [r for r in reasons if r != "stale"]
@@ -316,6 +319,25 @@ class AdaptivePolicy(BasePolicy):
             if best is None or seconds < best.seconds:
                 best = StartEstimate(node_id, seconds, steps * self.fastest_step_s(node_id))
         return best
+
+    def shortfall(self, request: AdmissionRequest) -> float:
+        """The least a candidate must free for the request to fit under its ceiling: its
+        planned peak with the request, less the ceiling (what a node over its ceiling
+        because of load kvgate cannot see must shed first, the request's own size on top)."""
+        expected = self.lengths.expected(
+            request.model, request.cost.max_output_tokens, request.exact_output
+        )
+        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
+        least: float | None = None
+        for node_id in request.candidates:
+            node = self.nodes.get(node_id)
+            if node is None or node.cap is None:
+                continue
+            limit = self.ceiling(node, request.priority) * node.cap
+            short = max(0.0, self.envelope(node).peak(held, expected) - limit)
+            if least is None or short < least:
+                least = short
+        return super().shortfall(request) if least is None else least
 
     # --- feedback -------------------------------------------------------------------------------
 

@@ -251,6 +251,11 @@ class BasePolicy:
     def start_estimate(self, request: AdmissionRequest) -> StartEstimate | None:
         return None
 
+    def shortfall(self, request: AdmissionRequest) -> float:
+        """Tokens the candidates must free before `request` fits on the best of them (its
+        own size when nothing more precise is known)."""
+        return float(request.cost.total)
+
     def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:
         """When the candidates will have freed `tokens`: from the envelope's ends (each
         hold frees its final footprint after its remaining steps), extrapolated past the

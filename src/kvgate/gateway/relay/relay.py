@@ -296,7 +296,7 @@ class Relay:
             # shorter, which leaves more room to generate.
             shortest = int(cost.prompt_tokens / self.estimator.tuning.prompt_safety_factor)
             output = min(cost.max_output_tokens, max(0, limit - shortest))
-            request.cost = RequestCost(cost.prompt_tokens, output)
+            request.cost = RequestCost(cost.prompt_tokens, output, cost.prompt_floor)
         if parsed.max_tokens is None:
             call.body = self._with_default_max_tokens(parsed, limit)
 
