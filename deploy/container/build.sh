@@ -132,6 +132,23 @@ version="$(basename "$kvgate_wheel" | cut -d- -f2)"
 requirement="kvgate${extras:+[$extras]} @ file://$kvgate_wheel"
 "$python" -m pip download --quiet --only-binary=:all: --dest "$wheels" \
   --implementation cp --python-version "$pyver" "${platforms[@]}" "$requirement"
+# pip evaluates environment markers against the host's Python, not --python-version: a
+# dependency only the base needs (async-timeout for redis below Python 3.11.3) is missed.
+# So the base checks the wheelhouse itself: a dry-run install inside it, offline, names
+# the first requirement the wheelhouse lacks; it is downloaded and the check repeats.
+for _ in 1 2 3 4 5 6 7 8; do
+  missing="$("$engine" run --rm --network none --volume "$wheels:/wheelhouse:ro" \
+    --entrypoint sh "$base" -c 'python3 -m venv /tmp/check >/dev/null 2>&1 \
+      && /tmp/check/bin/pip install --dry-run --quiet --no-index --find-links /wheelhouse \
+         --disable-pip-version-check "kvgate$0" 2>&1 \
+      | sed -n "s/^ERROR: No matching distribution found for \([^;]*\).*$/\1/p"' \
+    "${extras:+[$extras]}")"
+  [ -n "$missing" ] || break
+  say "the base also needs $missing"
+  "$python" -m pip download --quiet --only-binary=:all: --dest "$wheels" \
+    --implementation cp --python-version "$pyver" "${platforms[@]}" "$missing"
+done
+[ -z "$missing" ] || { echo "build.sh: the wheelhouse still lacks $missing" >&2; exit 1; }
 if [ "$wheels" != "$work/context/wheelhouse" ]; then
   mkdir -p "$work/context/wheelhouse"
   cp "$wheels"/*.whl "$work/context/wheelhouse/"
