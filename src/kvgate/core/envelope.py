@@ -39,13 +39,14 @@ from collections.abc import Iterable
 class Envelope:
     """One node's running requests as (remaining steps, tokens held now), sorted by steps."""
 
-    __slots__ = ("_held", "_prefix", "_steps", "base")
+    __slots__ = ("_held", "_prefix", "_steps", "_total_held", "base")
 
     def __init__(self, base: float, loads: Iterable[tuple[float, float]] = ()) -> None:
         self.base = base
         pairs = sorted(loads)
         self._steps = [r for r, _ in pairs]
         self._held = [c for _, c in pairs]
+        self._total_held = sum(self._held)
         self._prefix: list[float] | None = None
 
     def __len__(self) -> int:
@@ -56,8 +57,14 @@ class Envelope:
         i = bisect.bisect_right(self._steps, steps)
         self._steps.insert(i, steps)
         self._held.insert(i, held)
+        self._total_held += held
         self.base += held
         self._prefix = None
+
+    def floor(self, held: float = 0.0, steps: float = 0.0) -> float:
+        """An O(1) lower bound of `peak(held, steps)`: now, and the newcomer at its end once
+        everything running has ended (it can only be fuller then: it grew, they went)."""
+        return max(self.base + held, self.base - self._total_held + held + steps)
 
     def upper_bound(self) -> float:
         """Usage if every request grew to its end and none ended: an O(n) bound of `peak`."""
@@ -115,7 +122,7 @@ class Envelope:
 
     def base_after_all(self) -> float:
         """What the node holds once every running request has ended."""
-        return self.base - sum(self._held)
+        return self.base - self._total_held
 
     def _suffix_peaks(self) -> list[float]:
         """tail[i]: the highest usage from the moment the first i requests (by end) have

@@ -64,6 +64,9 @@ from kvgate.core.tenants import Lease, TenantLedger, TenantRefusal
 
 # A dispatch walk stops after this many waiters in a row found no room.
 MAX_MISSES = 16
+# A sample wakes the waiters at most this often (a release always does): samples of many
+# nodes arrive hundreds of times a second, and each walk costs a scan of the candidates.
+SAMPLE_WALK_S = 0.01
 # Retry-After when nothing predicts a wait (no rate measured, nothing running to end).
 DEFAULT_RETRY_S = 2.0
 
@@ -94,6 +97,10 @@ class FlowController:
         self._by_tenant: dict[str, dict[str, Ticket]] = {}  # live tickets, for tenant waits
         self._dispatching = False
         self.strict = strict
+        # The last walk's promises and (policy generation, time) at its end: an arrival
+        # while nothing changed since needs only to be tried itself against them.
+        self._promised: dict[str, float] = {}
+        self._walked: tuple[int, float] = (-1, float("-inf"))
         self.replica = replica  # its name among the gateway's replicas (kvgate.core.peers)
         self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
         self.wait_total_s = 0.0
@@ -111,8 +118,11 @@ class FlowController:
         blocked = self.tenants.check(request.tenant, tokens)
         ahead = self._tokens_ahead(request)
         decision: Decision | None = None
-        if ahead == 0 and blocked is None:
-            decision = self.policy.admit(request)
+        quiet = self._walked[0] == self.policy.generation  # nothing changed since the walk
+        if blocked is None and (ahead == 0 or quiet):
+            # With waiters ahead and nothing changed since the last walk, this request is
+            # the only one that might start now: against the walk's promises, as backfill.
+            decision = self.policy.admit(request, self._promised if ahead else None)
             if isinstance(decision, Admit):
                 self._started(decision.ticket, now, 0.0)
                 return decision
@@ -134,7 +144,7 @@ class FlowController:
             tokens=tokens,
         )
         self.queue.push(waiter)
-        if ahead:
+        if ahead and not quiet:
             self.dispatch()
         if waiter.decision is not None:
             return waiter.decision
@@ -176,6 +186,10 @@ class FlowController:
 
     def _walk(self, now: float) -> None:
         promised: dict[str, float] = {}
+        # Sizes that found no room in this walk, by kind of request: a waiter at least as
+        # large in prompt and output (same priority, model and candidates) cannot find any
+        # either, since promises only accumulate and every start only adds load.
+        failed: dict[tuple[object, ...], list[tuple[int, int]]] = {}
         misses = 0
         policy = self.policy
         for waiter in self.queue.order():
@@ -185,6 +199,14 @@ class FlowController:
                 continue
             if self.tenants.check(request.tenant, waiter.tokens) is not None:
                 continue  # waits for one of its own tenant's requests to end
+            kind = (request.priority, request.model, request.exact_output, request.candidates)
+            cost = request.cost
+            prompt, output = cost.prompt_tokens, cost.max_output_tokens
+            if any(p <= prompt and o <= output for p, o in failed.get(kind, ())):
+                misses += 1
+                if self.strict or misses >= MAX_MISSES:
+                    break
+                continue
             decision = policy.admit(request, promised)
             if isinstance(decision, Admit):
                 self._started(decision.ticket, now, now - waiter.enqueued_at)
@@ -195,6 +217,7 @@ class FlowController:
                 self._decide(waiter, decision, WaitState.REFUSED)
                 continue
             misses += 1
+            failed.setdefault(kind, []).append((prompt, output))
             if self.strict:
                 break
             estimate = policy.start_estimate(request)
@@ -208,6 +231,8 @@ class FlowController:
                 promised.setdefault(estimate.node_id, now + estimate.seconds)
             if misses >= MAX_MISSES:
                 break
+        self._promised = promised
+        self._walked = (policy.generation, now)
 
     # --- the admitted request's life -------------------------------------------------------------
 
@@ -239,7 +264,8 @@ class FlowController:
 
     def observe(self, node_id: str, sample: NodeSample) -> None:
         self.policy.observe(node_id, sample)
-        self.dispatch()
+        if self.clock.now() - self._walked[1] >= SAMPLE_WALK_S:
+            self.dispatch()
 
     def observe_failure(self, node_id: str, hard: bool = True) -> None:
         self.policy.observe_failure(node_id, hard)

@@ -61,6 +61,9 @@ from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest, Priority
 from kvgate.core.settings import AdmissionSettings
 
+# Candidate lists and request sizes whose refusals are remembered between two changes.
+_MEMO_KEYS = 256
+_MEMO_SIZES = 8
 # Headroom score of a queue-gated node (no capacity known): behind any measurable headroom.
 _UNKNOWN_HEADROOM = -1.0
 
@@ -90,6 +93,10 @@ class AdaptivePolicy(BasePolicy):
         super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
         self.feedback = feedback
         self.margins: dict[str, MarginController] = {}
+        # Per (priority, candidates): (generation, valid until, [(held, expected, refusal)]).
+        self._refusals: dict[
+            tuple[Priority, tuple[str, ...]], tuple[int, float, list[tuple[int, int, Reject]]]
+        ] = {}
 
     # --- ceilings -----------------------------------------------------------------------------
 
@@ -117,6 +124,12 @@ class AdaptivePolicy(BasePolicy):
         promised: Mapping[str, float],
     ) -> str | Reject:
         candidates = request.candidates
+        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
+        memo_key = (request.priority, candidates)
+        if not promised:
+            known = self._refused_memo(now, memo_key, held, expected)
+            if known is not None:
+                return known
         if len(candidates) >= self.tuning.p2c_min_nodes:
             node_id = self._two_choices(now, request, expected, promised)
             if node_id is not None:
@@ -135,7 +148,48 @@ class AdaptivePolicy(BasePolicy):
                 best, best_score = node_id, score
         if best is not None:
             return best
-        return self._refuse(now, request, expected, reasons)
+        refusal = self._refuse(now, request, expected, reasons)
+        if not promised and isinstance(refusal, Reject) and refusal.waitable:
+            self._remember_refusal(now, memo_key, held, expected, refusal)
+        return refusal
+
+    def _refused_memo(
+        self, now: float, key: tuple[Priority, tuple[str, ...]], held: int, expected: int
+    ) -> Reject | None:
+        """A refusal of a request no larger than this one, made since anything changed:
+        it holds for this one too (it needs at least as much room, on the same nodes)."""
+        memo = self._refusals.get(key)
+        if memo is None or memo[0] != self.generation or now >= memo[1]:
+            return None
+        for smaller_held, smaller_expected, refusal in memo[2]:
+            if smaller_held <= held and smaller_expected <= expected:
+                return refusal
+        return None
+
+    def _remember_refusal(
+        self,
+        now: float,
+        key: tuple[Priority, tuple[str, ...]],
+        held: int,
+        expected: int,
+        refusal: Reject,
+    ) -> None:
+        """Keep a refusal until anything changes (a sample, a start, an end, the node set)
+        or a node it counted on goes stale, so a storm of refusals between two samples
+        costs O(1) each instead of a scan of every node."""
+        memo = self._refusals.get(key)
+        if memo is None or memo[0] != self.generation or now >= memo[1]:
+            if len(self._refusals) >= _MEMO_KEYS:
+                self._refusals.clear()
+            until = min(
+                (n.sample.sampled_at + self.settings.stale_after_s
+                 for nid in key[1]
+                 if (n := self.nodes.get(nid)) is not None and n.sample is not None),
+                default=now,
+            )  # fmt: skip
+            memo = self._refusals[key] = (self.generation, until, [])
+        if len(memo[2]) < _MEMO_SIZES:
+            memo[2].append((held, expected, refusal))
 
     def _two_choices(
         self,
@@ -169,7 +223,16 @@ class AdaptivePolicy(BasePolicy):
     ) -> _Fit:
         """Does the request fit on the node now; with how much headroom left, or why not."""
         node = self.nodes.get(node_id)
-        if node is None or not node.is_live(now, self.settings):
+        if node is None:
+            return _Fit(None, "stale")
+        sample = node.sample
+        settings = self.settings
+        fresh = (  # `is_fresh`, inlined: this runs for every candidate of every decision
+            sample is not None
+            and now - sample.sampled_at <= settings.stale_after_s
+            and node.consecutive_failures < settings.failures_to_stale
+        )
+        if not fresh and not node.is_live(now, settings):
             return _Fit(None, "stale")
         if node.thrashing:
             return _Fit(None, "thrashing")
@@ -195,7 +258,10 @@ class AdaptivePolicy(BasePolicy):
         upper = node.used + self.reserved_on(node_id) + self.peers_upper(node_id) + final
         if upper <= limit:
             return _Fit((limit - upper) / cap)
-        peak = self.envelope(node).peak(held, expected)
+        envelope = self.envelope(node)
+        if envelope.floor(held, expected) > limit:
+            return _Fit(None, "full")  # not now, and not even once all that runs has ended
+        peak = envelope.peak(held, expected)
         if peak > limit:
             return _Fit(None, "full")
         return _Fit((limit - peak) / cap)

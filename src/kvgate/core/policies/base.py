@@ -109,6 +109,7 @@ class _Hold:
         "marks",
         "max_out",
         "node_id",
+        "overlap",
         "prefilled",
         "prompt",
         "reflected",
@@ -129,6 +130,7 @@ class _Hold:
         self.full = prompt + max_out + overhead
         self.reflected = 0
         self.prefilled = False  # its first token came: its prompt is no longer queued
+        self.overlap = 0.0  # its part of the node's `unseen_overlap` at the last sample
         self.tok_cur = 0  # output tokens seen so far
         # (time, output count) checkpoints, oldest first, at least `_mark_spacing` apart:
         # what a sample taken at some cutoff can be trusted to contain.
@@ -178,7 +180,17 @@ class _Wakeups:
 class _Book:
     """One node's live holds and their running sums."""
 
-    __slots__ = ("full", "holds", "now", "prefill", "upper", "version", "wakeups")
+    __slots__ = (
+        "full",
+        "holds",
+        "now",
+        "overlap",
+        "overlap_for",
+        "prefill",
+        "upper",
+        "version",
+        "wakeups",
+    )
 
     def __init__(self) -> None:
         self.holds: dict[str, _Hold] = {}
@@ -186,6 +198,9 @@ class _Book:
         self.upper = 0  # sum of P + M + ovh - reflected
         self.now = 0  # sum of P + output so far + ovh - reflected
         self.prefill = 0  # prompt tokens of the holds still waiting for their first token
+        # `unseen_overlap` as of the sample taken at `overlap_for` (None: not computed).
+        self.overlap = 0.0
+        self.overlap_for: float | None = None
         self.wakeups = _Wakeups()
         self.version = 0
 
@@ -365,6 +380,7 @@ class BasePolicy:
         hold.live = False
         book = self._books[hold.node_id]
         del book.holds[hold.key]
+        book.overlap -= hold.overlap
         book.full -= hold.full
         book.upper -= hold.full - hold.reflected
         book.now -= self._current(hold) - hold.reflected
@@ -641,13 +657,19 @@ class BasePolicy:
         if book is None or sample is None or sample.kv_usage is None:
             return 0.0  # (a sample without a KV gauge holds none of it)
         at = sample.sampled_at
+        if book.overlap_for == at:
+            return book.overlap  # once per sample; a release takes its own part out
         sent_by = at - self.tuning.reflect_margin_s
         overlap = 0.0
         for hold in book.holds.values():
+            part = 0.0
             if hold.ticket.admitted_at <= sent_by:
                 likely = hold.prompt + hold.known_by(at)
                 if likely > hold.reflected:
-                    overlap += likely - hold.reflected
+                    part = likely - hold.reflected
+            hold.overlap = part
+            overlap += part
+        book.overlap, book.overlap_for = overlap, at
         return overlap
 
     def least_loaded(self, candidates: Sequence[str]) -> str:
