@@ -10,7 +10,8 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,15 +29,24 @@ class Replica:
 
     url: str
     process: asyncio.subprocess.Process
+    headers: dict[str, str] = field(default_factory=dict)  # sent with /admin/state
 
 
 @contextlib.asynccontextmanager
 async def replicas(
-    n: int, store_url: str, engines: list[FakeEngine]
+    n: int,
+    store_url: str,
+    engines: list[FakeEngine],
+    *,
+    config: Path | None = None,
+    headers: dict[str, str] | None = None,
 ) -> AsyncIterator[list[Replica]]:
     """`n` kvgate serve processes on one store in front of `engines`, all ready; each is
-    stopped with SIGTERM at the end (or found already dead: a test may kill one)."""
+    stopped with SIGTERM at the end (or found already dead: a test may kill one).
+    `config`: a YAML file every replica reads; `headers`: what /admin/state needs then."""
     backends = [part for e in engines for part in ("--backend", e.url)]
+    if config is not None:
+        backends = ["--config", str(config), *backends]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     env["KVGATE_SCRAPE__INTERVAL_S"] = str(SCRAPE_INTERVAL_S)
     started: list[Replica] = []
@@ -48,7 +58,7 @@ async def replicas(
                 "--store", store_url, "--log-level", "warning", *backends,
                 stdout=asyncio.subprocess.DEVNULL, env=env,
             )  # fmt: skip
-            started.append(Replica(f"http://127.0.0.1:{port}", process))
+            started.append(Replica(f"http://127.0.0.1:{port}", process, headers or {}))
         for replica in started:
             async with httpx.AsyncClient(base_url=replica.url) as client:
                 assert await until_ready(client, 30.0), "a replica never became ready"
@@ -68,7 +78,7 @@ async def replicas(
 
 async def state(gw: Replica) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=gw.url, timeout=CLIENT_TIMEOUT_S) as client:
-        data: dict[str, Any] = (await client.get("/admin/state")).json()
+        data: dict[str, Any] = (await client.get("/admin/state", headers=gw.headers)).json()
         return data
 
 
