@@ -568,9 +568,108 @@ def health(lay: Layout) -> None:
     )
 
 
+def replicas(lay: Layout) -> None:
+    """Replicas sharing a store (`store.url`, `--workers`); empty without one. Per-replica
+    series are told apart by Prometheus's `instance` label (one target per replica)."""
+    lay.row("Replicas and the shared store")
+    lay.add(
+        stat(
+            "Replicas in the store",
+            "Live replicas in the store's membership (the most any replica sees): each one"
+            " plans every replica's requests and fills only its share of each engine's room.",
+            "max(kvgate_replicas)",
+            "short",
+            [(None, "blue")],
+        ),
+        4,
+        8,
+    )
+    lay.add(
+        stat(
+            "Isolated replicas",
+            "Replicas with no good sync with Redis: each keeps to a static 1/N share of every"
+            " engine's room and tenant limit until the store answers again.",
+            "count(kvgate_store_up == 0) or vector(0)",
+            "short",
+            [(None, "green"), (1, "red")],
+        ),
+        4,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Membership and store health per replica",
+            "Replicas each one sees in the store, and 1/0 while it syncs / is isolated.",
+            [
+                ("kvgate_replicas", "members seen by {{instance}}"),
+                ("kvgate_store_up", "in sync {{instance}}"),
+            ],
+            "short",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Store sync round trip",
+            "One Redis round trip per replica every 50 ms (no request waits for one). Dashed:"
+            " the 150 ms sync timeout; two late syncs in a row isolate a replica.",
+            [
+                (
+                    "histogram_quantile(0.5, sum by (le) "
+                    f"(rate(kvgate_store_sync_seconds_bucket[{RI}])))",
+                    "p50",
+                ),
+                (
+                    "histogram_quantile(0.99, sum by (le) "
+                    f"(rate(kvgate_store_sync_seconds_bucket[{RI}])))",
+                    "p99",
+                ),
+            ],
+            "s",
+            thresholds=[(0.15, "red")],
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Store failures and isolations",
+            "Syncs that failed or timed out, and falls back to the isolated share, per second.",
+            [
+                (
+                    f"sum by (instance) (rate(kvgate_store_sync_failures_total[{RI}]))",
+                    "failures/s {{instance}}",
+                ),
+                (
+                    f"sum by (instance) (rate(kvgate_store_isolations_total[{RI}]))",
+                    "isolations/s {{instance}}",
+                ),
+            ],
+            "short",
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Engines polled and shared per replica",
+            "Engines each replica polls itself (scraped) or takes from the replica that owns"
+            " them (shared): with every replica in sync each engine is polled once.",
+            [
+                ('kvgate_replica_engines{role="scraped"}', "scraped by {{instance}}"),
+                ('kvgate_replica_engines{role="shared"}', "shared to {{instance}}"),
+            ],
+            "short",
+        ),
+        12,
+        8,
+    )
+
+
 def dashboard() -> dict[str, Any]:
     lay = Layout()
-    for section in (overview, admission, kv_cache, engines, latency, health):
+    for section in (overview, admission, kv_cache, engines, latency, health, replicas):
         section(lay)
     return {
         "title": "kvgate: KV-aware admission",

@@ -42,6 +42,8 @@ _KEYWORDS = {
     "bool", "offset", "inf", "nan",
 }  # fmt: skip
 _GRAFANA_VARS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h", "$node": ".*"}
+# kube-state-metrics' series an alert may compare with (each with a fallback when absent).
+KUBE_STATE_METRICS = {"kube_deployment_spec_replicas"}
 
 
 # ---------------------------------------------------------------- what is exported
@@ -68,12 +70,17 @@ def exposition_names(text: str) -> set[str]:
 @pytest.fixture(scope="module")
 def kvgate_names() -> Iterator[set[str]]:
     """Names on a live gateway's /metrics (one backend that never answers: the scraper and
-    the policy still publish their per-node families)."""
-    config = KvgateConfig(backends=[{"url": "http://127.0.0.1:9", "name": "n0"}])
+    the policy still publish their per-node families; a store that never answers: the
+    replica, isolated, still publishes the store's)."""
+    config = KvgateConfig(
+        backends=[{"url": "http://127.0.0.1:9", "name": "n0"}],
+        store={"url": "redis://127.0.0.1:9/0"},
+    )
     with serve(Gateway(config)) as url:
         text = httpx.get(url + "/metrics", timeout=10).text
     names = exposition_names(text)
     assert "kvgate_admissions_total" in names  # the page really is kvgate's
+    assert "kvgate_store_up" in names
     yield names
 
 
@@ -175,7 +182,7 @@ def test_dashboard_is_well_formed_grafana_json() -> None:
 
 def test_every_query_names_an_exported_metric(kvgate_names: set[str], vllm_names: set[str]) -> None:
     board = json.loads(DASHBOARD.read_text(encoding="utf-8"))
-    exported = kvgate_names | vllm_names
+    exported = kvgate_names | vllm_names | KUBE_STATE_METRICS
     queried: set[str] = set()
     for expr in dashboard_queries(board) + alert_queries():
         names = metric_names(expr)
