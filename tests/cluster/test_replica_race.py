@@ -155,3 +155,25 @@ def test_shared_replicas_never_preempt_small_engines_in_virtual_time() -> None:
     )
     result = VirtualCluster(config).run()
     assert result.summary()["preemptions"] == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core (FlowController._predicted_wait, BasePolicy.drain_time): the drain of the"
+    " tokens queued ahead counts only this replica's own requests, so behind a first waiter"
+    " a replica whose engines are held by the others' requests predicts no drain and"
+    " refuses at once (wait_exceeded)",
+)
+async def test_requests_queue_behind_a_waiter_when_the_room_is_held_by_another_replica() -> None:
+    """One gateway queues a burst it has no room for; two replicas must queue it too when
+    the room is held by the other one (the real engine's burst through two replicas got
+    10 refusals of 16: `tests/real_engine/test_real_replicas.py`)."""
+    cluster = Cluster(2, phases=[0.0, 0.0], limits={})
+    a, b = cluster.flows
+    await cluster.run(2, [])
+    # Replica a fills the engine (5 requests of 636 tokens: a sixth would pass 3,768).
+    fill = [(0.01 * i, 0, request(f"f{i}", 500, 120)) for i in range(5)]
+    await cluster.run(8, fill)
+    assert cluster.started() == 5
+    more = [b.submit(request(f"m{i}", 500, 120)) for i in range(3)]
+    assert all(isinstance(x, Waiter) for x in more), [getattr(x, "reason", x) for x in more]
