@@ -169,7 +169,7 @@ async def test_requests_queue_behind_a_waiter_when_the_room_is_held_by_another_r
     the room is held by the other one (the real engine's burst through two replicas got
     10 refusals of 16: `tests/real_engine/test_real_replicas.py`)."""
     cluster = Cluster(2, phases=[0.0, 0.0], limits={})
-    a, b = cluster.flows
+    b = cluster.flows[1]
     await cluster.run(2, [])
     # Replica a fills the engine (5 requests of 636 tokens: a sixth would pass 3,768).
     fill = [(0.01 * i, 0, request(f"f{i}", 500, 120)) for i in range(5)]
