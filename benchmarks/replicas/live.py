@@ -343,7 +343,7 @@ def write(runs: list[Run], args: argparse.Namespace, load: tuple[float, float]) 
         f" Python {platform.python_version()}; load average {load[0]:.2f} before,"
         f" {load[1]:.2f} after). Four `cpu-tiny` engines (`kvgate sim`, 4,096 KV tokens each)"
         f" and fresh gateways per run; a burst of {BURST_S:g} s at {args.rate:g} requests/s then"
-        f" {TAIL_S:g} s at {args.rate / 6:g}/s (~{requests} requests with seed 0), ~800-token"
+        f" {TAIL_S:g} s at {args.rate / 6:.3g}/s (~{requests} requests with seed 0), ~800-token"
         f" prompts, {OUTPUT_TOKENS} output tokens (ignore_eos), streamed, sent once each and"
         f" spread round-robin over the replicas; `shared`: `--store` on one redis-server."
         f" Median over {args.rounds} rounds (configurations interleaved in each round; round"

@@ -25,6 +25,8 @@ Measured per mode:
   trips), per second over the loaded phase and over an idle phase of the same length (the
   peers and the sync task running, no requests): the difference per admitted request is
   what requests add. And this replica's own exchanges per second (its sync task's count);
+- how long each sync tick holds the loop (building and encoding its view, then applying
+  the answer: the peers' views decoded and folded into the core), p50 and p99;
 - the loop's CPU per request (the whole benchmark process: loop, sync task, samples).
 
     .venv/bin/python benchmarks/workers/hot_path.py [--rounds 3] [--rate 400] [--seconds 15]
@@ -51,6 +53,7 @@ from pathlib import Path
 from kvgate.children import die_with_parent
 from kvgate.cluster.redis_server import RedisServer
 from kvgate.cluster.redis_store import RedisStore
+from kvgate.cluster.store import Exchange
 from kvgate.cluster.sync import ClusterSync
 from kvgate.core.admission import Admit, Decision, Outcome
 from kvgate.core.clock import MonotonicClock
@@ -109,10 +112,13 @@ async def load(
         if isinstance(decision, Admit):
             admitted += 1
             loop.call_later(hold, flow.release, decision.ticket, Outcome.DONE)
+        else:
+            refused[decision.reason] = refused.get(decision.reason, 0) + 1
 
     latencies: list[float] = []
     durations: list[float] = []
     admitted = waited = 0
+    refused: dict[str, int] = {}
     start = loop.time()
     due = start
     rid = 0
@@ -134,8 +140,8 @@ async def load(
             continue
         decided(decision, due)
     await asyncio.sleep(hold + 0.1)  # every release done
-    if admitted < rid:
-        raise RuntimeError(f"{rid - admitted} of {rid} requests were not admitted")
+    if admitted < rid:  # the engines are large: only a stalled machine makes this happen
+        print(f"  {rid - admitted} of {rid} requests not admitted: {refused}", flush=True)
     return latencies, durations, admitted, waited
 
 
@@ -189,6 +195,7 @@ class Phase:
     own_idle: int  # this replica's exchanges while idle, and while loaded
     own_loaded: int
     cpu_s: float
+    ticks: list[float]  # how long each sync tick held the loop (encode, then apply)
 
     def pct(self, q: float, of: str = "latencies") -> float:
         ordered = sorted(getattr(self, of))
@@ -230,6 +237,10 @@ async def phase(mode: str, url: str, args: argparse.Namespace, seed: int) -> Pha
         def own() -> int:
             return 0 if sync is None else sync.stats.exchanges_total
 
+        ticks: list[float] = []
+        if sync is not None:
+            time_ticks(sync, ticks)
+
         await asyncio.sleep(1.0)  # a few syncs first
         length = args.seconds + args.hold + 0.1  # the load's length, its releases included
         before, mine = await commands(url), own()
@@ -246,16 +257,39 @@ async def phase(mode: str, url: str, args: argparse.Namespace, seed: int) -> Pha
     await feeder
     return Phase(
         mode, latencies, durations, admitted, waited, length, loaded, idle, own_idle,
-        own_loaded, cpu,
+        own_loaded, cpu, ticks or [0.0],
     )  # fmt: skip
+
+
+def time_ticks(sync: ClusterSync, into: list[float]) -> None:
+    """Record how long each tick's own work holds the loop: building and encoding the view
+    (`outgoing`), and applying the answer (`incoming`: decoding the peers' views, feeding
+    their samples, folding their holds into the core)."""
+    outgoing, incoming = sync.outgoing, sync.incoming
+    pending = [0.0]
+
+    def timed_out() -> bytes:
+        began = time.perf_counter()
+        blob = outgoing()
+        pending[0] = time.perf_counter() - began
+        return blob
+
+    def timed_in(reply: Exchange, sent_at: float, received_at: float) -> None:
+        began = time.perf_counter()
+        incoming(reply, sent_at, received_at)
+        into.append(pending[0] + time.perf_counter() - began)
+
+    sync.outgoing = timed_out  # type: ignore[method-assign]
+    sync.incoming = timed_in  # type: ignore[method-assign]
 
 
 def table(phases: list[Phase]) -> list[str]:
     lines = [
         "| mode | requests | waited | due to decided p50 ms | p99 ms | p99.9 ms | max ms |"
         " `submit()` p50 ms | p99 ms | round trips/s, idle | loaded | per request |"
-        " this replica's exchanges/s, idle | loaded | CPU ms / request |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " this replica's exchanges/s, idle | loaded | a tick holds the loop, p50 ms | p99 ms |"
+        " CPU ms / request |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode in ("alone", "store"):
         runs = [p for p in phases if p.mode == mode]
@@ -276,6 +310,8 @@ def table(phases: list[Phase]) -> list[str]:
             f" {med(lambda r: r.per_request):+.4f} |"
             f" {med(lambda r: r.own_idle / r.seconds):.1f} |"
             f" {med(lambda r: r.own_loaded / r.seconds):.1f} |"
+            f" {med(lambda r: r.pct(0.5, 'ticks')):.3f} |"
+            f" {med(lambda r: r.pct(0.99, 'ticks')):.3f} |"
             f" {med(lambda r: r.cpu_s / r.admitted * 1000):.3f} |"
         )
     return lines
@@ -297,8 +333,9 @@ async def run(args: argparse.Namespace) -> list[Phase]:
                     print(
                         f"round {round_} {mode}: p50 {result.pct(0.5):.3f} ms, p99"
                         f" {result.pct(0.99):.3f} ms, max {max(result.latencies) * 1000:.2f}"
-                        f" ms, waited {result.waited}"
-                        f" ms; submit p99 {result.pct(0.99, 'durations'):.3f} ms; redis"
+                        f" ms, waited {result.waited};"
+                        f" tick p99 {result.pct(0.99, 'ticks'):.3f} ms;"
+                        f" submit p99 {result.pct(0.99, 'durations'):.3f} ms; redis"
                         f" {result.idle_per_s:.1f}/s idle, {result.per_s:.1f}/s loaded,"
                         f" {result.per_request:+.4f} per request; own exchanges"
                         f" {result.own_idle}/{result.own_loaded}",
@@ -321,9 +358,11 @@ def write(phases: list[Phase], args: argparse.Namespace, load_avg: tuple[float, 
         f" at {args.rate:g} requests/s (each held {args.hold:g} s), 4 engines sampled every"
         " 50 ms; `store`: its sync task on a real redis-server with 3 peer replicas (another"
         f" process, {args.rate / 4:g} requests/s each) publishing their views. Latency: from"
-        " when a request was due to `submit()`'s decision, waiting for the loop included."
-        " Redis calls: every command the server ran (the peers' syncs included), idle (no"
-        " requests) and loaded, over phases of the same length. Median over"
+        " when a request was due to `submit()`'s decision, waiting for the loop included"
+        " (the timer's own lateness too: ~1 ms at p50 in both modes). Round trips: the"
+        " server's EVALSHA, EVAL and SCRIPT LOAD (the peers' syncs included), idle (no"
+        " requests) and loaded, over phases of the same length; per request: their"
+        " difference over the requests. Median over"
         f" {args.rounds} rounds, modes alternated.",
         "",
         *table(phases),
