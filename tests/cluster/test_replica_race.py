@@ -157,13 +157,6 @@ def test_shared_replicas_never_preempt_small_engines_in_virtual_time() -> None:
     assert result.summary()["preemptions"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core (FlowController._predicted_wait, BasePolicy.drain_time): the drain of the"
-    " tokens queued ahead counts only this replica's own requests, so behind a first waiter"
-    " a replica whose engines are held by the others' requests predicts no drain and"
-    " refuses at once (wait_exceeded)",
-)
 async def test_requests_queue_behind_a_waiter_when_the_room_is_held_by_another_replica() -> None:
     """One gateway queues a burst it has no room for; two replicas must queue it too when
     the room is held by the other one (the real engine's burst through two replicas got

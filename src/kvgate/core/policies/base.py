@@ -31,8 +31,10 @@ use; the envelope counts that room back as each request's end comes into view.
 
 Before the first token a hold counts its whole estimated prompt on top of the sample, which
 over-counts a prefill in progress: a little lost room for one sample period, never too
-little. A ticket released before the next sample drops its hold at once while its blocks may
-still be in `used` until that sample: over-counting again. `sampled_at` should be the time
+little. A ticket released before the next sample drops its hold at once; its reflected
+blocks, still in the last sample's `used`, count as freed (`freed_unseen`) only when that
+sample was taken `reflect_margin_s` before the release: the engine frees a request a little
+before the gateway reads its end, and a later sample may no longer contain it. `sampled_at` should be the time
 the scrape was *sent* (the engine renders its page after it); `reflect_margin_s` covers the
 engine's gauge lag and the scrape's own latency.
 
@@ -288,20 +290,23 @@ class BasePolicy:
         return tokens / rate if rate > 0 else None
 
     def _drain_schedule(self, candidates: tuple[str, ...]) -> tuple[list[float], list[float]]:
-        """(end times, tokens freed by then) of the candidates' holds, cached until anything
-        changes."""
+        """(end times, tokens freed by then) of the candidates' holds, this replica's and the
+        others' (as of the last sync), cached until anything changes."""
         cached = self._drain_cache
         if cached is not None and cached[0] == self.generation and cached[1] == candidates:
             return cached[2], cached[3]
         ends: list[tuple[float, float]] = []
         for node_id in candidates:
             book = self._books.get(node_id)
-            if not book:
+            peers = self.peers.nodes.get(node_id)
+            if not book and peers is None:
                 continue
             step = self.step_s(node_id)
-            for hold in book.holds.values():
+            for hold in book.holds.values() if book else ():
                 remaining = hold.remaining()
                 ends.append((remaining * step, self._current(hold) + remaining))
+            for remaining, held in () if peers is None else peers.loads:
+                ends.append((remaining * step, held + remaining))  # other replicas' requests
         ends.sort()
         times = [at for at, _ in ends]
         freed = list(itertools.accumulate(amount for _, amount in ends))
@@ -392,11 +397,14 @@ class BasePolicy:
             self._envelopes.pop(hold.node_id, None)  # a new book counts its versions anew
         self._in_flight_tokens -= hold.full
         self.generation += 1
-        node = self.nodes.get(hold.node_id)
-        if node is not None:
-            node.freed_unseen += hold.reflected
-        self._refresh_level(hold.node_id)
         now = self.clock.now()
+        node = self.nodes.get(hold.node_id)
+        if node is not None and node.sample is not None:
+            # The engine freed the blocks a little before this release: only a sample
+            # taken a margin earlier surely still holds them (else they were freed twice).
+            if node.sample.sampled_at <= now - self.tuning.reflect_margin_s:
+                node.freed_unseen += hold.reflected
+        self._refresh_level(hold.node_id)
         self._freed.add(now, hold.full)
         if outcome is Outcome.DONE:
             request = ticket.request

@@ -1,18 +1,15 @@
-"""A finding of the live replica benchmark that is not about replicas: one gateway alone
-overshoots when an engine's sample is taken after the engine freed a request but before
-the gateway read that request's end. (It belongs in tests/core, which another change is
-rewriting; it lives here until then.)
+"""A request the engine freed before the last sample was taken is not freed a second
+time when the gateway reads its end.
 
-On release the policy counts the request's reflected tokens as `freed_unseen` (in the last
-sample's `used`, but free) and subtracts them at once; when the last sample was taken after
-the engine had freed them, they are subtracted twice, and the node looks a whole request
-emptier than it is until the next sample. `benchmarks/replicas/live.py` saw a single
-gateway without a store reach KV 0.98 and preempt once this way.
+On release the policy counts a request's reflected tokens as freed but still in the last
+sample's `used` (`freed_unseen`). When that sample was taken after the engine had already
+freed them, counting them again makes the node look a whole request emptier than it is
+until the next sample (`benchmarks/replicas/live.py` saw one gateway reach KV 0.98 and
+preempt this way). Only a sample taken `reflect_margin_s` before the release surely still
+holds the request.
 """
 
 from __future__ import annotations
-
-import pytest
 
 from kvgate.core.admission import Admit, Outcome
 from kvgate.core.clock import ManualClock
@@ -25,11 +22,6 @@ from kvgate.core.signals import NodeSample
 CAPACITY = 4096  # the panic ceiling (0.92) is 3,768 tokens
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core (policies/base.release, NodeState.freed_unseen): a release read after a"
-    " sample that no longer held the request frees its tokens a second time",
-)
 def test_a_request_freed_before_the_last_sample_is_not_freed_twice() -> None:
     clock = ManualClock(10.0)
     flow = FlowController(build_policy(AdmissionSettings(policy="adaptive", seed=0), clock))
