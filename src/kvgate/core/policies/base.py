@@ -33,8 +33,10 @@ Before the first token a hold counts its whole estimated prompt on top of the sa
 over-counts a prefill in progress: a little lost room for one sample period, never too
 little. A ticket released before the next sample drops its hold at once; its reflected
 blocks, still in the last sample's `used`, count as freed (`freed_unseen`) only when that
-sample was taken `reflect_margin_s` before the release: the engine frees a request a little
-before the gateway reads its end, and a later sample may no longer contain it. `sampled_at` should be the time
+sample arrived `FREED_MARGIN_S` before the release: the engine frees a request a little
+before the gateway reads its end, and a sample rendered in between no longer contains it
+(counting it freed again would under-count the node by a whole request until the next
+sample). `sampled_at` should be the time
 the scrape was *sent* (the engine renders its page after it); `reflect_margin_s` covers the
 engine's gauge lag and the scrape's own latency.
 
@@ -79,6 +81,9 @@ from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 
 _NEG_INF = float("-inf")
+# The engine frees a request's blocks at most this long before the gateway reads its end
+# (the final chunk's relay); a sample that arrived within it may already lack them.
+FREED_MARGIN_S = 0.02
 # Token-count checkpoints kept per request, at least a third of `reflect_margin_s` apart, so
 # a sample's cutoff (its time less the margin) always finds one however often counts come.
 _MARKS = 5
@@ -399,11 +404,10 @@ class BasePolicy:
         self.generation += 1
         now = self.clock.now()
         node = self.nodes.get(hold.node_id)
-        if node is not None and node.sample is not None:
-            # The engine freed the blocks a little before this release: only a sample
-            # taken a margin earlier surely still holds them (else they were freed twice).
-            if node.sample.sampled_at <= now - self.tuning.reflect_margin_s:
-                node.freed_unseen += hold.reflected
+        if node is not None and node.heard_at <= now - FREED_MARGIN_S:
+            # The engine freed the blocks a little before this release: only a sample that
+            # arrived a margin earlier surely still holds them (else they are freed twice).
+            node.freed_unseen += hold.reflected
         self._refresh_level(hold.node_id)
         self._freed.add(now, hold.full)
         if outcome is Outcome.DONE:
