@@ -9,8 +9,6 @@ reproduce what the live tests (`test_live_admission.py`) see with real processes
 
 from __future__ import annotations
 
-import pytest
-
 from kvgate.cluster.memory import MemoryStore
 from kvgate.cluster.sync import SYNC_PERIOD_S, ClusterSync
 from kvgate.core.admission import Admit, Decision
@@ -79,13 +77,6 @@ def request(rid: str, prompt: int, output: int, tenant: str = "") -> AdmissionRe
     )  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core (kvgate.core.peers): each replica splits the slack with its own fresh view"
-    " and the others' views of their last tick (which do not show what they admitted with"
-    " that tick's share, and whose head ages are of another instant), so both racers take"
-    " the first share",
-)
 async def test_two_replicas_ticking_at_their_own_phases_never_both_take_the_last_room() -> None:
     cluster = Cluster(2, phases=[0.0, 0.02], limits={})
     await cluster.run(2, [])  # both have exchanged views with nothing held
@@ -97,12 +88,6 @@ async def test_two_replicas_ticking_at_their_own_phases_never_both_take_the_last
     assert sum(f.policy.in_flight_requests for f in cluster.flows) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core (kvgate.core.peers, TenantLedger allowances): the same per-replica split of"
-    " a tenant's remaining room, from views of different instants, lets the replicas start"
-    " more than the tenant's limit between two syncs",
-)
 async def test_a_tenant_limit_holds_across_three_replicas_ticking_at_their_own_phases() -> None:
     limit = 4
     cluster = Cluster(
@@ -116,14 +101,9 @@ async def test_a_tenant_limit_holds_across_three_replicas_ticking_at_their_own_p
     await cluster.run(6, arrivals)
     held = sum(f.tenants.held("t")[1] for f in cluster.flows)
     assert held == cluster.started()
-    assert held <= limit
+    assert held == limit  # the limit is reached, and never passed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core (kvgate.core.peers): the same split, in the simulator's virtual time, lets"
-    " two shared replicas overshoot small engines and preempt",
-)
 def test_shared_replicas_never_preempt_small_engines_in_virtual_time() -> None:
     """The live benchmark's burst (benchmarks/replicas/live.py) in virtual time: four
     cpu-tiny engines, 2 s at 20 requests/s then 6 s at 3.3/s, ~800-token prompts, 300

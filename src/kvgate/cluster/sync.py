@@ -277,7 +277,7 @@ class ClusterSync:
             if self._served_by(owner, node_id, now):
                 remote.add(node_id)
         self._remote = frozenset(remote)
-        views_in = [env.core for env in self._peers.values() if env is not None]
+        views_in = [self._aged(env, now) for env in self._peers.values() if env is not None]
         self._call(self.participant.set_peer_views, views_in, len(self.members))
         if self.state == "isolated" and self.stats.isolated_since is not None:
             log.info(
@@ -296,6 +296,14 @@ class ClusterSync:
         self.state = "synced"
         self.stats.isolated_since = None
         self.stats.last_error = None
+
+    def _aged(self, env: Envelope, now: float) -> dict[str, Any]:
+        """A peer's core view with its age (on the store's clock): the core compares how
+        long each replica's queue head has waited at one instant."""
+        at = env.meta.get("at")
+        if not isinstance(at, int | float) or not self.link.known:
+            return env.core
+        return {**env.core, "view_age_s": max(0.0, now - self.link.to_local(at))}
 
     def _isolate(self, reason: str) -> None:
         self.stats.failures_total += 1

@@ -8,17 +8,24 @@ never waits for that exchange; it folds the latest views in when they arrive:
   remaining]`: the tokens the shared sample cannot contain yet, the tokens it holds now,
   and the steps it still has to run. Other replicas' requests enter a node's envelope like
   this replica's own, so every replica plans the same peak.
-- **Shares of the slack.** Between two syncs, replicas cannot see each other's new
-  admissions. So at each sync a node's slack (its ceiling less its planned peak) is split,
-  and until the next sync each replica adds new requests to a node only within its share
-  of it. The split is the same on every replica (a pure function of the same views): the
-  replica whose queue head has waited longest first gets what that head needs, and the
-  rest goes by the tokens each replica has waiting (equal parts when none has any). Two
-  replicas racing for the last room on a node: one's share holds it, the other's is empty,
-  so exactly one starts there; the other waits for the next room.
+- **Claims on the slack.** Between two syncs, replicas cannot see each other's new
+  admissions. So each replica, when it publishes its view, *claims* part of every node's
+  slack (its ceiling less its planned peak) and, until its next sync, adds requests to a
+  node only within what is left of its claim *and* of the slack the others' published
+  claims leave. The store's exchange is atomic (a view in, the others' out), so of any two
+  replicas the later one sees the earlier one's claim: their claims never overlap, whatever
+  the phases of their ticks. A claim can only shrink what a replica may still add, never
+  grow it before it is published. What each replica claims is its part of the slack: the
+  replica whose queue head has waited longest (ages compared at one instant: each view's
+  age is added) first gets what that head needs, and the rest goes by the tokens each
+  replica has waiting (equal parts when none has any). Two replicas racing for the last
+  room on a node: one sync publishes both heads, the next gives the room to the older one;
+  the other waits for the next room.
 - **Tenants and fairness.** Each replica's in-flight usage per tenant and its fairness
   counters travel in the view, so tenant limits are counted across replicas and a tenant
-  served by one replica is not first in line at another.
+  served by one replica is not first in line at another. What a limited tenant's limits
+  leave is claimed like a node's slack; a replica starts a limited tenant's request only
+  within its claim (so a replica's first request of such a tenant waits for a sync).
 - **Isolated.** When the store cannot be reached the shell says so with the number of
   members it last saw: each replica then plans only its own requests against `1/members` of
   each node's room under its ceiling, and of each tenant's limits, until views flow again.
@@ -41,6 +48,7 @@ class NodePeers:
     """Other replicas' requests on one node."""
 
     unreflected: float = 0.0  # tokens their samples cannot contain yet
+    claimed: float = 0.0  # what they may still add until their next sync (their claims)
     upper: float = 0.0  # unreflected + every remaining step: nothing ends
     loads: list[tuple[float, float]] = field(default_factory=list)  # (remaining, held)
 
@@ -79,6 +87,8 @@ def merge(views: Iterable[Mapping[str, Any]]) -> PeerState:
                 peers.unreflected += unreflected
                 peers.upper += unreflected + remaining
                 peers.loads.append((remaining, held))
+        for node_id, claimed in (view.get("claims") or {}).items():
+            state.nodes.setdefault(str(node_id), NodePeers()).claimed += float(claimed)
         for tenant, usage in (view.get("tenants") or {}).items():
             tokens, requests = state.tenants.get(str(tenant), (0, 0))
             state.tenants[str(tenant)] = (tokens + int(usage[0]), requests + int(usage[1]))
@@ -87,13 +97,25 @@ def merge(views: Iterable[Mapping[str, Any]]) -> PeerState:
     return state
 
 
+def tenant_claims(views: Iterable[Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
+    """The other replicas' claims on each tenant's remaining (tokens, requests), summed
+    (an unlimited part, null, claims nothing)."""
+    out: dict[str, tuple[float, float]] = {}
+    for view in views:
+        for tenant, claim in (view.get("tenant_claims") or {}).items():
+            tokens, requests = out.get(str(tenant), (0.0, 0.0))
+            out[str(tenant)] = (tokens + float(claim[0] or 0), requests + float(claim[1] or 0))
+    return out
+
+
 def demand_of(view: Mapping[str, Any]) -> Demand:
     queue = view.get("queue") or {}
     return Demand(
         replica=str(view.get("replica", "")),
         waiting_tokens=float(queue.get("waiting_tokens", 0.0)),
         head_tokens=float(queue.get("head_tokens", 0.0)),
-        head_age_s=float(queue.get("head_age_s", 0.0)),
+        # The head has waited since the view was published too: ages compare at one instant.
+        head_age_s=float(queue.get("head_age_s", 0.0)) + float(view.get("view_age_s", 0.0)),
     )
 
 

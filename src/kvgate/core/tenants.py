@@ -14,7 +14,7 @@ room (for its Retry-After) is measured per tenant from its own releases.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,12 +84,11 @@ class TenantLedger:
     # limits must be split statically when their usage cannot be seen (kvgate.core.peers).
     peers: dict[str, tuple[int, int]] = field(default_factory=dict)
     split: int = 1
-    # With other replicas: what this replica may add per tenant (tokens, requests) until
-    # the next sync, so two replicas never both take a tenant's last room; a tenant not
-    # listed gets `fallback_share` of what its limits leave. None: no other replicas.
-    allowance: dict[str, tuple[float, float]] | None = None
-    fallback_share: float = 1.0
-    _epoch: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # With other replicas: what this replica may still add per tenant [tokens, requests]
+    # until the next sync (a tenant not listed: nothing), so that replicas never both take
+    # a tenant's last room; and what is left of its published claims. None: no replicas.
+    allowance: dict[str, list[float]] | None = None
+    _claims: dict[str, list[float]] = field(default_factory=dict)
 
     def limits_for(self, tenant: str) -> TenantLimits:
         """The tenant's limits as this replica must apply them (its part when isolated).
@@ -139,31 +138,54 @@ class TenantLedger:
             None if requests is None else max(0, requests - usage.requests),
         )
 
-    def set_allowance(
-        self, allowance: dict[str, tuple[float, float]] | None, fallback_share: float
-    ) -> None:
-        """A new sync: this replica's allowances until the next one (see `allowance`)."""
+    def claim(
+        self, tenants: list[str], part: Callable[[str, float | None, bool], float]
+    ) -> dict[str, list[float]]:
+        """This replica's claims on what each limited tenant's limits leave, to publish
+        now: `part(tenant, left, whole)` of the tokens and of the requests (`whole`). What
+        it may add can only shrink to the claim, since the others plan around it from now."""
+        claims: dict[str, list[float]] = {}
+        for tenant in tenants:
+            left_tokens, left_requests = self.remaining(tenant)
+            claims[tenant] = [part(tenant, left_tokens, False), part(tenant, left_requests, True)]
+            if self.allowance is not None and tenant in self.allowance:
+                mine = self.allowance[tenant]
+                self.allowance[tenant] = [
+                    min(a, c) for a, c in zip(mine, claims[tenant], strict=True)
+                ]
+        self._claims = claims
+        return claims
+
+    def is_limited(self, tenant: str) -> bool:
+        limits = self.limits_for(tenant)
+        return limits.max_in_flight_tokens is not None or limits.max_in_flight_requests is not None
+
+    def set_peer_claims(self, claimed: Mapping[str, tuple[float, float]] | None) -> None:
+        """A sync that published this replica's last `claim()`: until the next one it may add
+        what is left of its claim and only what the others' claims leave (None: alone)."""
+        if claimed is None:
+            self.allowance, self._claims = None, {}
+            return
+        allowance: dict[str, list[float]] = {}
+        for tenant, mine in self._claims.items():
+            left = self.remaining(tenant)
+            theirs = claimed.get(tenant, (0.0, 0.0))
+            allowance[tenant] = [
+                c if room is None else max(0.0, min(c, room - other))
+                for c, room, other in zip(mine, left, theirs, strict=True)
+            ]
         self.allowance = allowance
-        self.fallback_share = fallback_share
-        self._epoch = {}
 
     def _beyond_allowance(
         self, tenant: str, usage: _Usage, limits: TenantLimits, tokens: int
     ) -> TenantRefusal | None:
         assert self.allowance is not None
-        allowed = self.allowance.get(tenant)
-        if allowed is None:
-            left_tokens, left_requests = self.remaining(tenant)
-            allowed = (
-                float("inf") if left_tokens is None else left_tokens * self.fallback_share,
-                float("inf") if left_requests is None else left_requests * self.fallback_share,
-            )
-        added_tokens, added_requests = self._epoch.get(tenant, (0, 0))
+        allowed = self.allowance.get(tenant, (0.0, 0.0))
         cap = limits.max_in_flight_requests
-        if cap is not None and added_requests + 1 > allowed[1] + 1e-9:
+        if cap is not None and 1 > allowed[1] + 1e-9:
             return TenantRefusal(tenant, "requests", usage.requests, 1, cap)
         cap = limits.max_in_flight_tokens
-        if cap is not None and added_tokens + tokens > allowed[0] + 1e-9:
+        if cap is not None and tokens > allowed[0] + 1e-9:
             return TenantRefusal(tenant, "tokens", usage.tokens, tokens, cap)
         return None
 
@@ -182,8 +204,10 @@ class TenantLedger:
         if refusal is not None:
             return refusal
         if self.allowance is not None:
-            added_tokens, added_requests = self._epoch.get(tenant, (0, 0))
-            self._epoch[tenant] = (added_tokens + tokens, added_requests + 1)
+            for book in (self.allowance, self._claims):
+                if tenant in book:
+                    book[tenant][0] -= tokens
+                    book[tenant][1] -= 1
         usage.tokens += tokens
         usage.requests += 1
         usage.admitted_total += 1

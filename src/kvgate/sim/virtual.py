@@ -52,7 +52,7 @@ from kvgate.sim.engine import Engine, EngineConfig, EngineError, StepResult
 from kvgate.sim.workload import RequestSpec, WorkloadSpec, generate
 
 (_STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES, _DECIDED, _WAIT_END,
- _SYNC) = range(10)  # fmt: skip
+ _SYNC, _STORE, _REPLY) = range(12)  # fmt: skip
 _PRIORITY_NAMES = {p: p.name.lower() for p in Priority}
 # A gateway without a queue: every request is admitted or refused at once.
 NO_QUEUE = QueueSettings(max_wait_s={})
@@ -164,9 +164,9 @@ class VirtualConfig:
     order: Literal["fair", "fcfs"] = "fair"
     # The adaptive policy's feedback on measured usage (off: ceilings alone).
     feedback: bool = True
-    # Replicas share their state through a store (kvgate.core.peers): each publishes its view
-    # and reads the others' every `sync_interval_s`; a view becomes visible `store_latency_s`
-    # after it is written. None: replicas know only their own requests.
+    # Replicas share their state through a store (kvgate.core.peers): every `sync_interval_s`
+    # each publishes its view and reads the others' in one atomic exchange at the store,
+    # `store_latency_s / 2` each way. None: replicas know only their own requests.
     sync_interval_s: float | None = None
     store_latency_s: float = 0.001
     scrape_interval_s: float = 0.05
@@ -353,8 +353,8 @@ class VirtualCluster:
             ("arrivals", "admissions", "rejections", "timeouts", "completions", "queued"), 0
         )
         self._candidates = tuple(self.node_ids)
-        # Replica -> (visible from, view, the previous entry): the shared store's contents.
-        self._store: dict[int, tuple[float, dict[str, Any], Any]] = {}
+        # Replica -> (published at, view): the shared store's contents.
+        self._store: dict[int, tuple[float, dict[str, Any]]] = {}
         self._last_totals = (0, 0, 0)
         self._workload: Iterator[RequestSpec] = iter(())
 
@@ -418,7 +418,8 @@ class VirtualCluster:
         heap, pop, events = self._heap, heapq.heappop, 0
         handlers = (self._on_step, self._on_arrival, self._on_attempt, self._on_scrape,
                     self._on_deliver, self._on_timeout, self._on_series, self._on_decided,
-                    self._on_wait_end, self._on_sync)  # fmt: skip
+                    self._on_wait_end, self._on_sync, self._on_store,
+                    self._on_reply)  # fmt: skip
         while heap and heap[0][0] <= end:
             now, _, kind, payload = pop(heap)
             self.clock.set(now)
@@ -735,23 +736,26 @@ class VirtualCluster:
 
     # ------------------------------------------------------------------ shared store
     def _on_sync(self, now: float, g: int) -> None:
-        """Replica g writes its view to the store and reads the others' visible ones."""
+        """Replica g sends its view (committing it to its claims) to the store."""
         cfg = self.config
         assert cfg.sync_interval_s is not None
-        flow = self.policies[g]
-        previous = self._store.get(g)  # readable until the new one is (latency < interval)
-        kept = None if previous is None else (previous[0], previous[1], None)
-        self._store[g] = (now + cfg.store_latency_s, flow.local_view(), kept)
-        views = []
-        for other, entry in self._store.items():
-            if other == g:
-                continue
-            while entry is not None and entry[0] > now:  # the latest one visible by now
-                entry = entry[2]
-            if entry is not None:
-                views.append(entry[1])
-        flow.set_peer_views(views, cfg.gateways)
+        view = self.policies[g].local_view()
+        self._push(now + cfg.store_latency_s / 2, _STORE, (g, now, view))
         self._push(now + cfg.sync_interval_s, _SYNC, g)
+
+    def _on_store(self, now: float, payload: tuple[int, float, dict[str, Any]]) -> None:
+        """The store's atomic exchange: g's view in, every other replica's latest out."""
+        g, published_at, view = payload
+        self._store[g] = (published_at, view)
+        others = [entry for other, entry in self._store.items() if other != g]
+        self._push(now + self.config.store_latency_s / 2, _REPLY, (g, others))
+
+    def _on_reply(
+        self, now: float, payload: tuple[int, list[tuple[float, dict[str, Any]]]]
+    ) -> None:
+        g, others = payload
+        views = [{**view, "view_age_s": now - at} for at, view in others]
+        self.policies[g].set_peer_views(views, self.config.gateways)
 
     # ------------------------------------------------------------------ time series
     def _on_series(self, now: float, _: None) -> None:

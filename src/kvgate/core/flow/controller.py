@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvgate.core import peers
@@ -102,6 +103,9 @@ class FlowController:
         self._promised: dict[str, float] = {}
         self._walked: tuple[int, float] = (-1, float("-inf"))
         self.replica = replica  # its name among the gateway's replicas (kvgate.core.peers)
+        self._peer_demands: list[peers.Demand] = []  # the others' queues, as of the last sync
+        self._peers_at = 0.0
+        self._peer_tenant_queues: list[tuple[str, dict[str, list[float]]]] = []
         self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
         self.wait_total_s = 0.0
 
@@ -280,9 +284,58 @@ class FlowController:
     # --- replicas (kvgate.core.peers) ---------------------------------------------------------
 
     def local_view(self) -> dict[str, Any]:
-        """What this replica tells the others: its holds per node, its queue's demand, its
-        tenants' usage and the service it gave them. JSON-able."""
+        """What this replica publishes now: its holds per node, its claims on each node's
+        slack until its next sync, its queue's demand, its tenants' usage and the service
+        it gave them. JSON-able. Publishing it commits this replica to its claims: call it
+        once per exchange, with the view that goes to the store."""
         now = self.clock.now()
+        queue = self._queue_demand(now)
+        since = now - self._peers_at  # the others' heads have waited that much longer too
+        demands = [replace(d, head_age_s=d.head_age_s + since) for d in self._peer_demands]
+        demands.append(peers.demand_of({"replica": self.replica, "queue": queue}))
+        me = self.replica
+        claims = self.policy.claim(lambda _node, slack: peers.share_of(me, demands, slack))
+        tenant_queue = self._tenant_demand(now)
+        return {
+            "replica": me,
+            "nodes": self.policy.local_holds(),
+            "claims": claims,
+            "queue": queue,
+            "tenants": {t: list(u) for t, u in self.tenants.local_usage().items()},
+            "tenant_queue": tenant_queue,
+            "tenant_claims": self._claim_tenants(tenant_queue, since),
+            "service": self.queue.fairness.served(),
+        }
+
+    def _claim_tenants(
+        self, mine: Mapping[str, list[float]], since: float
+    ) -> dict[str, list[float | None]]:
+        """Claims on each limited tenant's remaining room, split between the replicas as a
+        node's slack is: what the longest-waiting head needs first, the rest by demand."""
+        tenants = {*mine, *self.tenants.local_usage(), *self.tenants.peers, *self.tenants.limits}
+        for _, queues in self._peer_tenant_queues:
+            tenants.update(queues)
+        limited = [t for t in sorted(tenants) if self.tenants.is_limited(t)]
+        views = [*self._peer_tenant_queues, (self.replica, mine)]
+
+        def part(tenant: str, left: float | None, whole: bool) -> float:
+            demands = []
+            for name, queues in views:
+                count, tokens, head, age = queues.get(tenant) or (0.0, 0.0, 0.0, 0.0)
+                age += 0.0 if name == self.replica else since
+                if whole:
+                    demands.append(peers.Demand(name, count, 1.0 if count else 0.0, age))
+                else:
+                    demands.append(peers.Demand(name, tokens, head, age))
+            return _part(self.replica, demands, left, whole)
+
+        claims = self.tenants.claim(limited, part)
+        return {
+            t: [None if x == float("inf") else round(x, 1) for x in c] for t, c in claims.items()
+        }
+
+    def _queue_demand(self, now: float) -> dict[str, float]:
+        """The queue's claim on room: tokens waiting, its head's need and age."""
         head = next(iter(self.queue.order()), None)
         head_tokens = 0
         if head is not None:
@@ -292,16 +345,9 @@ class FlowController:
             )
             head_tokens = self.policy.footprint(request, expected)
         return {
-            "replica": self.replica,
-            "nodes": self.policy.local_holds(),
-            "queue": {
-                "waiting_tokens": self.queue.tokens,
-                "head_tokens": head_tokens,
-                "head_age_s": 0.0 if head is None else now - head.enqueued_at,
-            },
-            "tenants": {t: list(u) for t, u in self.tenants.local_usage().items()},
-            "tenant_queue": self._tenant_demand(now),
-            "service": self.queue.fairness.served(),
+            "waiting_tokens": self.queue.tokens,
+            "head_tokens": head_tokens,
+            "head_age_s": 0.0 if head is None else now - head.enqueued_at,
         }
 
     def _tenant_demand(self, now: float) -> dict[str, list[float]]:
@@ -329,44 +375,26 @@ class FlowController:
         others = [v for v in views if v.get("replica") != self.replica]
         state = peers.merge(others)
         state.members = max(members, len(others) + 1)
-        demands = [peers.demand_of(v) for v in others]
-        demands.append(peers.demand_of(self.local_view()))
-        me = self.replica
-        self.policy.set_peers(state, lambda slack: peers.share_of(me, demands, slack))
+        self._peer_demands = [peers.demand_of(v) for v in others]
+        self._peers_at = self.clock.now()
+        self.policy.set_peers(state)
         self.tenants.peers = state.tenants
         self.tenants.split = 1
-        self._split_tenants([*others, self.local_view()], state.members)
+        self._peer_tenant_queues = [(str(v.get("replica", "")), _aged_queues(v)) for v in others]
+        self.tenants.set_peer_claims(peers.tenant_claims(others))
         self.queue.fairness.set_peer_service(state.service)
         self.dispatch()
-
-    def _split_tenants(self, views: Sequence[Mapping[str, Any]], members: int) -> None:
-        """Each limited tenant's remaining room, split between the replicas as node slack
-        is: what the longest-waiting head needs first, the rest by demand."""
-        allowance: dict[str, tuple[float, float]] = {}
-        tenants = {t for v in views for t in (v.get("tenant_queue") or {})}
-        for tenant in tenants:
-            left_tokens, left_requests = self.tenants.remaining(tenant)
-            by_tokens, by_requests = [], []
-            for view in views:
-                entry = (view.get("tenant_queue") or {}).get(tenant)
-                name = str(view.get("replica", ""))
-                count, tokens, head, age = entry if entry else (0.0, 0.0, 0.0, 0.0)
-                by_tokens.append(peers.Demand(name, tokens, head, age))
-                by_requests.append(peers.Demand(name, count, 1.0 if count else 0.0, age))
-            allowance[tenant] = (
-                _part(self.replica, by_tokens, left_tokens, whole=False),
-                _part(self.replica, by_requests, left_requests, whole=True),
-            )
-        self.tenants.set_allowance(allowance, 1.0 / max(1, members))
 
     def set_isolated(self, members: int) -> None:
         """The other replicas cannot be seen: keep to a static `1/members` part of every
         node's room and every tenant's limits until `set_peer_views` is called again."""
         state = peers.PeerState(members=max(1, members), isolated=members > 1)
-        self.policy.set_peers(state, lambda slack: 1.0)
+        self._peer_demands = []
+        self.policy.set_peers(state)
         self.tenants.peers = {}
         self.tenants.split = max(1, members)
-        self.tenants.set_allowance(None, 1.0)
+        self._peer_tenant_queues = []
+        self.tenants.set_peer_claims(None)
         self.queue.fairness.set_peer_service({})
         self.dispatch()
 
@@ -571,6 +599,16 @@ class FlowController:
         notify = waiter.notify
         if notify is not None:
             notify(decision)
+
+
+def _aged_queues(view: Mapping[str, Any]) -> dict[str, list[float]]:
+    """A peer view's per-tenant demand, its heads' ages as of the view's arrival."""
+    age = float(view.get("view_age_s", 0.0))
+    out: dict[str, list[float]] = {}
+    for tenant, entry in (view.get("tenant_queue") or {}).items():
+        count, tokens, head, head_age = (float(x) for x in entry)
+        out[str(tenant)] = [count, tokens, head, head_age + age]
+    return out
 
 
 def _part(me: str, demands: list[peers.Demand], left: float | None, whole: bool) -> float:

@@ -241,10 +241,12 @@ class BasePolicy:
         self._rr = 0
         self._mark_spacing = self.tuning.reflect_margin_s / 3
         self._paces: dict[str, Ewma] = {}  # seconds per token of each node's streams
-        # Other replicas (kvgate.core.peers): their requests, this replica's share of each
-        # node's slack until the next sync, and what it has added since.
+        # Other replicas (kvgate.core.peers): their requests and claims; this replica's
+        # published claim on each node's slack and what it may still add (both spent by
+        # every start until the next sync).
         self.peers = PeerState()
         self._peers_version = 0
+        self._claims: dict[str, float] = {}
         self._allowance: dict[str, float] = {}
         self._envelopes: dict[str, tuple[tuple[int, int], Envelope]] = {}
         self._drain_cache: tuple[int, tuple[str, ...], list[float], list[float]] | None = None
@@ -310,8 +312,8 @@ class BasePolicy:
             for hold in book.holds.values() if book else ():
                 remaining = hold.remaining()
                 ends.append((remaining * step, self._current(hold) + remaining))
-            for remaining, held in () if peers is None else peers.loads:
-                ends.append((remaining * step, held + remaining))  # other replicas' requests
+            for steps, held in () if peers is None else peers.loads:
+                ends.append((steps * step, held + steps))  # other replicas' requests
         ends.sort()
         times = [at for at, _ in ends]
         freed = list(itertools.accumulate(amount for _, amount in ends))
@@ -619,19 +621,36 @@ class BasePolicy:
         sync; None when it is alone (no peers, not isolated)."""
         return self._allowance.get(node_id)
 
-    def set_peers(self, state: PeerState, share: Callable[[float], float]) -> None:
-        """Take the other replicas' state. `share(slack)` is this replica's fraction of a
-        node's slack (its panic ceiling less its planned peak) until the next call; isolated,
-        the node's room is split statically instead (see `kvgate.core.peers`)."""
+    def claim(self, share: Callable[[str, float], float]) -> dict[str, float]:
+        """This replica's claims, to publish now: `share(node, slack)` of each node's slack
+        (its panic ceiling less its planned peak). What it may add before its next sync
+        can only shrink to the claim, since the others plan around the claim from now on."""
+        claims: dict[str, float] = {}
+        for node_id in self.nodes:
+            slack = self.slack(node_id)
+            claims[node_id] = share(node_id, slack) * slack
+            left = self._allowance.get(node_id)
+            if left is not None:
+                self._allowance[node_id] = min(left, claims[node_id])
+        self._claims = claims
+        return {n: round(c, 1) for n, c in claims.items()}
+
+    def set_peers(self, state: PeerState) -> None:
+        """Take the other replicas' state (their holds and claims) from an exchange that
+        published this replica's last `claim()`: until the next one it may add to a node
+        what is left of its claim, and only what the others' claims leave of the slack;
+        isolated, the node's room is split statically instead (see `kvgate.core.peers`)."""
         self.peers = state
         self._peers_version += 1
         self.generation += 1
         self._allowance = {}
         if state.isolated or state.members <= 1:
+            self._claims = {}
             return
         for node_id in self.nodes:
-            slack = self.slack(node_id)
-            self._allowance[node_id] = share(slack) * slack
+            peers = state.nodes.get(node_id)
+            free = self.slack(node_id) - (0.0 if peers is None else peers.claimed)
+            self._allowance[node_id] = max(0.0, min(self._claims.get(node_id, 0.0), free))
 
     def local_holds(self) -> dict[str, list[list[int]]]:
         """This replica's requests per node as `[unreflected, held, remaining]`."""
@@ -748,7 +767,10 @@ class BasePolicy:
             cached[1].add(held, hold.remaining())  # keep the cache: O(n) insert, no re-sort
             self._envelopes[node_id] = ((book.version, self._peers_version), cached[1])
         if node_id in self._allowance:
-            self._allowance[node_id] -= self.footprint(request, expected)
+            footprint = self.footprint(request, expected)
+            self._allowance[node_id] -= footprint
+            if node_id in self._claims:
+                self._claims[node_id] -= footprint
         self._in_flight_tokens += hold.full
         self.generation += 1
         self._refresh_level(node_id)
