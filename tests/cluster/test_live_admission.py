@@ -63,20 +63,10 @@ async def waiting(gw: Replica) -> int:
     return int((await state(gw))["policy"]["queue"]["waiting"])
 
 
-# Known failures of the core's split of the slack between replicas, reproduced tick by tick
-# in test_replica_race.py; timing decides how often they show live, so not strict here.
-CORE_SPLIT = pytest.mark.xfail(
-    strict=False,
-    reason="core (kvgate.core.peers): replicas split the room from views of different"
-    " instants; see test_replica_race.py",
-)
-
-
-@CORE_SPLIT
 async def test_two_replicas_racing_for_the_last_room_one_starts_and_the_other_waits(
     redis: RedisServer, engine_factory: Any
 ) -> None:
-    engine: FakeEngine = await engine_factory()
+    engine: FakeEngine = await engine_factory(kv_from_requests=True)
     async with replicas(2, redis.url, [engine]) as served:
         await synced_again(served, "started")
         assert await wait_for(fresh_everywhere(served), 10.0)
@@ -121,7 +111,6 @@ ADMIN_TOKEN = "admin-token-0123456789"
 TENANT_LIMIT = 4
 
 
-@CORE_SPLIT
 async def test_a_tenants_in_flight_limit_holds_across_three_replicas(
     redis: RedisServer, engine_factory: Any, tmp_path: Path
 ) -> None:
@@ -195,7 +184,7 @@ def _count(statuses: list[int]) -> dict[int, int]:
 async def test_a_sigkilled_replicas_requests_leave_the_others_planning_within_the_bound(
     redis: RedisServer, engine_factory: Any
 ) -> None:
-    engine: FakeEngine = await engine_factory()
+    engine: FakeEngine = await engine_factory(kv_from_requests=True)
     async with replicas(3, redis.url, [engine]) as served:
         await synced_again(served, "started")
         assert await wait_for(fresh_everywhere(served), 10.0)

@@ -5,9 +5,12 @@ live replicas' views (the shell moves them, through Redis: `kvgate.cluster`). Th
 never waits for that exchange; it folds the latest views in when they arrive:
 
 - **Holds.** For every node, each live request of the replica as `[unreflected, held,
-  remaining]`: the tokens the shared sample cannot contain yet, the tokens it holds now,
-  and the steps it still has to run. Other replicas' requests enter a node's envelope like
-  this replica's own, so every replica plans the same peak.
+  remaining, age]`: the tokens the shared sample cannot contain yet, the tokens it holds
+  now, the steps it still has to run, and how long ago it was sent to the engine. Other
+  replicas' requests enter a node's envelope like this replica's own, so every replica
+  plans the same peak. A request's age says what of its unseen tokens a sample most likely
+  holds already (one taken a margin after it was sent: a prefill in progress); like a
+  replica's own, that over-count stays in admission and leaves the predictions.
 - **Claims on the slack.** Between two syncs, replicas cannot see each other's new
   admissions. So each replica, when it publishes its view, *claims* part of every node's
   slack (its ceiling less its planned peak) and, until its next sync, adds requests to a
@@ -49,6 +52,9 @@ class NodePeers:
 
     unreflected: float = 0.0  # tokens their samples cannot contain yet
     claimed: float = 0.0  # what they may still add until their next sync (their claims)
+    # (sent at, on this replica's clock; unreflected tokens) of each request with some
+    # unreflected: what a sample taken a margin after it was sent most likely holds.
+    unseen: list[tuple[float, float]] = field(default_factory=list)
     upper: float = 0.0  # unreflected + every remaining step: nothing ends
     loads: list[tuple[float, float]] = field(default_factory=list)  # (remaining, held)
 
@@ -76,17 +82,20 @@ class Demand:
     head_age_s: float
 
 
-def merge(views: Iterable[Mapping[str, Any]]) -> PeerState:
-    """Other replicas' views folded into one state (shares are set separately)."""
+def merge(views: Iterable[Mapping[str, Any]], now: float) -> PeerState:
+    """Other replicas' views, received at `now`, folded into one state."""
     state = PeerState()
     for view in views:
+        published = now - float(view.get("view_age_s", 0.0))
         for node_id, holds in (view.get("nodes") or {}).items():
             peers = state.nodes.setdefault(str(node_id), NodePeers())
             for entry in holds:
-                unreflected, held, remaining = (float(x) for x in entry)
+                unreflected, held, remaining, age = (float(x) for x in entry)
                 peers.unreflected += unreflected
                 peers.upper += unreflected + remaining
                 peers.loads.append((remaining, held))
+                if unreflected > 0:
+                    peers.unseen.append((published - age, unreflected))
         for node_id, claimed in (view.get("claims") or {}).items():
             state.nodes.setdefault(str(node_id), NodePeers()).claimed += float(claimed)
         for tenant, usage in (view.get("tenants") or {}).items():

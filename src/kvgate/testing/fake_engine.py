@@ -49,6 +49,10 @@ class EngineRequest:
         return len(self.chunk_times)
 
 
+# 1,024 blocks of 16 tokens, as the metrics page's cache_config_info says.
+KV_CAPACITY_TOKENS = 16384
+
+
 @dataclass
 class FakeEngine:
     """A fake engine on 127.0.0.1. Defaults apply when a request's `"fake"` omits them.
@@ -71,6 +75,10 @@ class FakeEngine:
     port: int = 0
     host: str = "127.0.0.1"  # any of 127.0.0.0/8: several engines may share one port
     kv_usage: float = 0.1
+    # Report KV usage as a real engine does: `kv_usage` plus the tokens of the requests it
+    # runs (a token-id prompt counts its ids, a text prompt a token per 4 characters, and
+    # each token event sent), against its 16,384-token cache. Off: `kv_usage` alone.
+    kv_from_requests: bool = False
     metrics_delay: float = 0.0  # seconds before /metrics answers (a busy engine's page)
     metrics_hits: int = 0  # GETs of /metrics (not kept in `requests`)
     tls: ssl.SSLContext | None = None  # a server context: the engine serves HTTPS
@@ -173,8 +181,13 @@ class FakeEngine:
             1 for r in self.requests if r.completed_at is None and r.closed_by_client_at is None
         )
         labels = f'engine="0",model_name="{self.model}"'
+        usage = self.kv_usage
+        if self.kv_from_requests:
+            live = (r for r in self.completions() if r.completed_at is None)
+            held = sum(_tokens(r) for r in live if r.closed_by_client_at is None)
+            usage = min(1.0, usage + held / KV_CAPACITY_TOKENS)
         return (
-            f"vllm:kv_cache_usage_perc{{{labels}}} {self.kv_usage}\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {usage}\n"
             f"vllm:num_requests_running{{{labels}}} {running}\n"
             f"vllm:num_requests_waiting{{{labels}}} 0\n"
             f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="1024"}} 1.0\n'
@@ -268,6 +281,24 @@ class FakeEngine:
         writer.write(b"0\r\n\r\n")
         await writer.drain()
         return False
+
+
+def _tokens(req: EngineRequest) -> int:
+    """The KV tokens a running request holds: its prompt and the tokens sent so far."""
+    try:
+        body = req.json or {}
+    except orjson.JSONDecodeError:
+        return 0
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        count = len(prompt)
+    else:
+        messages = body.get("messages") or []
+        text = str(prompt) + "".join(
+            str(m.get("content", "")) for m in messages if isinstance(m, dict)
+        )
+        count = len(text) // 4
+    return count + req.chunks_sent
 
 
 def _chunk(writer: asyncio.StreamWriter, data: bytes) -> None:

@@ -373,7 +373,7 @@ class FlowController:
     def set_peer_views(self, views: Sequence[Mapping[str, Any]], members: int) -> None:
         """The other live replicas' latest views (`members` counts this one too)."""
         others = [v for v in views if v.get("replica") != self.replica]
-        state = peers.merge(others)
+        state = peers.merge(others, self.clock.now())
         state.members = max(members, len(others) + 1)
         self._peer_demands = [peers.demand_of(v) for v in others]
         self._peers_at = self.clock.now()
@@ -415,6 +415,7 @@ class FlowController:
             "isolated": state.isolated,
             "peer_requests": {n: len(p.loads) for n, p in state.nodes.items()},
             "allowance_tokens": {n: self.policy.allowance(n) for n in self.policy.nodes},
+            "claimed_by_others": {n: p.claimed for n, p in state.nodes.items()},
         }
         return snap
 

@@ -652,16 +652,19 @@ class BasePolicy:
             free = self.slack(node_id) - (0.0 if peers is None else peers.claimed)
             self._allowance[node_id] = max(0.0, min(self._claims.get(node_id, 0.0), free))
 
-    def local_holds(self) -> dict[str, list[list[int]]]:
-        """This replica's requests per node as `[unreflected, held, remaining]`."""
+    def local_holds(self) -> dict[str, list[list[float]]]:
+        """This replica's requests per node as `[unreflected, held, remaining, age]` (age:
+        seconds since the request was sent to the engine)."""
         overhead = self.tuning.reservation_overhead_tokens
-        out: dict[str, list[list[int]]] = {}
+        now = self.clock.now()
+        out: dict[str, list[list[float]]] = {}
         for node_id, book in self._books.items():
             out[node_id] = [
                 [
                     h.prompt + h.tok_cur + overhead - h.reflected,
                     h.prompt + h.tok_cur + overhead,
                     h.remaining(),
+                    round(now - h.ticket.admitted_at, 3),
                 ]
                 for h in book.holds.values()
             ]
@@ -674,7 +677,17 @@ class BasePolicy:
         return max(0.0, self.settings.panic_watermark * node.cap - self.envelope(node).peak())
 
     def unseen_overlap(self, node: NodeState) -> float:
-        """Tokens the node's last sample most likely holds twice for us.
+        """Tokens the node's last sample most likely holds twice: this replica's requests'
+        (`own_overlap`) and the other replicas' (as their views said at the last sync)."""
+        peers = self.peers.nodes.get(node.node_id)
+        own = self.own_overlap(node)
+        if peers is None or not peers.unseen or node.sample is None:
+            return own
+        sent_by = node.sample.sampled_at - self.tuning.reflect_margin_s
+        return own + sum(tokens for sent, tokens in peers.unseen if sent <= sent_by)
+
+    def own_overlap(self, node: NodeState) -> float:
+        """Tokens the node's last sample most likely holds twice for this replica.
 
         A hold counts in full until a sample taken `reflect_margin_s` after its first token
         confirms its prompt; a long prompt's prefill can take seconds, during which the
