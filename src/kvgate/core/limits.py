@@ -3,29 +3,31 @@
 Admission plans each node's future peak from the requests it placed there (the envelope).
 The plan can be wrong in one dangerous direction: the engine holds more than planned,
 because requests ran longer than their learned length, prompts were under-estimated, or
-traffic reached the engine without passing through this gateway. The engine then says so in
-its measured usage, which should never pass the panic watermark if the plan was right.
+traffic reached the engine without passing through this gateway. A sample then shows more
+than the peak that was planned for the node just before it: if the plan were right, what
+the engine holds now could not exceed the highest it was planned to hold.
 
 `MarginController` turns that evidence into a margin subtracted from the node's ceilings for
 non-critical work. It is a PI loop with a one-sided error and a leaky integral:
 
-    e      = measured usage - panic watermark         (only e > 0 is evidence)
+    e      = measured usage - target      target = min(planned peak + tolerance, panic)
     I     += KI * e * dt                              while e > 0
     I     *= 2 ** (-dt / HALFLIFE_S)                  while e <= 0 (the evidence ages)
-    margin = clamp(KP * e + I, 0, span)               span = panic - high watermark
+    margin = clamp(KP * e + I, 0, span)
 
-While the plan holds, the loop stays at zero and costs nothing. An overshoot lowers the
+While the plan holds, the loop stays at zero and costs nothing. An excess lowers the
 ceilings at once (P) and, if it persists, further (I), so the node takes less new work until
-it is back below the watermark; then the margin fades over a few half-lives. The gains are
+it is back within the plan; then the margin fades over a few half-lives. The gains are
 fixed: the error is a fraction of capacity and the output the same unit, so `KP = 1` means
-"hold back as much as the node overshot", and `KI` doubles that within half a second of a
-sustained overshoot.
+"hold back as much as the plan missed", and `KI` doubles that within a quarter of a second
+of a sustained excess. The feedback acts after the fact: it cannot undo what an
+under-estimated burst already placed (`benchmarks/controller_choice/results.md`).
 """
 
 from __future__ import annotations
 
 KP = 1.0
-KI = 2.0
+KI = 4.0
 HALFLIFE_S = 5.0
 MAX_DT_S = 1.0
 

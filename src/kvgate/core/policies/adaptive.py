@@ -21,11 +21,12 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    one's turn without delaying it (backfill).
 
 3. **Feedback keeps the margin honest** (`limits.MarginController`, one per node). The
-   envelope assumes it knows every request on the node and how long each will run. When
-   the measured usage climbs past the ceiling anyway (requests that run longer than
-   learned, traffic that bypasses the gateway), the controller lowers the node's ceiling
-   for non-critical work by a margin that grows while the overshoot lasts and decays once
-   it is gone.
+   envelope assumes it knows every request on the node and how long each will run. When a
+   sample shows the engine holding more than the peak planned for it just before (prompts
+   larger than estimated, requests that run longer than learned, traffic that bypasses the
+   gateway), the controller lowers the node's ceiling for non-critical work by a margin
+   that grows while the excess lasts and decays once it is gone, down to half the high
+   watermark at most.
 
 Refusals (`Reject.reason`, also the `X-Kvgate-Reason` header); the flow controller turns the
 waitable ones into a wait when the request's bound allows:
@@ -61,6 +62,11 @@ from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest, Priority
 from kvgate.core.settings import AdmissionSettings
 
+# The margin lowers a ceiling to this fraction of the high watermark at most.
+CEILING_FLOOR = 0.5
+# A sample may exceed the planned peak by this fraction of capacity before it counts as
+# evidence (KV block rounding, a gauge's own jitter).
+PLAN_TOLERANCE = 0.03
 # Candidate lists and request sizes whose refusals are remembered between two changes.
 _MEMO_KEYS = 256
 _MEMO_SIZES = 8
@@ -93,6 +99,7 @@ class AdaptivePolicy(BasePolicy):
         super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
         self.feedback = feedback
         self.margins: dict[str, MarginController] = {}
+        self._planned: dict[str, float] = {}  # each node's planned peak before its sample
         # Per (priority, candidates): (generation, valid until, [(held, expected, refusal)]).
         self._refusals: dict[
             tuple[Priority, tuple[str, ...]], tuple[int, float, list[tuple[int, int, Reject]]]
@@ -112,7 +119,7 @@ class AdaptivePolicy(BasePolicy):
         margin = self.margins.get(node.node_id)
         if margin is None or margin.margin <= 0:
             return static
-        return max(s.high_watermark * 0.5, static - margin.margin)
+        return max(s.high_watermark * CEILING_FLOOR, static - margin.margin)
 
     # --- decision -----------------------------------------------------------------------------
 
@@ -407,6 +414,10 @@ class AdaptivePolicy(BasePolicy):
 
     # --- feedback -------------------------------------------------------------------------------
 
+    def _before_observe(self, node: NodeState) -> None:
+        if self.feedback and node.cap and node.sample is not None:
+            self._planned[node.node_id] = self.envelope(node).peak() / node.cap
+
     def _on_observe(self, now: float, node: NodeState) -> None:
         if not self.feedback:
             return
@@ -414,11 +425,14 @@ class AdaptivePolicy(BasePolicy):
         if sample is None or sample.kv_usage is None or node.cap is None:
             return
         margin = self.margins.get(node.node_id)
+        panic = self.settings.panic_watermark
         if margin is None:
-            margin = self.margins[node.node_id] = MarginController(
-                self.settings.panic_watermark - self.settings.high_watermark
-            )
-        margin.update(now, sample.kv_usage, self.settings.panic_watermark)
+            floor = self.settings.high_watermark * CEILING_FLOOR
+            margin = self.margins[node.node_id] = MarginController(panic - floor)
+        # Evidence that the plan is wrong: the engine holds more than the peak that was
+        # planned for it (never judged above the panic watermark).
+        planned = self._planned.pop(node.node_id, panic) + PLAN_TOLERANCE
+        margin.update(now, sample.kv_usage, min(panic, planned))
 
     def remove_node(self, node_id: str) -> None:
         super().remove_node(node_id)

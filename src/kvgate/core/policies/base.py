@@ -423,6 +423,7 @@ class BasePolicy:
         node = self.nodes.get(node_id)
         if node is None:
             node = self.nodes[node_id] = NodeState(node_id)
+        self._before_observe(node)
         if not node.accept(sample, now, self.settings):
             return
         self.generation += 1
@@ -475,6 +476,9 @@ class BasePolicy:
         promised: Mapping[str, float],
     ) -> str | Reject:
         raise NotImplementedError
+
+    def _before_observe(self, node: NodeState) -> None:
+        """Called before a new sample of the node is taken (the last plan still stands)."""
 
     def _on_observe(self, now: float, node: NodeState) -> None:
         """Called after a new sample was accepted and reflected."""
