@@ -8,13 +8,13 @@ with the gateway's own counters. The histogram arithmetic is checked by hand.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from gateway.helpers import until_ready
 
 from kvgate.bench.gateway_queue import WaitHistogram, queue_summary, wait_histogram
 from kvgate.bench.live import LiveTarget, run_live
@@ -36,21 +36,12 @@ PROMPT_TOKENS = 3000
 OUTPUT_TOKENS = 50
 
 
-async def _ready(url: str) -> None:
-    """Until /readyz answers 200: the gateway has a fresh sample of the engine."""
-    async with httpx.AsyncClient(base_url=url) as client:
-        for _ in range(200):
-            if (await client.get("/readyz")).status_code == 200:
-                return
-            await asyncio.sleep(0.05)
-    raise AssertionError("the gateway never had a fresh sample of the engine")
-
-
 async def test_a_live_run_through_kvgate_reports_its_queue(gateway_factory: Any) -> None:
     engine = await FakeEngine(chunks=OUTPUT_TOKENS, interval=0.01).start()
     try:
         gw = await gateway_factory([engine.url], overrides={"admission.policy": "adaptive"})
-        await _ready(gw.url)
+        async with httpx.AsyncClient(base_url=gw.url) as client:
+            assert await until_ready(client), "the gateway never had a fresh sample"
         arrivals = [
             Arrival(f"u{i}", 0.0, "long", PROMPT_TOKENS, OUTPUT_TOKENS) for i in range(BURST)
         ]
