@@ -74,9 +74,10 @@ def _assert_impatient_refused_with_a_prediction(result: QueuedBurst) -> None:
     assert len(impatient) >= 3, summary
     for outcome in impatient:
         _assert_a_429_to_retry(outcome, summary)
-    # Refused at once: each before the quickest of the burst was served.
-    fastest_served = min(o.latency_s for o in result.burst.outcomes)
-    assert max(o.latency_s for o in impatient) < fastest_served, summary
+    # Refused at once, not held: each answered sooner than the burst's median request was
+    # served (milliseconds against seconds; the median leaves room for a stalled machine).
+    served = result.burst.median_admitted_latency()
+    assert max(o.latency_s for o in impatient) < served, summary
     # Retry-After is a prediction, not the clamp.
     clamp = DEFAULTS.retry_after_max_s
     assert min(float(o.retry_after_ms or "nan") for o in impatient) < clamp * 1000, summary
