@@ -11,7 +11,6 @@ sockets.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,12 +18,11 @@ import httpx
 
 from gateway.helpers import openai_error, until_ready
 from kvgate.core.settings import AdmissionSettings
-from kvgate.testing import FakeEngine, eventually
+from kvgate.testing import eventually
 
 # The fake engine holds 16,384 KV tokens, 10% of them used by others: under the 0.92 panic
 # watermark there is room for 4 requests of 3,000 prompt + 200 output tokens (+ 16 of
 # rounding). Each streams 200 tokens 10 ms apart, so the first room frees after ~2 s.
-CAPACITY = 16_384
 BASE_USAGE = 0.1
 PROMPT = list(range(100, 3100))  # token ids: counted exactly
 OUTPUT_TOKENS = 200
@@ -41,20 +39,6 @@ BODY = {
 }
 
 
-async def _gauge_follows_the_work(engine: FakeEngine) -> None:
-    """Make the fake engine's KV gauge show the requests it serves (their prompts and the
-    tokens sent so far), as a real engine's does, until cancelled."""
-    while True:
-        running = [
-            r
-            for r in engine.completions()
-            if r.completed_at is None and r.closed_by_client_at is None
-        ]
-        held = sum(len(PROMPT) + r.chunks_sent for r in running)
-        engine.kv_usage = BASE_USAGE + held / CAPACITY
-        await asyncio.sleep(0.005)
-
-
 async def _send(client: httpx.AsyncClient, headers: dict[str, str]) -> tuple[httpx.Response, float]:
     """One streamed request read to its end; (response, seconds it took)."""
     started = asyncio.get_running_loop().time()
@@ -64,20 +48,11 @@ async def _send(client: httpx.AsyncClient, headers: dict[str, str]) -> tuple[htt
 
 
 async def test_a_burst_at_start_is_told_when_the_running_work_ends(
-    fake_engine: FakeEngine, gateway_factory: Any
+    engine_factory: Any, gateway_factory: Any
 ) -> None:
-    fake_engine.kv_usage = BASE_USAGE
-    gauge = asyncio.create_task(_gauge_follows_the_work(fake_engine))
-    try:
-        await _burst_at_start(fake_engine, gateway_factory)
-    finally:
-        gauge.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await gauge
-
-
-async def _burst_at_start(fake_engine: FakeEngine, gateway_factory: Any) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides={"admission.policy": "adaptive"})
+    # The engine's KV gauge shows the requests it runs, as a real engine's does.
+    engine = await engine_factory(kv_usage=BASE_USAGE, kv_from_requests=True)
+    gw = await gateway_factory([engine.url], overrides={"admission.policy": "adaptive"})
     counts = gw.gateway.admission.counts
     limits = httpx.Limits(max_connections=BURST + PATIENT)
     async with httpx.AsyncClient(base_url=gw.url, timeout=30, limits=limits) as client:
@@ -94,11 +69,9 @@ async def _burst_at_start(fake_engine: FakeEngine, gateway_factory: Any) -> None
         # engine's own. A sample taken less than kvgate's reflection margin (0.1 s) after a
         # request started holds it twice for kvgate (in the engine's gauge and as its
         # hold), and until a later one the node looks as if a newcomer could never fit.
-        assert await eventually(
-            lambda: all(r.chunks_sent >= 20 for r in fake_engine.completions()), 5.0
-        )
-        scrapes = fake_engine.metrics_hits
-        assert await eventually(lambda: fake_engine.metrics_hits >= scrapes + 2, 5.0)
+        assert await eventually(lambda: all(r.chunks_sent >= 20 for r in engine.completions()), 5.0)
+        scrapes = engine.metrics_hits
+        assert await eventually(lambda: engine.metrics_hits >= scrapes + 2, 5.0)
         patient = [asyncio.create_task(_send(client, {})) for _ in range(PATIENT)]
         answered = await asyncio.gather(*burst)
         waited = await asyncio.gather(*patient)
