@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -20,6 +21,7 @@ from real_engine.engine import (
     EngineMetrics,
     MetricsRecorder,
     exact_prompt,
+    poll,
     poll_until,
     read_metrics,
     watch_until,
@@ -36,6 +38,11 @@ class Outcome:
     latency_s: float
     retry_after: str | None
     completion_tokens: int | None
+    # Of a refusal: `X-Kvgate-Reason`, `retry-after-ms` and the body's `error` object
+    # (None when the body was not JSON with one).
+    reason: str | None = None
+    retry_after_ms: str | None = None
+    error: dict[str, Any] | None = None
 
 
 @dataclass
@@ -78,14 +85,32 @@ class BurstResult:
         return text + f", wall {self.wall_s:.1f} s"
 
 
-async def _one_completion(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> Outcome:
+async def _one_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, object],
+    headers: dict[str, str] | None = None,
+) -> Outcome:
     started = time.monotonic()
-    response = await client.post(url + "/v1/completions", json=body)
+    response = await client.post(url + "/v1/completions", json=body, headers=headers)
     latency = time.monotonic() - started
-    tokens = None
     if response.status_code == 200:
         tokens = int(response.json()["usage"]["completion_tokens"])
-    return Outcome(response.status_code, latency, response.headers.get("retry-after"), tokens)
+        return Outcome(200, latency, None, tokens)
+    error = None
+    with contextlib.suppress(ValueError):
+        data = response.json()
+        found = data.get("error") if isinstance(data, dict) else None
+        error = found if isinstance(found, dict) else None
+    return Outcome(
+        response.status_code,
+        latency,
+        response.headers.get("retry-after"),
+        None,
+        response.headers.get("x-kvgate-reason"),
+        response.headers.get("retry-after-ms"),
+        error,
+    )
 
 
 def _any_page(_: EngineMetrics) -> bool:
@@ -121,6 +146,114 @@ async def burst(
     return BurstResult(
         list(outcomes), recorder.samples, after.preemptions_total - before.preemptions_total, wall
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Overload through kvgate's queue
+# ---------------------------------------------------------------------------------------
+
+NO_WAIT = {"X-Kvgate-Max-Wait-Ms": "0"}  # a client that wants a decision at once
+IMPATIENT_GAP_S = 1.0  # between two impatient clients, so they meet different queue states
+
+
+@dataclass
+class QueuedBurst:
+    """An overload burst through kvgate, and impatient clients sent while it waited."""
+
+    burst: BurstResult  # the patient requests (no header) and the engine's pages meanwhile
+    impatient: list[Outcome]  # `X-Kvgate-Max-Wait-Ms: 0`, each sent while others waited
+    waiting_seen: list[int]  # kvgate's queue length just before each impatient client
+    queue: dict[str, Any]  # kvgate's `policy.queue` from /admin/state after the burst
+
+    def summary(self) -> str:
+        counters = self.queue.get("counters") or {}
+        waited = int(counters.get("admitted_after_wait", 0))
+        mean = float(self.queue.get("wait_total_s", 0.0)) / waited if waited else 0.0
+        statuses = sorted(o.status for o in self.impatient)
+        return (
+            f"{self.burst.summary()}; kvgate queued {int(counters.get('queued', 0))},"
+            f" started after waiting {waited} (mean wait {mean:.1f} s);"
+            f" impatient clients {statuses} with Retry-After"
+            f" {[o.retry_after for o in self.impatient]} while {self.waiting_seen} waited"
+        )
+
+
+async def kvgate_queue(client: httpx.AsyncClient, gateway_url: str) -> dict[str, Any]:
+    """kvgate's queue as /admin/state shows it (`policy.queue`)."""
+    response = await client.get(gateway_url + "/admin/state")
+    response.raise_for_status()
+    queue = response.json()["policy"]["queue"]
+    assert isinstance(queue, dict), queue
+    return queue
+
+
+async def queued_burst(
+    gateway_url: str,
+    engine_url: str,
+    prompt: str,
+    n: int,
+    max_tokens: int,
+    impatient: int,
+    timeout_s: float = 110.0,
+) -> QueuedBurst:
+    """`n` identical long requests at once through kvgate; once its queue holds half of
+    them, up to `impatient` more that will not wait, one every IMPATIENT_GAP_S while the
+    queue is not empty. The engine's metrics page is recorded throughout."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
+    async with httpx.AsyncClient(timeout=10.0) as probe:
+        before = await poll_until(probe, engine_url, _any_page, timeout_s=60.0)
+    async with (
+        httpx.AsyncClient(timeout=timeout_s, limits=limits) as client,
+        httpx.AsyncClient(timeout=10.0) as admin,
+    ):
+        started = time.monotonic()
+        async with MetricsRecorder(engine_url) as recorder:
+            patient = [
+                asyncio.create_task(_one_completion(client, gateway_url, body)) for _ in range(n)
+            ]
+            try:
+                # Half the burst waiting in kvgate (or a request already answered: the
+                # assertions then say what went wrong).
+                await poll(
+                    lambda: kvgate_queue(admin, gateway_url),
+                    lambda q: int(q["waiting"]) >= n // 2 or any(t.done() for t in patient),
+                    timeout_s=30.0,
+                )
+                refused, seen = await _impatient(client, admin, gateway_url, body, impatient)
+                outcomes = await asyncio.wait_for(asyncio.gather(*patient), timeout_s)
+            finally:
+                for task in patient:
+                    task.cancel()
+                await asyncio.gather(*patient, return_exceptions=True)
+        wall = time.monotonic() - started
+        queue = await kvgate_queue(admin, gateway_url)
+    async with httpx.AsyncClient(timeout=10.0) as probe:
+        after = await poll_until(probe, engine_url, _any_page, timeout_s=60.0)
+    preempted = after.preemptions_total - before.preemptions_total
+    result = BurstResult(list(outcomes), recorder.samples, preempted, wall)
+    return QueuedBurst(result, refused, seen, queue)
+
+
+async def _impatient(
+    client: httpx.AsyncClient,
+    admin: httpx.AsyncClient,
+    gateway_url: str,
+    body: dict[str, object],
+    count: int,
+) -> tuple[list[Outcome], list[int]]:
+    """Send up to `count` requests with `X-Kvgate-Max-Wait-Ms: 0`, each only while
+    kvgate's queue holds others (a request that arrives behind waiters may not pass them)."""
+    outcomes: list[Outcome] = []
+    seen: list[int] = []
+    for _ in range(count):
+        waiting = int((await kvgate_queue(admin, gateway_url))["waiting"])
+        if not waiting:
+            break
+        seen.append(waiting)
+        outcomes.append(await _one_completion(client, gateway_url, body, NO_WAIT))
+        await asyncio.sleep(IMPATIENT_GAP_S)
+    return outcomes, seen
 
 
 # ---------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import aiohttp
 import numpy as np
 import orjson
 
+from kvgate.bench.gateway_queue import WaitHistogram, queue_summary, wait_histogram, waiting_now
 from kvgate.bench.metrics import (
     ERROR,
     OK,
@@ -62,7 +63,7 @@ COUNTERS = (
     "sim:recomputed_tokens_total",
 )
 # The gateway's own view, polled beside the engines' (see `_gateway_view`).
-GATEWAY_SERIES = ("gw_blocked", "gw_thrashing", "gw_reserved", "gw_budget", "gw_iter_s")
+GATEWAY_SERIES = ("queued", "gw_blocked", "gw_thrashing", "gw_reserved", "gw_peak", "gw_iter_s")
 
 
 @dataclass
@@ -73,7 +74,7 @@ class LiveTarget:
     engines: list[str]  # engine base URLs, for their metrics pages
     model: str
     zombie_from_counter: bool = True  # False: estimate zombies as generated - delivered
-    gateway: str | None = None  # polled at /admin/state for the shed probability
+    gateway: str | None = None  # polled at /admin/state and /metrics for its queue
 
 
 @dataclass
@@ -325,7 +326,6 @@ async def _poll_engines(
         series["waiting"].append(sum(p.get("vllm:num_requests_waiting", 0.0) for p in pages))
         series["preemptions"].append(0.0 if last_pre is None else pre - last_pre)
         view = await _gateway_view(session, target.gateway)
-        series["shed_prob"].append(view.get("shed_prob", 0.0))
         for key in GATEWAY_SERIES:
             series.setdefault(key, []).append(view.get(key, math.nan))
         last_pre = pre
@@ -348,18 +348,17 @@ async def _admin_state(
 
 
 async def _gateway_view(session: aiohttp.ClientSession, gateway: str | None) -> dict[str, float]:
-    """The gateway's view: shed probability for standard traffic, and its busiest node's
-    predicted KV usage, controller budget and state (1 = refusing everything: thrashing,
-    stale or at panic). Empty without a gateway; NaN when the gateway did not answer."""
+    """The gateway's view: requests waiting in its queue (`queued`), and over its nodes
+    whether any refuses everything (thrashing, stale or at panic), the tokens it holds on
+    them, the highest planned peak (0-1) and the slowest iteration. Empty without a
+    gateway; every key NaN when the gateway did not answer."""
     if gateway is None:
         return {}
     state = await _admin_state(session, gateway, 2.0)
     if state is None:
-        return {"shed_prob": math.nan}
+        return {}
+    out = {"queued": waiting_now(state)}
     policy = state.get("policy") or {}
-    ctrl = policy.get("controller") or {}
-    prob = ctrl.get("shed_probability")
-    out = {"shed_prob": float(prob.get("standard") or 0.0) if isinstance(prob, dict) else 0.0}
     nodes = [n for n in (policy.get("nodes") or {}).values() if isinstance(n, dict)]
     if nodes:
         out["gw_blocked"] = float(
@@ -367,11 +366,29 @@ async def _gateway_view(session: aiohttp.ClientSession, gateway: str | None) -> 
         )
         out["gw_thrashing"] = float(any(n.get("state") == "thrashing" for n in nodes))
         out["gw_reserved"] = float(sum(n.get("reserved_tokens") or 0.0 for n in nodes))
-        budgets = [b for n in nodes if (b := n.get("budget_tokens")) is not None]
-        out["gw_budget"] = float(sum(budgets)) if budgets else math.nan
+        peaks = [float(p) for n in nodes if isinstance(p := n.get("peak_usage"), int | float)]
+        out["gw_peak"] = max(peaks, default=math.nan)
         iters = [(n.get("sample") or {}).get("iteration_latency_s") for n in nodes]
         out["gw_iter_s"] = max((float(x) for x in iters if x is not None), default=math.nan)
     return out
+
+
+async def _queue_marks(
+    session: aiohttp.ClientSession, gateway: str | None
+) -> tuple[dict[str, Any] | None, WaitHistogram]:
+    """The gateway's state and its queue-wait histogram, read once (None and empty when
+    there is no gateway or it did not answer)."""
+    if gateway is None:
+        return None, WaitHistogram()
+    state = await _admin_state(session, gateway, 5.0)
+    try:
+        async with session.get(
+            gateway + "/metrics", timeout=aiohttp.ClientTimeout(total=5.0)
+        ) as resp:
+            waits = wait_histogram(await resp.text())
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        waits = WaitHistogram()
+    return state, waits
 
 
 async def _scrape(session: aiohttp.ClientSession, engine: str) -> dict[str, float]:
@@ -406,13 +423,13 @@ async def run_live(
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=conn) as session:
         before = await asyncio.gather(*(_scrape(session, e) for e in target.engines))
+        marks_before = await _queue_marks(session, target.gateway)
         shared = _Shared(time.monotonic(), retry_rng=np.random.default_rng([seed, 7]))
         stop_at = duration_s + drain
         series: dict[str, list[float]] = {
             k: [] for k in ("t", "kv_usage_max", "kv_usage_mean", "running", "waiting")
         }
         series["preemptions"] = []
-        series["shed_prob"] = []
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_engines(session, target, shared, step_s, series, stop))
         users = [
@@ -433,7 +450,8 @@ async def run_live(
         await poller
         await asyncio.sleep(1.0)  # let aborted requests leave the engines' counters
         after = await asyncio.gather(*(_scrape(session, e) for e in target.engines))
-        relay = await _relay_counters(session, target.gateway)
+        marks_after = await _queue_marks(session, target.gateway)
+    relay = _relay_counters(marks_after[0])
     deltas = {
         n: sum(a.get(n, 0.0) - b.get(n, 0.0) for a, b in zip(after, before, strict=True))
         for n in COUNTERS
@@ -456,6 +474,7 @@ async def run_live(
             "delivered_tokens": shared.delivered,
             "engine_counters": deltas,
             "refusals_by_reason": dict(shared.refusals),
+            **_queue_extra(target, series, marks_before, marks_after),
             **({} if account is None else {"zombie_account": account}),
             "notes": [
                 f"{policy} @ {load:g}x: machine load average {load_before:.1f} before, "
@@ -467,11 +486,24 @@ async def run_live(
     )
 
 
-async def _relay_counters(session: aiohttp.ClientSession, gateway: str | None) -> dict[str, int]:
-    """The gateway's count of streams whose client left (`kvgate_client_gone_*`), if any."""
-    if gateway is None:
+def _queue_extra(
+    target: LiveTarget,
+    series: dict[str, list[float]],
+    before: tuple[dict[str, Any] | None, WaitHistogram],
+    after: tuple[dict[str, Any] | None, WaitHistogram],
+) -> dict[str, dict[str, float]]:
+    """`gateway_queue` (see `kvgate.bench.gateway_queue`) for a run through a gateway, from
+    its (state, wait histogram) read before and after the run."""
+    if target.gateway is None:
         return {}
-    state = await _admin_state(session, gateway, 5.0)
+    waiting = [w for w in series.get("queued", ()) if not math.isnan(w)]
+    peak = max(waiting, default=math.nan)
+    waits = after[1].since(before[1])
+    return {"gateway_queue": queue_summary(before[0], after[0], waits, peak)}
+
+
+def _relay_counters(state: dict[str, Any] | None) -> dict[str, int]:
+    """The gateway's count of streams whose client left (`kvgate_client_gone_*`), if any."""
     if state is None:
         return {}
     counters = state.get("gateway") or {}

@@ -164,6 +164,35 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "retry_after_p50_s": _pct(retry_afters, 50),
         "retry_after_max_s": max(retry_afters) if retry_afters else math.nan,
         "recovery_s": recovery_time(run),
+        **{f"queue_{key}": value for key, value in queue_figures(run).items()},
+    }
+
+
+QUEUE_KEYS = ("peak_waiting", "queued", "started_after_wait", "wait_mean_s", "wait_p90_s")
+
+
+def queue_figures(run: RunResult) -> dict[str, float]:
+    """The gateway's queue over the whole run (`QUEUE_KEYS`; NaN where unknown).
+
+    A live run through kvgate carries the gateway's own account (`extra["gateway_queue"]`,
+    see `kvgate.bench.gateway_queue`: its waits are every wait, however it ended). A virtual
+    run knows each started request's wait exactly (`Attempt.waited_s`) and how many waited
+    at each step (the `queued` series), not how many joined the queue in all. A run with
+    neither (straight to the engines, live) has no figures.
+    """
+    told = run.extra.get("gateway_queue")
+    if isinstance(told, dict):
+        return {key: float(told.get(key, math.nan)) for key in QUEUE_KEYS}
+    waiting = [w for w in run.series.get("queued", ()) if not math.isnan(w)]
+    waits = [a.waited_s for r in run.requests for a in r.attempts if a.waited_s > 0]
+    if not waiting and not waits:
+        return dict.fromkeys(QUEUE_KEYS, math.nan)
+    return {
+        "peak_waiting": max(waiting, default=math.nan),
+        "queued": math.nan,
+        "started_after_wait": float(len(waits)),
+        "wait_mean_s": float(np.mean(waits)) if waits else math.nan,
+        "wait_p90_s": _pct(waits, 90),
     }
 
 

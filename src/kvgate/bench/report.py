@@ -114,15 +114,50 @@ def _policy_order(name: str) -> int:
     return _ORDER.index(name) if name in _ORDER else len(_ORDER)
 
 
-def summary_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The Markdown summary table (one row per load and policy)."""
-    head = ["load", "policy", *[h for _, h, _ in COLUMNS]]
+# Columns of the queue table (`metrics.queue_figures`, prefixed `queue_` in a row).
+QUEUE_COLUMNS: list[tuple[str, str, str]] = [
+    ("queue_peak_waiting", "most waiting", "{:,.0f}"),
+    ("queue_queued", "queued", "{:,.0f}"),
+    ("queue_started_after_wait", "started after waiting", "{:,.0f}"),
+    ("queue_wait_mean_s", "mean wait s", "{:.2f}"),
+    ("queue_wait_p90_s", "p90 wait s", "{:.2f}"),
+]
+
+
+def summary_table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]] = COLUMNS
+) -> str:
+    """A Markdown table with one row per load and policy (the summary by default)."""
+    head = ["load", "policy", *[h for _, h, _ in columns]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [f"{row['load']:g}x", f"`{row['policy']}`"]
-        cells += [_fmt(row.get(k), spec) for k, _, spec in COLUMNS]
+        cells += [_fmt(row.get(k), spec) for k, _, spec in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def queue_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The report's section on the gateway's queue: the rows of runs that had one."""
+    queued = [r for r in rows if _known(r.get("queue_peak_waiting"))]
+    if not queued:
+        return []
+    return [
+        "## The gateway's queue",
+        "",
+        "Requests that could not start at once and waited in kvgate for room (mean over"
+        " seeds). Live runs: kvgate's own counters and its `kvgate_queue_wait_seconds`"
+        " histogram (every wait however it ended; p90 interpolated within its bucket)."
+        " Virtual runs: the waits of the requests that started (how many joined the queue"
+        " in all is not recorded).",
+        "",
+        summary_table(queued, QUEUE_COLUMNS),
+        "",
+    ]
+
+
+def _known(value: Any) -> bool:
+    return isinstance(value, int | float) and not math.isnan(value)
 
 
 def check_bar(rows: Sequence[dict[str, Any]], load: float) -> list[str]:
@@ -187,7 +222,7 @@ def plot_timeseries(runs: dict[str, RunResult], path: Path, title: str) -> Path:
         ("waiting", "waiting (all nodes)"),
         ("admitted_s", "admitted /s"),
         ("rejected_s", "rejected (429) /s"),
-        ("shed_prob", "shed probability"),
+        ("queued", "waiting in kvgate"),
         ("goodput_tok_s", "goodput tok/s (5 s avg)"),
         ("ttft_p99_s", "TTFT p99 s (admitted)"),
     ]
@@ -221,7 +256,7 @@ def _series_for_plot(run: RunResult) -> dict[str, np.ndarray]:
     if "t" in s:
         t = np.asarray(s["t"], dtype=float)
         step = float(t[1] - t[0]) if len(t) > 1 else 1.0
-        for key in ("kv_usage_max", "kv_usage_mean", "running", "waiting", "shed_prob"):
+        for key in ("kv_usage_max", "kv_usage_mean", "running", "waiting", "queued"):
             if key in s:
                 out[key], out["t_" + key] = np.asarray(s[key], dtype=float), t
         for key in ("admitted", "rejected"):
@@ -309,6 +344,7 @@ def write_report(
     if meta.focus_load in loads:
         lines += [f"## The bar, at {meta.focus_load:g}x", "", *check_bar(rows, meta.focus_load), ""]
     lines += ["## Summary", "", summary_table(rows), ""]
+    lines += queue_lines(rows)
     lines += [f"![goodput against load]({head.name})", ""]
     if meta.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in meta.notes], ""]
