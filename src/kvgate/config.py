@@ -74,6 +74,10 @@ class KvgateConfig(BaseSettings):
 #: Keys whose values an error message never repeats.
 _SECRET = re.compile(r"key|token|password", re.IGNORECASE)
 
+#: Keys that are not settings, with what to write instead: a configuration that still
+#: names one is told where its value belongs, not only that the key is unknown.
+RETIRED: dict[str, str] = {}
+
 
 class ConfigError(ValueError):
     """The configuration cannot be used; the message says where and why."""
@@ -99,6 +103,8 @@ def describe(exc: ValidationError) -> str:
     for error in exc.errors(include_url=False):
         key = ".".join(str(part) for part in error["loc"]) or "configuration"
         message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden" and key in RETIRED:
+            message = f"not a setting: {RETIRED[key]}"
         value = error.get("input")
         shown = not (isinstance(value, dict | list) or value is None or _SECRET.search(key))
         got = f" (got {value!r})" if shown and repr(value) not in message else ""

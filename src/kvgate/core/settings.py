@@ -56,15 +56,14 @@ class Tuning:
 
 
 class BaselineSettings(BaseModel):
-    """Parameters of the baseline policies (benchmarks only)."""
+    """Parameters of the baseline policies the benchmark compares kvgate with: `qps` and
+    `burst` of `static-qps`'s token bucket, `concurrency` of `static-concurrency`."""
 
     model_config = ConfigDict(extra="forbid")
 
-    qps: float = Field(50.0, gt=0, description="`static-qps`: token-bucket rate (requests/s).")
-    burst: int = Field(50, gt=0, description="`static-qps`: token-bucket depth.")
-    concurrency: int = Field(
-        32, gt=0, description="`static-concurrency`: requests in flight at most."
-    )
+    qps: float = Field(50.0, gt=0)  # requests per second
+    burst: int = Field(50, gt=0)  # the bucket's depth
+    concurrency: int = Field(32, gt=0)  # requests in flight at most
 
 
 class AdmissionSettings(BaseModel):
@@ -114,7 +113,12 @@ class AdmissionSettings(BaseModel):
         default_factory=dict,
         description="Model name -> tokenizer.json path, for exact prompt token counts.",
     )
-    baseline: BaselineSettings = Field(default_factory=BaselineSettings)
+    baseline: BaselineSettings = Field(
+        default_factory=BaselineSettings,
+        description="Only for the baseline policies the benchmark compares with (not"
+        " protection): `static-qps`'s token bucket (`qps` requests/s, `burst` deep) and"
+        " `static-concurrency`'s cap (`concurrency` requests in flight).",
+    )
 
     _tuning: Tuning = PrivateAttr(default_factory=Tuning)
 

@@ -19,7 +19,7 @@ from kvgate.core.settings import AdmissionSettings
 
 
 class StaticQpsPolicy(BasePolicy):
-    """A token bucket: `static_qps` requests per second, bursts up to `static_burst`."""
+    """A token bucket: `baseline.qps` requests per second, bursts up to `baseline.burst`."""
 
     name = "static-qps"
 
@@ -66,7 +66,7 @@ class StaticQpsPolicy(BasePolicy):
 
 
 class StaticConcurrencyPolicy(BasePolicy):
-    """At most `static_concurrency` requests in flight through this gateway."""
+    """At most `baseline.concurrency` requests in flight through this gateway."""
 
     name = "static-concurrency"
 
