@@ -76,7 +76,10 @@ _SECRET = re.compile(r"key|token|password", re.IGNORECASE)
 
 #: Keys that are not settings, with what to write instead: a configuration that still
 #: names one is told where its value belongs, not only that the key is unknown.
-RETIRED: dict[str, str] = {}
+RETIRED: dict[str, str] = {
+    "admission.seed": "a gateway seeds its randomness from the OS; the simulator and the"
+    " benchmarks pass their own seed",
+}
 
 
 class ConfigError(ValueError):

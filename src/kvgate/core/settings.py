@@ -108,7 +108,6 @@ class AdmissionSettings(BaseModel):
         1024, gt=0, description="Output cap assumed (and sent upstream) when a request has none."
     )
     retry_after_max_s: float = Field(30.0, ge=1, description="Upper clamp of Retry-After.")
-    seed: int | None = Field(None, description="PRNG seed for routing and jitter (None: random).")
     tokenizers: dict[str, str] = Field(
         default_factory=dict,
         description="Model name -> tokenizer.json path, for exact prompt token counts.",

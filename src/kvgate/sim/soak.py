@@ -148,7 +148,7 @@ def _gateway_config(nodes: list[ChaosNode]) -> dict[str, Any]:
         "backends": [{"url": n.url, "metrics_url": n.metrics_url, "name": f"node{i}"}
                      for i, n in enumerate(nodes)],
         "scrape": {"interval_s": 0.2},
-        "admission": {"policy": "adaptive", "stale_after_s": 1.0, "seed": 7},
+        "admission": {"policy": "adaptive", "stale_after_s": 1.0},
         "upstream": {"first_byte_timeout_s": 5.0, "read_timeout_s": 1.0},
         # client_timeout_s: 5 s, not less: this harness process (engines, chaos, 24 clients)
         # is itself CPU-starved on 2 shared cores, and aiohttp writes a body in a task of

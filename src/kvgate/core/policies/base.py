@@ -228,8 +228,9 @@ class BasePolicy:
         self.settings = settings
         self.tuning = settings.tuning
         self.clock = clock
-        seed = rng_seed if rng_seed is not None else settings.seed
-        self.rng = random.Random(seed)
+        # Routing and jitter draw from here: seeded by the simulator and the benchmarks, so
+        # that a run reproduces; a gateway passes None and draws OS entropy once, here.
+        self.rng = random.Random(rng_seed)
         self.lengths = lengths if lengths is not None else OutputLengths()
         self.nodes: dict[str, NodeState] = {}
         self._holds: dict[str, _Hold] = {}
