@@ -79,6 +79,8 @@ _SECRET = re.compile(r"key|token|password", re.IGNORECASE)
 RETIRED: dict[str, str] = {
     "admission.seed": "a gateway seeds its randomness from the OS; the simulator and the"
     " benchmarks pass their own seed",
+    "admission.failures_to_stale": "a node is dead after 10 hard scrape failures in a row"
+    " (a constant); `admission.stale_after_s` sets how soon a silent node is out",
 }
 
 

@@ -31,6 +31,11 @@ class Tuning:
     reflect_margin_s: float = 0.1
     # Tokens added to each request's footprint: half a 32-token KV block of rounding.
     reservation_overhead_tokens: int = 16
+    # Hard scrape failures in a row (refused, HTTP error, unparseable page) after which a
+    # node is dead before `stale_after_s`; a slow page is not a failure. At the 50 ms
+    # scrape period, 10 is half a second: an engine that is gone is out twice as fast as
+    # by staleness alone, while a few refused connections of a restarting proxy are not.
+    failures_to_stale: int = 10
     # A node leaves the high/panic level only this far below the watermark (no flapping).
     hysteresis: float = 0.03
     # Iteration latency this many times its healthy baseline, with requests waiting, is
@@ -89,12 +94,6 @@ class AdmissionSettings(BaseModel):
     )
     stale_after_s: float = Field(
         1.0, gt=0, description="A node whose last good sample is older takes no new requests."
-    )
-    failures_to_stale: int = Field(
-        10,
-        ge=1,
-        description="Hard scrape failures in a row (refused, HTTP error, unparseable page)"
-        " after which a node is dead before `stale_after_s`; a slow page is not a failure.",
     )
     fail_mode: FailMode = Field(
         "closed",
