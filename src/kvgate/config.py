@@ -81,6 +81,7 @@ RETIRED: dict[str, str] = {
     " benchmarks pass their own seed",
     "admission.failures_to_stale": "a node is dead after 10 hard scrape failures in a row"
     " (a constant); `admission.stale_after_s` sets how soon a silent node is out",
+    "admission.retry_after_max_s": "Retry-After is the predicted wait, at most 30 s (a constant)",
 }
 
 

@@ -106,7 +106,6 @@ class AdmissionSettings(BaseModel):
     default_max_tokens: int = Field(
         1024, gt=0, description="Output cap assumed (and sent upstream) when a request has none."
     )
-    retry_after_max_s: float = Field(30.0, ge=1, description="Upper clamp of Retry-After.")
     tokenizers: dict[str, str] = Field(
         default_factory=dict,
         description="Model name -> tokenizer.json path, for exact prompt token counts.",
