@@ -82,6 +82,8 @@ RETIRED: dict[str, str] = {
     "admission.failures_to_stale": "a node is dead after 10 hard scrape failures in a row"
     " (a constant); `admission.stale_after_s` sets how soon a silent node is out",
     "admission.retry_after_max_s": "Retry-After is the predicted wait, at most 30 s (a constant)",
+    "auth.default_tenant_limits": 'give these limits as the entry "*" of auth.tenants'
+    ' (every tenant not listed): auth: {tenants: {"*": {max_in_flight_tokens: ...}}}',
 }
 
 
