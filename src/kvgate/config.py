@@ -84,6 +84,8 @@ RETIRED: dict[str, str] = {
     "admission.retry_after_max_s": "Retry-After is the predicted wait, at most 30 s (a constant)",
     "auth.default_tenant_limits": 'give these limits as the entry "*" of auth.tenants'
     ' (every tenant not listed): auth: {tenants: {"*": {max_in_flight_tokens: ...}}}',
+    "limits.client_timeout_s": "a client must send its whole request within 30 s (a constant)",
+    "limits.max_connections": "kvgate takes 4096 open client connections at most (a constant)",
 }
 
 

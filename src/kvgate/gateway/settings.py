@@ -81,14 +81,3 @@ class LimitSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger bodies get 413.")
-    client_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        description="A client must send its whole request (headers and body) within this; "
-        "slower ones get 408.",
-    )
-    max_connections: int = Field(
-        4096,
-        gt=0,
-        description="Open client connections at most; more get 503 + Retry-After at once.",
-    )
