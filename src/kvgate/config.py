@@ -86,6 +86,8 @@ RETIRED: dict[str, str] = {
     ' (every tenant not listed): auth: {tenants: {"*": {max_in_flight_tokens: ...}}}',
     "limits.client_timeout_s": "a client must send its whole request within 30 s (a constant)",
     "limits.max_connections": "kvgate takes 4096 open client connections at most (a constant)",
+    "upstream.first_byte_timeout_s": "the response headers are waited for 10 times"
+    " `upstream.read_timeout_s`",
 }
 
 

@@ -66,15 +66,28 @@ def listen_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+#: How many read timeouts an engine may take to send its response headers. Before them it
+#: is silent while the request waits in its queue and, for a non-streamed answer, while it
+#: generates the whole answer: ten silences (10 minutes at the default) cover a long
+#: non-streamed generation (30k tokens at 50 tokens/s), and an operator who shortens the
+#: read timeout to find hung engines sooner shortens this wait with it.
+FIRST_BYTE_SILENCES = 10
+
+
 class UpstreamSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    first_byte_timeout_s: float = Field(
-        600.0, gt=0, description="How long to wait for upstream response headers."
-    )
     read_timeout_s: float = Field(
-        60.0, gt=0, description="Longest silence allowed between two upstream chunks."
+        60.0,
+        gt=0,
+        description="Longest silence allowed between two upstream chunks; for the response"
+        " headers, 10 times this (a non-streamed answer comes whole, at its end).",
     )
+
+    @property
+    def first_byte_timeout_s(self) -> float:
+        """How long to wait for the upstream's response headers."""
+        return FIRST_BYTE_SILENCES * self.read_timeout_s
 
 
 class LimitSettings(BaseModel):
