@@ -1,9 +1,11 @@
 """kvgate's whole configuration: one YAML file, overridden by `KVGATE_*` variables.
 
-Precedence, highest first: command-line flags, environment (`KVGATE_SERVER__PORT=9000`,
-`KVGATE_SERVER__LOG_FORMAT=json`, `KVGATE_BACKENDS='[{"url": "..."}]'`), the YAML file,
-the defaults below. Every key is documented by its `description`, from which the README's
-reference table is generated (`kvgate config-doc`), so docs and code cannot drift.
+Precedence, highest first: command-line flags, environment
+(`KVGATE_SERVER__LISTEN=0.0.0.0:9000`, `KVGATE_SERVER__LOG_FORMAT=json`,
+`KVGATE_BACKENDS='[{"url": "..."}]'`), the YAML file, the defaults below. Every key is
+documented by its `description`, from which the README's reference table is generated
+(`kvgate config-doc`), so docs and code cannot drift. A key that is no longer a setting
+(`RETIRED`) is refused with a word on where its value belongs.
 
 Whatever is wrong with a configuration (an unreadable file, malformed YAML, a bad value)
 is raised as one `ConfigError` whose message names the file position or the key, made
@@ -77,6 +79,8 @@ _SECRET = re.compile(r"key|token|password", re.IGNORECASE)
 #: Keys that are not settings, with what to write instead: a configuration that still
 #: names one is told where its value belongs, not only that the key is unknown.
 RETIRED: dict[str, str] = {
+    "server.host": "give `server.listen: HOST:PORT` (e.g. 0.0.0.0:8080, [::]:8080), or --host",
+    "server.port": "give `server.listen: HOST:PORT` (e.g. 0.0.0.0:8080, [::]:8080), or --port",
     "admission.seed": "a gateway seeds its randomness from the OS; the simulator and the"
     " benchmarks pass their own seed",
     "admission.failures_to_stale": "a node is dead after 10 hard scrape failures in a row"
@@ -98,7 +102,7 @@ class ConfigError(ValueError):
 def load_config(path: str | Path | None = None, **overrides: Any) -> KvgateConfig:
     """Read the YAML file (if any), apply `KVGATE_*`, then the caller's overrides.
 
-    `overrides` use dotted keys for nested settings: `{"server.port": 9000}`. Raises
+    `overrides` use dotted keys for nested settings: `{"server.listen": "0.0.0.0:9000"}`. Raises
     ConfigError.
     """
     try:

@@ -146,7 +146,7 @@ class SoakReport:
 
 def _gateway_config(nodes: list[ChaosNode]) -> dict[str, Any]:
     return {
-        "server": {"host": "127.0.0.1", "port": 0, "log_level": "info",
+        "server": {"listen": "127.0.0.1:0", "log_level": "info",
                    "admin_token": ADMIN, "drain_timeout_s": 2.0},
         "backends": [{"url": n.url, "metrics_url": n.metrics_url, "name": f"node{i}"}
                      for i, n in enumerate(nodes)],
