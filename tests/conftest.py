@@ -109,7 +109,8 @@ class RunningGateway:
 async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
     """`await gateway_factory([engine.url, ...], policy=..., server="hypercorn", **{"a.b": v})`.
 
-    Dotted keyword overrides go to `load_config` (e.g. `**{"upstream.read_timeout_s": 0.2}`).
+    Dotted keyword overrides go to `load_config` (e.g. `**{"upstream.read_timeout_s": 0.2}`);
+    `connection_limits` (kvgate.gateway.http.guard.ConnectionLimits) shortens the guard's.
     After the test, every gateway must be back to zero requests in flight, zero tickets and
     an empty queue.
     """
@@ -125,6 +126,7 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
         policy: Any = None,
         server: str = "uvicorn",
         overrides: dict[str, Any] | None = None,
+        connection_limits: Any = None,
         **kwargs: Any,
     ) -> RunningGateway:
         settings = {
@@ -139,7 +141,7 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
         gateway = Gateway(config, policy=policy, **kwargs)
         sock = bind_socket("127.0.0.1", 0)
         port = sock.getsockname()[1]
-        srv = GatewayServer(gateway)
+        srv = GatewayServer(gateway, connection_limits=connection_limits)
         task = asyncio.create_task(srv.serve(sock, handle_signals=False))
         scheme = "https" if config.server.certfile else "http"
         handle = RunningGateway(f"{scheme}://127.0.0.1:{port}", gateway, srv, task)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvgate.config import ConfigError, load_config
+from kvgate.config import RETIRED, ConfigError, load_config
 from kvgate.config_doc import reference_table, with_reference
+from kvgate.gateway.cli import _listen_flags
 
 
 def test_bare_backend_url_is_a_vllm_engine(tmp_path: Path) -> None:
@@ -26,11 +29,11 @@ def test_environment_beats_file_and_flags_beat_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "kvgate.yaml"
-    path.write_text("server: {port: 7000}\nadmission: {policy: seed}\n")
-    monkeypatch.setenv("KVGATE_SERVER__PORT", "7001")
-    assert load_config(path).server.port == 7001
+    path.write_text("server: {listen: '0.0.0.0:7000'}\nadmission: {policy: seed}\n")
+    monkeypatch.setenv("KVGATE_SERVER__LISTEN", "127.0.0.1:7001")
+    assert load_config(path).server.address == ("127.0.0.1", 7001)
     assert load_config(path).admission.policy == "seed"
-    assert load_config(path, **{"server.port": 7002}).server.port == 7002
+    assert load_config(path, **{"server.listen": "[::1]:7002"}).server.address == ("::1", 7002)
 
 
 def test_bad_values_are_refused_with_the_key_named(tmp_path: Path) -> None:
@@ -42,6 +45,52 @@ def test_bad_values_are_refused_with_the_key_named(tmp_path: Path) -> None:
     path.write_text("admission: {polcy: seed}\n")
     with pytest.raises(ConfigError, match="polcy"):
         load_config(path)
+
+
+@pytest.mark.parametrize("key", sorted(RETIRED))
+def test_a_retired_key_is_refused_with_where_its_value_belongs(key: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, **{key: 1})
+    assert str(caught.value).startswith(f"{key}: not a setting: {RETIRED[key]}")
+
+
+def test_old_keys_name_their_replacement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text("auth: {default_tenant_limits: {max_in_flight_tokens: 5000}}\n")
+    with pytest.raises(ConfigError, match=r'^auth\.default_tenant_limits: .*"\*" of auth\.tenants'):
+        load_config(path)
+    monkeypatch.setenv("KVGATE_SERVER__HOST", "0.0.0.0")
+    with pytest.raises(ConfigError, match=r"^server\.host: .*server\.listen: HOST:PORT"):
+        load_config(None)
+
+
+@pytest.mark.parametrize(
+    ("listen", "address"),
+    [("0.0.0.0:8080", ("0.0.0.0", 8080)), ("[::]:8000", ("::", 8000)),
+     ("[::1]:0", ("::1", 0)), ("gw.internal:443", ("gw.internal", 443))],
+)  # fmt: skip
+def test_listen_is_host_colon_port(listen: str, address: tuple[str, int]) -> None:
+    assert load_config(None, **{"server.listen": listen}).server.address == address
+
+
+@pytest.mark.parametrize("listen", ["8080", "localhost", "::1:8080", "[h]:80", "h:", "h:99999"])
+def test_a_listen_that_is_not_host_colon_port_is_a_clear_error(listen: str) -> None:
+    expected = rf"^server\.listen: '{re.escape(listen)}' is not HOST:PORT \(e\.g\. 0\.0\.0\.0:8080"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, **{"server.listen": listen})
+
+
+def test_host_and_port_flags_change_one_half_of_listen(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text("server: {listen: '[::1]:9000'}\n")
+
+    def flags(host: str | None, port: int | None) -> str | None:
+        return _listen_flags(argparse.Namespace(config=str(path), host=host, port=port))
+
+    assert flags(None, None) is None  # the configured address as it is
+    assert flags("0.0.0.0", None) == "0.0.0.0:9000"
+    assert flags(None, 0) == "[::1]:0"
+    assert flags("::", 8080) == "[::]:8080"
 
 
 def test_a_secret_is_never_repeated_in_an_error(tmp_path: Path) -> None:
@@ -74,8 +123,21 @@ def _serve(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedPr
         (None, ("--backend", "127.0.0.1:8000"), {}, "'127.0.0.1:8000' is not a URL"),
         (None, ("--config", "missing.yaml"), {}, "cannot read missing.yaml"),
         (None, (), {"KVGATE_BACKENDS": "http://a:1"}, "lists and sections are given as JSON"),
-        ("server: {port: 99999, log_format: xml}\n", (), {}, "2 problems:\n  server.port"),
+        (
+            "server: {listen: '127.0.0.1:99999', log_format: xml}\n",
+            (),
+            {},
+            "2 problems:\n  server.listen",
+        ),
         (None, ("--metrics-listen", "9464"), {}, "'9464' is not HOST:PORT"),
+        (None, ("--port", "70000"), {}, "server.listen: '127.0.0.1:70000' is not HOST:PORT"),
+        (
+            None,
+            (),
+            {"KVGATE_SERVER__PORT": "9000"},
+            "server.port: not a setting: give `server.listen",
+        ),
+        ("admission: {seed: 7}\n", (), {}, "admission.seed: not a setting"),
         (None, ("--certfile", "no.pem", "--keyfile", "no.key"), {}, "TLS: [Errno 2]"),
     ],
 )
@@ -96,9 +158,17 @@ def test_configuration_mistakes_are_one_clear_line_and_exit_2(
     assert "Traceback" not in done.stderr and "errors.pydantic.dev" not in done.stderr
 
 
+def test_a_small_mapping_is_one_row_and_the_key_count_stays_small() -> None:
+    rows = [line for line in reference_table().splitlines() if line.startswith("| `")]
+    baseline = [row for row in rows if row.startswith("| `admission.baseline")]
+    assert len(baseline) == 1 and "`{'qps': 50.0, 'burst': 50, 'concurrency': 32}`" in baseline[0]
+    assert len(rows) <= 40
+    assert len([row for row in rows if row.startswith("| `admission.")]) < 20
+
+
 def test_reference_table_names_every_section() -> None:
     table = reference_table()
-    for key in ("server.port", "backends[].url", "admission.high_watermark", "scrape.interval_s"):
+    for key in ("server.listen", "backends[].url", "admission.high_watermark", "scrape.interval_s"):
         assert f"`{key}`" in table
 
 

@@ -72,7 +72,7 @@ def run(engine: str, replicas: int, shared: bool, seed: int) -> dict[str, float]
         duration_s=sum(p.duration_s for p in workload.phases),
         nodes=4,
         gateways=replicas,
-        admission=AdmissionSettings(policy="adaptive", seed=seed),
+        admission=AdmissionSettings(policy="adaptive"),
         drain_s=60.0,
         seed=seed,
         sync_interval_s=SYNC_PERIOD_S if shared else None,

@@ -49,7 +49,7 @@ def scenario(
         workload=dataclasses.replace(WORKLOAD, rate_rps=rate),
         duration_s=seconds,
         nodes=nodes,
-        admission=AdmissionSettings(policy=policy, seed=1),  # type: ignore[arg-type]
+        admission=AdmissionSettings(policy=policy),  # type: ignore[arg-type]
         scrape_interval_s=1e9 if name == "engines" else scrape_s,
         client=read_timeout_client(timeout_s=30.0),
         seed=1,

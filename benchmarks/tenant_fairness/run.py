@@ -158,7 +158,7 @@ async def main(seconds: float) -> dict[str, object]:
         json.dumps(
             {
                 "backends": [f"http://127.0.0.1:{engine_port}"],
-                "server": {"port": gateway_port},
+                "server": {"listen": f"127.0.0.1:{gateway_port}"},
                 "auth": {"keys": [{"key": k, "tenant": t} for t, k in KEYS.items()]},
             }
         )

@@ -202,8 +202,7 @@ def _gateway(engine: str) -> tuple[object, str]:
     port = free_port()
     env = {
         "KVGATE_BACKENDS": orjson.dumps([{"url": engine}]).decode(),
-        "KVGATE_SERVER__PORT": str(port),
-        "KVGATE_SERVER__HOST": "127.0.0.1",
+        "KVGATE_SERVER__LISTEN": f"127.0.0.1:{port}",
         "KVGATE_SERVER__LOG_LEVEL": "warning",
         "KVGATE_SCRAPE__INTERVAL_S": "0.2",
     }

@@ -1,9 +1,11 @@
 """kvgate's whole configuration: one YAML file, overridden by `KVGATE_*` variables.
 
-Precedence, highest first: command-line flags, environment (`KVGATE_SERVER__PORT=9000`,
-`KVGATE_SERVER__LOG_FORMAT=json`, `KVGATE_BACKENDS='[{"url": "..."}]'`), the YAML file,
-the defaults below. Every key is documented by its `description`, from which the README's
-reference table is generated (`kvgate config-doc`), so docs and code cannot drift.
+Precedence, highest first: command-line flags, environment
+(`KVGATE_SERVER__LISTEN=0.0.0.0:9000`, `KVGATE_SERVER__LOG_FORMAT=json`,
+`KVGATE_BACKENDS='[{"url": "..."}]'`), the YAML file, the defaults below. Every key is
+documented by its `description`, from which the README's reference table is generated
+(`kvgate config-doc`), so docs and code cannot drift. A key that is no longer a setting
+(`RETIRED`) is refused with a word on where its value belongs.
 
 Whatever is wrong with a configuration (an unreadable file, malformed YAML, a bad value)
 is raised as one `ConfigError` whose message names the file position or the key, made
@@ -74,6 +76,24 @@ class KvgateConfig(BaseSettings):
 #: Keys whose values an error message never repeats.
 _SECRET = re.compile(r"key|token|password", re.IGNORECASE)
 
+#: Keys that are not settings, with what to write instead: a configuration that still
+#: names one is told where its value belongs, not only that the key is unknown.
+RETIRED: dict[str, str] = {
+    "server.host": "give `server.listen: HOST:PORT` (e.g. 0.0.0.0:8080, [::]:8080), or --host",
+    "server.port": "give `server.listen: HOST:PORT` (e.g. 0.0.0.0:8080, [::]:8080), or --port",
+    "admission.seed": "a gateway seeds its randomness from the OS; the simulator and the"
+    " benchmarks pass their own seed",
+    "admission.failures_to_stale": "a node is dead after 10 hard scrape failures in a row"
+    " (a constant); `admission.stale_after_s` sets how soon a silent node is out",
+    "admission.retry_after_max_s": "Retry-After is the predicted wait, at most 30 s (a constant)",
+    "auth.default_tenant_limits": 'give these limits as the entry "*" of auth.tenants'
+    ' (every tenant not listed): auth: {tenants: {"*": {max_in_flight_tokens: ...}}}',
+    "limits.client_timeout_s": "a client must send its whole request within 30 s (a constant)",
+    "limits.max_connections": "kvgate takes 4096 open client connections at most (a constant)",
+    "upstream.first_byte_timeout_s": "the response headers are waited for 10 times"
+    " `upstream.read_timeout_s`",
+}
+
 
 class ConfigError(ValueError):
     """The configuration cannot be used; the message says where and why."""
@@ -82,7 +102,7 @@ class ConfigError(ValueError):
 def load_config(path: str | Path | None = None, **overrides: Any) -> KvgateConfig:
     """Read the YAML file (if any), apply `KVGATE_*`, then the caller's overrides.
 
-    `overrides` use dotted keys for nested settings: `{"server.port": 9000}`. Raises
+    `overrides` use dotted keys for nested settings: `{"server.listen": "0.0.0.0:9000"}`. Raises
     ConfigError.
     """
     try:
@@ -99,6 +119,8 @@ def describe(exc: ValidationError) -> str:
     for error in exc.errors(include_url=False):
         key = ".".join(str(part) for part in error["loc"]) or "configuration"
         message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden" and key in RETIRED:
+            message = f"not a setting: {RETIRED[key]}"
         value = error.get("input")
         shown = not (isinstance(value, dict | list) or value is None or _SECRET.search(key))
         got = f" (got {value!r})" if shown and repr(value) not in message else ""

@@ -33,7 +33,7 @@ class Cluster:
         self.flows: list[FlowController] = []
         self.syncs: list[ClusterSync] = []
         for i in range(n):
-            policy = build_policy(AdmissionSettings(policy="adaptive", seed=i), self.clock)
+            policy = build_policy(AdmissionSettings(policy="adaptive"), self.clock, rng_seed=i)
             flow = FlowController(policy, tenants=TenantLedger(limits=limits), replica=f"r{i}")
             flow.add_node("a")
             sync = ClusterSync(
@@ -127,7 +127,7 @@ def test_shared_replicas_never_preempt_small_engines_in_virtual_time() -> None:
         duration_s=8.0,
         nodes=4,
         gateways=2,
-        admission=AdmissionSettings(policy="adaptive", seed=1),
+        admission=AdmissionSettings(policy="adaptive"),
         drain_s=60.0,
         seed=1,
         sync_interval_s=SYNC_PERIOD_S,

@@ -37,12 +37,12 @@ class Bench:
     queue: QueueSettings = field(default_factory=QueueSettings)
     fcfs: bool = False
     settings: AdmissionSettings = field(
-        default_factory=lambda: AdmissionSettings(policy="adaptive", seed=1)
+        default_factory=lambda: AdmissionSettings(policy="adaptive")
     )
 
     def __post_init__(self) -> None:
         self.clock = ManualClock(100.0)
-        policy = build_policy(self.settings, self.clock)
+        policy = build_policy(self.settings, self.clock, rng_seed=1)
         fairness = ArrivalOrder() if self.fcfs else TokenFairness()
         self.flow = FlowController(policy, self.queue, fairness=fairness, strict=self.fcfs)
         self.running: dict[str, list[Running]] = {n: [] for n in self.nodes}

@@ -13,7 +13,7 @@ from kvgate.core.settings import AdmissionSettings
 
 from .helpers import admit, assert_books_empty, cost, make, sample
 
-SETTINGS = AdmissionSettings(stale_after_s=1.0, failures_to_stale=3)
+SETTINGS = AdmissionSettings(stale_after_s=1.0).tuned(failures_to_stale=3)
 
 
 def _node(clock: ManualClock, usage: float = 0.1) -> NodeState:

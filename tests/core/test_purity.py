@@ -36,7 +36,7 @@ PURE_STDLIB = frozenset(
         "math",
         "numbers",
         "operator",
-        # `random.Random(settings.seed)`: reproducible when seeded; unseeded, it draws OS
+        # `random.Random(rng_seed)`: reproducible when seeded; unseeded, it draws OS
         # entropy once when a policy is built, never per request.
         "random",
         "statistics",

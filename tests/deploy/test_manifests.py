@@ -36,6 +36,7 @@ from deploy.tools import (
     render,
 )
 from kvgate.config import KvgateConfig
+from kvgate.gateway.settings import listen_address
 
 OLDEST_KUBERNETES = (1, 29)
 # kvgate's HTTP server keeps waiting up to 3 s after the drain (kvgate.gateway.http.server);
@@ -176,7 +177,7 @@ def test_probes_ports_and_scrape_annotations_name_kvgates_routes(
     docs = rendered[name]
     deployment = kvgate_deployment(docs)
     gateway = container(deployment, "kvgate")
-    port = kvgate_config(docs)["server"]["port"]
+    port = listen_address(kvgate_config(docs)["server"]["listen"])[1]
     ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
     assert ports == {"http": port}
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
@@ -232,7 +233,7 @@ def test_config_map_loads_with_kvgates_own_loader(
     data["auth"]["key_file"] = str(keys)
     config = KvgateConfig(**data)
 
-    assert config.server.host == "0.0.0.0"
+    assert config.server.address[0] == "0.0.0.0"
     assert config.auth.all_keys(), "a pod listening on its address must require API keys"
     assert "store" not in data  # set by KVGATE_STORE__URL where Redis is deployed
     [backend] = config.backends

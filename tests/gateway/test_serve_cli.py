@@ -114,3 +114,18 @@ async def test_an_embedded_gateway_binds_its_metrics_address_itself(
     with pytest.raises(httpx.ConnectError):  # the metrics server stops with the gateway
         async with httpx.AsyncClient() as client:
             await client.get(f"http://{metrics}/metrics")
+
+
+async def test_an_ipv6_listen_with_the_port_flag(fake_engine: FakeEngine, tmp_path: Path) -> None:
+    """`server.listen` names an IPv6 address in brackets; `--port` (the helper's) replaces
+    only its port, and the start-up line shows the address as a URL."""
+    (tmp_path / "kvgate.yaml").write_text(
+        f"server: {{listen: '[::1]:1'}}\nbackends: [{fake_engine.url}]\n"
+    )
+    async with kvgate_serve("--config", "kvgate.yaml", "--policy", "none", cwd=tmp_path) as served:
+        port = served.url.rpartition(":")[2]
+        async with httpx.AsyncClient(base_url=f"http://[::1]:{port}") as client:
+            assert await until_ready(client)
+            body = {"model": "fake-model", "prompt": "p"}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+    assert f"kvgate listening on http://[::1]:{port} ".encode() in served.stderr

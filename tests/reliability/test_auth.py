@@ -12,7 +12,7 @@ import pytest
 from gateway.helpers import openai_error
 
 from kvgate.core.tenants import TenantLedger, TenantLimits
-from kvgate.gateway.security.auth import KeyRing, load_keys
+from kvgate.gateway.security.auth import KeyRing, Security, load_keys
 from kvgate.gateway.security.settings import AuthSettings
 from kvgate.testing import FakeEngine
 
@@ -127,11 +127,20 @@ async def test_without_keys_nothing_is_required(fake_engine: FakeEngine, gateway
         assert (await client.get("/admin/state")).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "tenants",
+    [
+        {"bob": {"max_in_flight_tokens": 600}},
+        # "*": every tenant not listed (bob); alice, listed with no limits, has none.
+        {"*": {"max_in_flight_tokens": 600}, "alice": {}},
+    ],
+    ids=["by-name", "any-other"],
+)
 async def test_tenant_token_limit_sheds_only_that_tenant(
-    fake_engine: FakeEngine, gateway_factory
+    fake_engine: FakeEngine, gateway_factory, tenants: dict[str, object]
 ) -> None:
     # Each request costs prompt + 400 (+16 overhead in the `none` policy's books): one fits.
-    overrides = _auth(**{"auth.tenants": {"bob": {"max_in_flight_tokens": 600}}})
+    overrides = _auth(**{"auth.tenants": tenants})
     gw = await gateway_factory([fake_engine.url], overrides=overrides)
     slow = {**BODY, "max_tokens": 400, "fake": {"delay": 0.5}}
     async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
@@ -183,6 +192,23 @@ def test_key_file_and_digest_lookup(tmp_path) -> None:
 def test_invalid_key_entries_are_config_errors(entry: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         AuthSettings(keys=[entry])
+
+
+def test_star_is_every_tenant_not_listed_and_no_tenant_name() -> None:
+    auth = AuthSettings(
+        tenants={
+            "*": {"max_in_flight_requests": 2},
+            "alice": {"max_in_flight_requests": 5},
+            "bob": {},
+        }
+    )
+    ledger = Security.from_config(auth, None).ledger
+    assert ledger.limits_for("carol") == TenantLimits(max_in_flight_requests=2)
+    assert ledger.limits_for("alice") == TenantLimits(max_in_flight_requests=5)
+    assert ledger.limits_for("bob") == TenantLimits()  # listed: its own limits, none
+    assert "*" not in ledger.limits
+    with pytest.raises(ValueError, match=r"`\*` is not a tenant name"):
+        AuthSettings(keys=[{"key": ALICE, "tenant": "*"}])
 
 
 def test_ledger_refuses_and_releases_exactly_once() -> None:

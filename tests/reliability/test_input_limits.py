@@ -9,7 +9,7 @@ import orjson
 import pytest
 from gateway.helpers import openai_error
 
-from kvgate.gateway.http.guard import MAX_HEADER_BYTES
+from kvgate.gateway.http.guard import MAX_HEADER_BYTES, ConnectionLimits
 from kvgate.testing import FakeEngine
 
 GOOD = b'{"model": "fake-model", "prompt": "p", "max_tokens": 3}'
@@ -90,7 +90,9 @@ async def test_huge_headers_get_431_and_the_gateway_goes_on(
 
 
 async def test_slow_clients_get_408(fake_engine: FakeEngine, gateway_factory) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides={"limits.client_timeout_s": 0.3})
+    gw = await gateway_factory(
+        [fake_engine.url], connection_limits=ConnectionLimits(client_timeout_s=0.3)
+    )
     host, _, port = gw.url.removeprefix("http://").rpartition(":")
 
     async def trickle(first: bytes) -> tuple[bytes, float]:
@@ -130,7 +132,9 @@ async def test_slow_clients_get_408(fake_engine: FakeEngine, gateway_factory) ->
 
 
 async def test_connection_cap_answers_503(fake_engine: FakeEngine, gateway_factory) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides={"limits.max_connections": 3})
+    gw = await gateway_factory(
+        [fake_engine.url], connection_limits=ConnectionLimits(max_connections=3)
+    )
     host, _, port = gw.url.removeprefix("http://").rpartition(":")
     held = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
     try:

@@ -79,7 +79,7 @@ def test_flow_and_tenant_books_both_return_to_zero(steps, policy: str) -> None:
     clock = ManualClock(100.0)
     ledger = TenantLedger(LIMITS, DEFAULT_LIMITS)
     flow = FlowController(
-        build_policy(AdmissionSettings(policy=policy, seed=1), clock), tenants=ledger
+        build_policy(AdmissionSettings(policy=policy), clock, rng_seed=1), tenants=ledger
     )
     for node in NODES:
         flow.add_node(node)

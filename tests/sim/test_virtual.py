@@ -20,7 +20,7 @@ def config(policy: str, seed: int = 1, **kw: object) -> VirtualConfig:
         duration_s=10.0,
         nodes=2,
         gateways=2,
-        admission=AdmissionSettings(policy=policy, seed=seed),  # type: ignore[arg-type]
+        admission=AdmissionSettings(policy=policy),  # type: ignore[arg-type]
         # A streaming client's read timeout per token, one backed-off retry, five 429s.
         client=read_timeout_client(timeout_s=5.0, max_retries=1),
         seed=seed,

@@ -42,9 +42,7 @@ def _gateway_env(spec: RunSpec, engines: list[str], port: int, scrape_s: float) 
         "KVGATE_SCRAPE__INTERVAL_S": str(scrape_s),
         "KVGATE_BACKENDS": json.dumps([{"url": u} for u in engines]),
         "KVGATE_ADMISSION__POLICY": spec.policy,
-        "KVGATE_ADMISSION__SEED": str(spec.seed),
-        "KVGATE_SERVER__PORT": str(port),
-        "KVGATE_SERVER__HOST": "127.0.0.1",
+        "KVGATE_SERVER__LISTEN": f"127.0.0.1:{port}",
         # Access lines are written at info: on only when asked.
         "KVGATE_SERVER__LOG_LEVEL": (
             "info" if os.environ.get("KVGATE_BENCH_ACCESS_LOG") == "true" else "warning"

@@ -35,7 +35,7 @@ TOKEN_UPDATE_S = 0.25
 def virtual_config(spec: RunSpec) -> VirtualConfig:
     """The simulator configuration of one benchmark run (its arrivals come separately)."""
     engine = dataclasses.replace(get_preset(spec.preset), abort_on_disconnect=spec.cancel)
-    settings = AdmissionSettings(policy=spec.policy, seed=spec.seed, **spec.policy_overrides)
+    settings = AdmissionSettings(policy=spec.policy, **spec.policy_overrides)
     queue = QueueSettings() if spec.queue else NO_QUEUE
     return VirtualConfig(
         engine=engine,

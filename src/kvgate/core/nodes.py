@@ -4,7 +4,7 @@
 
 * `unknown` - never sampled and no streak of hard failures: nobody has heard from it.
 * `ok`, `high`, `panic` - **fresh**: the last good sample is at most `stale_after_s` old
-  and fewer than `failures_to_stale` scrapes in a row failed *hard*. The name is the
+  and fewer than `Tuning.failures_to_stale` (10) scrapes in a row failed *hard*. The name is the
   node's watermark level.
 * `lagging` - not fresh, but the engine showed life within the last `stale_after_s`: the
   gateway saw it produce tokens (`progress`), or its page answered (with a sample that
@@ -15,7 +15,7 @@
   stalled for seconds). Admission goes on from the last sample plus the gateway's own
   books for the node, at the same watermarks.
 * `stale` - not fresh, no sign of life: the last word is too old to act on.
-* `dead` - not fresh, no sign of life, and its last `failures_to_stale` scrapes failed
+* `dead` - not fresh, no sign of life, and its last `Tuning.failures_to_stale` scrapes failed
   hard.
 * `thrashing` - fresh or lagging, but preempting (below).
 
@@ -121,7 +121,7 @@ class NodeState:
 
     def is_fresh(self, now: float, settings: AdmissionSettings) -> bool:
         """The last good sample is young and scrapes are not failing hard."""
-        if self.sample is None or self.consecutive_failures >= settings.failures_to_stale:
+        if self.sample is None or self.consecutive_failures >= settings.tuning.failures_to_stale:
             return False
         return now - self.sample.sampled_at <= settings.stale_after_s
 
@@ -136,7 +136,7 @@ class NodeState:
         if sample is None:
             return float("-inf")
         stale_after = settings.stale_after_s
-        if self.consecutive_failures < settings.failures_to_stale:
+        if self.consecutive_failures < settings.tuning.failures_to_stale:
             fresh = sample.sampled_at + stale_after
             alive = max(self.progress_at, self.heard_at)
         else:  # its page now fails hard: only tokens seen flowing say it serves
@@ -154,7 +154,7 @@ class NodeState:
             return STATE_THRASHING if self.thrashing else self.level
         if self.is_live(now, settings):
             return STATE_THRASHING if self.thrashing else STATE_LAGGING
-        if self.consecutive_failures >= settings.failures_to_stale:
+        if self.consecutive_failures >= settings.tuning.failures_to_stale:
             return STATE_DEAD
         return STATE_UNKNOWN if self.sample is None else STATE_STALE
 

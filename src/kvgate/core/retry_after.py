@@ -12,6 +12,11 @@ from __future__ import annotations
 import random
 
 MIN_RETRY_AFTER_S = 1.0
+#: The longest Retry-After kvgate sends. A predicted wait beyond half a minute is too
+#: uncertain to ask a client to sit out (the load changes faster), a client that comes back
+#: sooner is judged again at little cost, and the OpenAI SDKs obey a Retry-After only up to
+#: 60 s (longer, they fall back to their own short back-off).
+MAX_RETRY_AFTER_S = 30.0
 JITTER = 0.2
 
 

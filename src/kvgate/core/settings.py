@@ -31,6 +31,11 @@ class Tuning:
     reflect_margin_s: float = 0.1
     # Tokens added to each request's footprint: half a 32-token KV block of rounding.
     reservation_overhead_tokens: int = 16
+    # Hard scrape failures in a row (refused, HTTP error, unparseable page) after which a
+    # node is dead before `stale_after_s`; a slow page is not a failure. At the 50 ms
+    # scrape period, 10 is half a second: an engine that is gone is out twice as fast as
+    # by staleness alone, while a few refused connections of a restarting proxy are not.
+    failures_to_stale: int = 10
     # A node leaves the high/panic level only this far below the watermark (no flapping).
     hysteresis: float = 0.03
     # Iteration latency this many times its healthy baseline, with requests waiting, is
@@ -56,15 +61,14 @@ class Tuning:
 
 
 class BaselineSettings(BaseModel):
-    """Parameters of the baseline policies (benchmarks only)."""
+    """Parameters of the baseline policies the benchmark compares kvgate with: `qps` and
+    `burst` of `static-qps`'s token bucket, `concurrency` of `static-concurrency`."""
 
     model_config = ConfigDict(extra="forbid")
 
-    qps: float = Field(50.0, gt=0, description="`static-qps`: token-bucket rate (requests/s).")
-    burst: int = Field(50, gt=0, description="`static-qps`: token-bucket depth.")
-    concurrency: int = Field(
-        32, gt=0, description="`static-concurrency`: requests in flight at most."
-    )
+    qps: float = Field(50.0, gt=0)  # requests per second
+    burst: int = Field(50, gt=0)  # the bucket's depth
+    concurrency: int = Field(32, gt=0)  # requests in flight at most
 
 
 class AdmissionSettings(BaseModel):
@@ -91,12 +95,6 @@ class AdmissionSettings(BaseModel):
     stale_after_s: float = Field(
         1.0, gt=0, description="A node whose last good sample is older takes no new requests."
     )
-    failures_to_stale: int = Field(
-        10,
-        ge=1,
-        description="Hard scrape failures in a row (refused, HTTP error, unparseable page)"
-        " after which a node is dead before `stale_after_s`; a slow page is not a failure.",
-    )
     fail_mode: FailMode = Field(
         "closed",
         description=(
@@ -108,13 +106,16 @@ class AdmissionSettings(BaseModel):
     default_max_tokens: int = Field(
         1024, gt=0, description="Output cap assumed (and sent upstream) when a request has none."
     )
-    retry_after_max_s: float = Field(30.0, ge=1, description="Upper clamp of Retry-After.")
-    seed: int | None = Field(None, description="PRNG seed for routing and jitter (None: random).")
     tokenizers: dict[str, str] = Field(
         default_factory=dict,
         description="Model name -> tokenizer.json path, for exact prompt token counts.",
     )
-    baseline: BaselineSettings = Field(default_factory=BaselineSettings)
+    baseline: BaselineSettings = Field(
+        default_factory=BaselineSettings,
+        description="Only for the baseline policies the benchmark compares with (not"
+        " protection): `static-qps`'s token bucket (`qps` requests/s, `burst` deep) and"
+        " `static-concurrency`'s cap (`concurrency` requests in flight).",
+    )
 
     _tuning: Tuning = PrivateAttr(default_factory=Tuning)
 

@@ -55,8 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine base URL (repeatable; a bare URL is a vLLM engine); replaces the"
         " backends of the config file and the environment",
     )
-    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    parser.add_argument(
+        "--host", help="address to listen on: the host of server.listen (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=int, help="port to listen on: the port of server.listen (default 8080)"
+    )
     parser.add_argument(
         "--policy",
         choices=["none", "static-qps", "static-concurrency", "seed", "adaptive"],
@@ -118,8 +122,6 @@ def _count(text: str) -> int:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {
-        "server.host": args.host,
-        "server.port": args.port,
         "server.server": args.server,
         "server.certfile": args.certfile,
         "server.keyfile": args.keyfile,
@@ -134,6 +136,21 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def _listen_flags(args: argparse.Namespace) -> str | None:
+    """`--host` and `--port` as `server.listen`; a half not given is the configured one."""
+    from kvgate.config import load_config
+    from kvgate.gateway.settings import join_address
+
+    host, port = args.host, args.port
+    if host is None and port is None:
+        return None
+    if host is None or port is None:
+        configured_host, configured_port = load_config(args.config).server.address
+        host = configured_host if host is None else host
+        port = configured_port if port is None else port
+    return join_address(host, port)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvgate.config import ConfigError, load_config
     from kvgate.gateway.ops.logs import setup_logging
@@ -143,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     overrides = _overrides(args)
     try:
+        overrides["server.listen"] = _listen_flags(args)
         config = load_config(args.config, **overrides)
         # --backend replaces the backends the file and the environment name: say so.
         replaced = len(load_config(args.config).backends) if args.backend else 0
@@ -189,11 +207,12 @@ def _serve_workers(args: argparse.Namespace, config: Any, overrides: dict[str, A
     for backend in overrides.get("backends") or []:  # --backend, or the simulator's
         worker_args += ["--backend", backend["url"]]
     server = config.server
+    host, port = server.address
     return serve_workers(
         args.workers,
         worker_args,
-        host=server.host,
-        port=server.port,
+        host=host,
+        port=port,
         store_url=config.store.url,
         drain_timeout_s=server.drain_timeout_s,
     )
@@ -203,12 +222,12 @@ def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: s
     from kvgate.gateway.app import Gateway
     from kvgate.gateway.http.server import bind_socket, run_server
     from kvgate.gateway.relay.tokenizers import TokenizerLoadError
-    from kvgate.gateway.settings import listen_address
+    from kvgate.gateway.settings import join_address, listen_address
 
     server = config.server
     sockets = []
     try:
-        addresses = [(server.host, server.port)]
+        addresses = [server.address]
         if server.metrics_listen:
             addresses.append(listen_address(server.metrics_listen))
         for host, port in addresses:
@@ -223,13 +242,11 @@ def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: s
         except (TokenizerLoadError, ValueError) as exc:
             print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
             return 2
-        host, port = sockets[0].getsockname()[:2]
         scheme = "https" if server.certfile and server.keyfile else "http"
         log.info(
-            "kvgate listening on %s://%s:%d (%s, policy %s, %d backend(s)%s: %s)",
+            "kvgate listening on %s://%s (%s, policy %s, %d backend(s)%s: %s)",
             scheme,
-            host,
-            port,
+            join_address(*sockets[0].getsockname()[:2]),
             server.server,
             config.admission.policy,
             len(gateway.backends),
@@ -238,7 +255,7 @@ def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: s
         )
         metrics_sock = sockets[1] if len(sockets) > 1 else None
         if metrics_sock is not None:
-            log.info("metrics on http://%s:%d/metrics", *metrics_sock.getsockname()[:2])
+            log.info("metrics on http://%s/metrics", join_address(*metrics_sock.getsockname()[:2]))
         run_server(gateway, sockets[0], metrics_sock=metrics_sock)
         return 0
     finally:

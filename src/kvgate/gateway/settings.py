@@ -10,8 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class ServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    host: str = Field("127.0.0.1", description="Address to listen on.")
-    port: int = Field(8080, ge=0, le=65535, description="Port to listen on.")
+    listen: str = Field(
+        "127.0.0.1:8080",
+        description="`HOST:PORT` to listen on (IPv6 in brackets: `[::]:8080`; port 0: any"
+        " free one); `--host` and `--port` change one half of it.",
+    )
     server: Literal["uvicorn", "hypercorn"] = Field(
         "uvicorn",
         description="ASGI server: uvicorn (HTTP/1.1, half hypercorn's CPU per request) or"
@@ -43,12 +46,17 @@ class ServerSettings(BaseModel):
         " then has no `/metrics`.",
     )
 
-    @field_validator("metrics_listen")
+    @field_validator("listen", "metrics_listen")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
         if value is not None:
             listen_address(value)
         return value
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """`listen` as (host, port)."""
+        return listen_address(self.listen)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerSettings:
@@ -58,37 +66,48 @@ class ServerSettings(BaseModel):
 
 
 def listen_address(text: str) -> tuple[str, int]:
-    """`HOST:PORT` (IPv6 in brackets: `[::]:9464`) as (host, port); ValueError otherwise."""
+    """`HOST:PORT` as (host, port); an IPv6 host in brackets (`[::]:8080`), port 0 for any
+    free one. ValueError otherwise."""
     host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 0.0.0.0:9464)")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    valid = sep and host and port.isdigit() and int(port) <= 65535
+    if not valid or bracketed != (":" in host):
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 0.0.0.0:8080, [::]:8080 for IPv6)")
     return host, int(port)
+
+
+def join_address(host: str, port: int) -> str:
+    """(host, port) as `HOST:PORT`, an IPv6 host in brackets: the inverse of `listen_address`."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+#: How many read timeouts an engine may take to send its response headers. Before them it
+#: is silent while the request waits in its queue and, for a non-streamed answer, while it
+#: generates the whole answer: ten silences (10 minutes at the default) cover a long
+#: non-streamed generation (30k tokens at 50 tokens/s), and an operator who shortens the
+#: read timeout to find hung engines sooner shortens this wait with it.
+FIRST_BYTE_SILENCES = 10
 
 
 class UpstreamSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    first_byte_timeout_s: float = Field(
-        600.0, gt=0, description="How long to wait for upstream response headers."
-    )
     read_timeout_s: float = Field(
-        60.0, gt=0, description="Longest silence allowed between two upstream chunks."
+        60.0,
+        gt=0,
+        description="Longest silence allowed between two upstream chunks; for the response"
+        " headers, 10 times this (a non-streamed answer comes whole, at its end).",
     )
+
+    @property
+    def first_byte_timeout_s(self) -> float:
+        """How long to wait for the upstream's response headers."""
+        return FIRST_BYTE_SILENCES * self.read_timeout_s
 
 
 class LimitSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Larger bodies get 413.")
-    client_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        description="A client must send its whole request (headers and body) within this; "
-        "slower ones get 408.",
-    )
-    max_connections: int = Field(
-        4096,
-        gt=0,
-        description="Open client connections at most; more get 503 + Retry-After at once.",
-    )

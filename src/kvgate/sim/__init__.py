@@ -16,6 +16,6 @@
 
       result = run_virtual(VirtualConfig(
           engine=GPU_8B, workload=WorkloadSpec(rate_rps=300), duration_s=120, nodes=16,
-          gateways=2, admission=AdmissionSettings(policy="adaptive", seed=1), seed=1))
+          gateways=2, admission=AdmissionSettings(policy="adaptive"), seed=1))
       print(result.summary())
 """

@@ -133,7 +133,9 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     engines = [Engine() for _ in range(n)]
     served = [await _serve(e) for e in engines]
     clock = MonotonicClock()
-    settings = AdmissionSettings(policy="none", stale_after_s=stale_after, failures_to_stale=3)
+    settings = AdmissionSettings(policy="none", stale_after_s=stale_after).tuned(
+        failures_to_stale=3
+    )
     policy = build_policy(settings, clock)
     assert isinstance(policy, BasePolicy)
     rec = Recorder(policy)
@@ -301,7 +303,7 @@ async def test_a_hanging_node_does_not_slow_the_others(rig: Rig) -> None:
 
 async def test_a_node_nobody_listens_on() -> None:
     clock = MonotonicClock()
-    policy = build_policy(AdmissionSettings(policy="none", failures_to_stale=3), clock)
+    policy = build_policy(AdmissionSettings(policy="none").tuned(failures_to_stale=3), clock)
     assert isinstance(policy, BasePolicy)
     rec = Recorder(policy)
     backend = Backend.from_settings(BackendSettings(url="http://127.0.0.1:9"))

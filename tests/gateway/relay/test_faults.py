@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import orjson
 
@@ -50,15 +52,23 @@ async def test_hang_mid_stream_hits_the_read_timeout(
 
 
 async def test_first_byte_timeout_is_a_504(fake_engine: FakeEngine, gateway_factory) -> None:
-    gw = await gateway_factory([fake_engine.url], overrides={"upstream.first_byte_timeout_s": 0.2})
-    body = {"model": "fake-model", "prompt": "p", "fake": {"delay": 5}}
+    """No headers within ten read timeouts (0.5 s here) is a 504; a slower engine that does
+    answer within them is waited for, longer than one read timeout."""
+    gw = await gateway_factory([fake_engine.url], overrides={"upstream.read_timeout_s": 0.05})
+    slow = {"model": "fake-model", "prompt": "p", "fake": {"delay": 5}}
+    late = {"model": "fake-model", "prompt": "p", "fake": {"delay": 0.2}}
     async with httpx.AsyncClient(base_url=gw.url) as client:
+        started = time.monotonic()
         response = await client.post(
-            "/v1/completions", json=body, headers={"x-request-id": "slow-1"}
+            "/v1/completions", json=slow, headers={"x-request-id": "slow-1"}
         )
-    assert response.status_code == 504
-    assert openai_error(response.content)["code"] == "upstream_timeout"
+        took = time.monotonic() - started
+        answered = await client.post("/v1/completions", json=late)
+    assert response.status_code == 504 and 0.5 <= took < 4.0
+    error = openai_error(response.content)
+    assert error["code"] == "upstream_timeout" and "did not answer in time" in error["message"]
     await fake_engine.wait_closed("slow-1")
+    assert answered.status_code == 200
 
 
 async def test_refused_backend_is_retried_once_on_another(engine_factory, gateway_factory) -> None:

@@ -58,7 +58,7 @@ from kvgate.core.flow.fairness import Fairness, TokenFairness
 from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest, Priority
-from kvgate.core.retry_after import MIN_RETRY_AFTER_S, jittered
+from kvgate.core.retry_after import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, jittered
 from kvgate.core.settings import QueueSettings
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import Lease, TenantLedger, TenantRefusal
@@ -539,7 +539,7 @@ class FlowController:
             short = self.policy.shortfall(request)
             wait = self.policy.drain_time(short, request.candidates)
         centre = DEFAULT_RETRY_S if wait is None else wait
-        top = self.settings.retry_after_max_s
+        top = MAX_RETRY_AFTER_S
         centre = min(max(MIN_RETRY_AFTER_S, centre), top)
         self.counts[f"refused:{reason}"] += 1
         delay = jittered(centre, self.policy.rng, top)

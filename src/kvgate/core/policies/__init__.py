@@ -36,7 +36,8 @@ def build_policy(
     rng_seed: int | None = None,
     lengths: OutputLengths | None = None,
 ) -> BasePolicy:
-    """The policy named by `settings.policy` on `clock`, seeded by `rng_seed` or `settings.seed`."""
+    """The policy named by `settings.policy` on `clock`, its randomness seeded by `rng_seed`
+    (None: random)."""
     try:
         factory = _REGISTRY[settings.policy]
     except KeyError:

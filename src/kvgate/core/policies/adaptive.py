@@ -237,7 +237,7 @@ class AdaptivePolicy(BasePolicy):
         fresh = (  # `is_fresh`, inlined: this runs for every candidate of every decision
             sample is not None
             and now - sample.sampled_at <= settings.stale_after_s
-            and node.consecutive_failures < settings.failures_to_stale
+            and node.consecutive_failures < self.tuning.failures_to_stale
         )
         if not fresh and not node.is_live(now, settings):
             return _Fit(None, "stale")

@@ -76,7 +76,7 @@ from kvgate.core.nodes import NodeState, next_level
 from kvgate.core.peers import PeerState
 from kvgate.core.rates import DecayingRate, Ewma
 from kvgate.core.request import AdmissionRequest
-from kvgate.core.retry_after import jittered, retry_after
+from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered, retry_after
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 
@@ -228,8 +228,9 @@ class BasePolicy:
         self.settings = settings
         self.tuning = settings.tuning
         self.clock = clock
-        seed = rng_seed if rng_seed is not None else settings.seed
-        self.rng = random.Random(seed)
+        # Routing and jitter draw from here: seeded by the simulator and the benchmarks, so
+        # that a run reproduces; a gateway passes None and draws OS entropy once, here.
+        self.rng = random.Random(rng_seed)
         self.lengths = lengths if lengths is not None else OutputLengths()
         self.nodes: dict[str, NodeState] = {}
         self._holds: dict[str, _Hold] = {}
@@ -745,9 +746,7 @@ class BasePolicy:
         self, reason: str, message: str, now: float, excess_tokens: float, waitable: bool = False
     ) -> Reject:
         """429: shed now, come back after the cluster has freed `excess_tokens`."""
-        delay = retry_after(
-            excess_tokens, self._freed.value(now), self.settings.retry_after_max_s, self.rng
-        )
+        delay = retry_after(excess_tokens, self._freed.value(now), MAX_RETRY_AFTER_S, self.rng)
         return Reject(429, reason, delay, message, waitable)
 
     def _reject_unavailable(
@@ -755,8 +754,8 @@ class BasePolicy:
     ) -> Reject:
         """503: no backend can serve at all; retry after about one staleness period."""
         centre = retry_s if retry_s is not None else max(1.0, self.settings.stale_after_s)
-        centre = min(max(1.0, centre), self.settings.retry_after_max_s)
-        delay = jittered(centre, self.rng, self.settings.retry_after_max_s)
+        centre = min(max(1.0, centre), MAX_RETRY_AFTER_S)
+        delay = jittered(centre, self.rng, MAX_RETRY_AFTER_S)
         return Reject(status=503, reason=reason, retry_after_s=delay, message=message)
 
     def _open(self, now: float, request: AdmissionRequest, node_id: str, expected: int) -> Ticket:

@@ -34,7 +34,7 @@ from kvgate.core.lengths import OutputLengths
 from kvgate.core.nodes import NodeState
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest
-from kvgate.core.retry_after import jittered
+from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 
@@ -113,7 +113,7 @@ class SeedPolicy(BasePolicy):
             return Reject(
                 status=429,
                 reason="seed_saturated",
-                retry_after_s=jittered(RETRY_AFTER_S, self.rng, self.settings.retry_after_max_s),
+                retry_after_s=jittered(RETRY_AFTER_S, self.rng, MAX_RETRY_AFTER_S),
                 message="gpu cluster saturated: dynamic backpressure triggered",
             )
         self._count += 1

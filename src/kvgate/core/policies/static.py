@@ -14,12 +14,12 @@ from kvgate.core.clock import Clock
 from kvgate.core.lengths import OutputLengths
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest
-from kvgate.core.retry_after import jittered
+from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered
 from kvgate.core.settings import AdmissionSettings
 
 
 class StaticQpsPolicy(BasePolicy):
-    """A token bucket: `static_qps` requests per second, bursts up to `static_burst`."""
+    """A token bucket: `baseline.qps` requests per second, bursts up to `baseline.burst`."""
 
     name = "static-qps"
 
@@ -54,11 +54,11 @@ class StaticQpsPolicy(BasePolicy):
         self._refill(now)
         if self._tokens < 1.0:
             wait = (1.0 - self._tokens) / self._rate
-            centre = min(max(1.0, wait), self.settings.retry_after_max_s)
+            centre = min(max(1.0, wait), MAX_RETRY_AFTER_S)
             return Reject(
                 status=429,
                 reason="qps_limit",
-                retry_after_s=jittered(centre, self.rng, self.settings.retry_after_max_s),
+                retry_after_s=jittered(centre, self.rng, MAX_RETRY_AFTER_S),
                 message=f"More than {self._rate:g} requests per second; retry later.",
             )
         self._tokens -= 1.0
@@ -66,7 +66,7 @@ class StaticQpsPolicy(BasePolicy):
 
 
 class StaticConcurrencyPolicy(BasePolicy):
-    """At most `static_concurrency` requests in flight through this gateway."""
+    """At most `baseline.concurrency` requests in flight through this gateway."""
 
     name = "static-concurrency"
 

@@ -10,10 +10,10 @@ gaps with three checks that cost one timer per request and a length sum per head
 - **Header size.** The request line and headers together may be at most
   `MAX_HEADER_BYTES`; beyond that the client gets 431 and the connection is closed.
 - **Read deadline.** From a connection's first byte (or its opening) until the whole
-  request, body included, has arrived: at most `limits.client_timeout_s`. A slower client
+  request, body included, has arrived: at most `CLIENT_TIMEOUT_S`. A slower client
   gets 408 and is disconnected (the relay sees `http.disconnect` and releases everything).
   The deadline ends when the request is read, so long streamed answers are not affected.
-- **Connection count.** Beyond `limits.max_connections` open connections a new one gets
+- **Connection count.** Beyond `MAX_CONNECTIONS` open connections a new one gets
   503 with `Retry-After: 1` and is closed at once, before it can cost anything else.
 - **Lingering close.** An answer that ends the connection while the client is still
   sending its body (413 to a client that asked to close, 431) is followed by a
@@ -38,6 +38,7 @@ import asyncio
 import logging
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -48,13 +49,21 @@ from kvgate.gateway.http.disconnect import EXTENSION, DisconnectSignal, signal_o
 from kvgate.gateway.http.errors import error_body
 from kvgate.gateway.http.splice import EXTENSION as SPLICE
 from kvgate.gateway.http.splice import ClientWriter, Splicer
-from kvgate.gateway.settings import LimitSettings
 
 #: Request line and headers together, at most. An API call's headers (a key, a content
 #: type, a few tracing ids) take well under 2 KiB; 32 KiB is twice what Node.js accepts and
 #: as much as nginx's default buffers hold, room for large cookies or tokens an ingress
 #: adds, while a client still cannot make the server buffer megabytes of headers.
 MAX_HEADER_BYTES = 32 * 1024
+#: A client must send its whole request, headers and body, within this. An API client on a
+#: data-centre or office link sends even the largest allowed body (`limits.max_body_bytes`,
+#: 4 MiB) in well under a second, and at 30 s one on a 1.2 Mbit/s link still does; only a
+#: client that stalls (or trickles bytes on purpose) is cut.
+CLIENT_TIMEOUT_S = 30.0
+#: Open client connections at most. It bounds the memory and file descriptors that idle or
+#: trickling connections can hold; honest load never reaches it, since one event loop
+#: streams far fewer requests at once than this and admission sheds long before.
+MAX_CONNECTIONS = 4096
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +87,19 @@ def raw_error(status: int, message: str, code: str) -> bytes:
     return head + b"\r\n" + body
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """The guard's limits: constants, not configuration (each argued above); tests
+    shorten them to see them work."""
+
+    client_timeout_s: float = CLIENT_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol plus kvgate's connection-level input limits."""
 
-    limits: ClassVar[LimitSettings] = LimitSettings()
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
     #: How many requests each guard refused, for tests and logs: {"431": n, ...}.
     refused: ClassVar[dict[str, int]] = {}
 
@@ -100,7 +118,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cycle_transport: _CycleTransport | None = None  # made with the connection
 
     @classmethod
-    def with_limits(cls, limits: LimitSettings) -> type[GuardedHttpToolsProtocol]:
+    def with_limits(cls, limits: ConnectionLimits) -> type[GuardedHttpToolsProtocol]:
         """A subclass bound to `limits` (uvicorn instantiates the class itself)."""
         return type(cls.__name__, (cls,), {"limits": limits, "refused": {}})
 

@@ -37,7 +37,12 @@ from collections.abc import Callable, Generator
 import uvicorn
 
 from kvgate.gateway.app import Gateway
-from kvgate.gateway.http.guard import GuardCollector, GuardedHttpToolsProtocol, hypercorn_limits
+from kvgate.gateway.http.guard import (
+    ConnectionLimits,
+    GuardCollector,
+    GuardedHttpToolsProtocol,
+    hypercorn_limits,
+)
 from kvgate.gateway.security.auth import exposure_message
 from kvgate.gateway.settings import ServerSettings, listen_address
 
@@ -88,9 +93,11 @@ class GatewayServer:
         settings: ServerSettings | None = None,
         *,
         settle_heap: bool = False,
+        connection_limits: ConnectionLimits | None = None,
     ) -> None:
         self.gateway = gateway
         self.settings = settings or gateway.config.server
+        self.connection_limits = connection_limits or ConnectionLimits()
         # Freeze the heap before serving and once uvicorn has started (`_settle_heap`); only
         # when the process is this gateway's: freezing a test's or an embedder's heap would
         # keep its garbage for good.
@@ -187,7 +194,7 @@ class GatewayServer:
 
     async def _serve_uvicorn(self, sock: socket.socket) -> None:
         s = self.settings
-        protocol = GuardedHttpToolsProtocol.with_limits(self.gateway.config.limits)
+        protocol = GuardedHttpToolsProtocol.with_limits(self.connection_limits)
         self.gateway.metrics.registry.register(GuardCollector(protocol))
         config = uvicorn.Config(
             self.gateway,

@@ -268,10 +268,8 @@ class Security:
     @classmethod
     def from_config(cls, auth: AuthSettings, admin_token: str | None) -> Security:
         keys = KeyRing(load_keys(auth))
-        ledger = TenantLedger(
-            limits={name: _limits(t) for name, t in auth.tenants.items()},
-            default_limits=_limits(auth.default_tenant_limits),
-        )
+        ledger = TenantLedger()
+        _apply_limits(ledger, auth)
         return cls(FrontDoor(keys, admin_token), ledger)
 
     @property
@@ -289,9 +287,14 @@ class Security:
         if (len(keys) > 0) != self.front.enabled:
             return False
         self.front.keys = keys
-        self.ledger.limits = {name: _limits(t) for name, t in auth.tenants.items()}
-        self.ledger.default_limits = _limits(auth.default_tenant_limits)
+        _apply_limits(self.ledger, auth)
         return True
+
+
+def _apply_limits(ledger: TenantLedger, auth: AuthSettings) -> None:
+    named, others = auth.tenant_limits()
+    ledger.limits = {name: _limits(t) for name, t in named.items()}
+    ledger.default_limits = _limits(others)
 
 
 def exposure_message(host: str, port: int, keys: int, admin: bool) -> tuple[int, str]:

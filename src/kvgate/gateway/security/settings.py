@@ -23,6 +23,9 @@ from kvgate.core.request import Priority
 
 _PRIORITY_NAMES = ("critical", "standard", "sheddable")
 
+#: The name in `auth.tenants` whose limits apply to every tenant not listed by name.
+ANY_TENANT = "*"
+
 
 def _priority(name: str) -> Priority:
     return Priority.parse(name)
@@ -57,6 +60,11 @@ class ApiKeySettings(BaseModel):
     def _check(self) -> ApiKeySettings:
         if (self.key is None) == (self.key_sha256 is None):
             raise ValueError("give exactly one of `key` and `key_sha256`")
+        if self.tenant == ANY_TENANT:
+            raise ValueError(
+                f"`{ANY_TENANT}` is not a tenant name: in auth.tenants it stands for every"
+                " tenant not listed"
+            )
         for field in ("default_priority", "max_priority"):
             value = getattr(self, field)
             if value.strip().lower() not in _PRIORITY_NAMES:
@@ -96,12 +104,16 @@ class AuthSettings(BaseModel):
         description="YAML/JSON file with more keys (same fields), read at start and reload.",
     )
     tenants: dict[str, TenantSettings] = Field(
-        default_factory=dict, description="Per-tenant limits, by tenant name."
+        default_factory=dict,
+        description="Per-tenant limits (`max_in_flight_tokens`: KV tokens, prompt +"
+        " max_tokens, held at once; `max_in_flight_requests`), by tenant name; the entry"
+        ' `"*"` applies to every tenant not listed (default: no limits).',
     )
-    default_tenant_limits: TenantSettings = Field(
-        default_factory=TenantSettings,
-        description="Limits of tenants not listed in `tenants` (default: none).",
-    )
+
+    def tenant_limits(self) -> tuple[dict[str, TenantSettings], TenantSettings]:
+        """The limits of the tenants listed by name, and those of every other tenant."""
+        named = {name: t for name, t in self.tenants.items() if name != ANY_TENANT}
+        return named, self.tenants.get(ANY_TENANT, TenantSettings())
 
     def all_keys(self) -> list[ApiKeySettings]:
         """`keys` plus the entries of `key_file` (read now)."""
