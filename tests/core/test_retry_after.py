@@ -11,7 +11,7 @@ from kvgate.core.admission import Admit, Outcome, Reject
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import FlowController, Waiter
 from kvgate.core.request import Priority
-from kvgate.core.retry_after import retry_after, retry_after_centre
+from kvgate.core.retry_after import MAX_RETRY_AFTER_S, retry_after, retry_after_centre
 
 from .helpers import cost, make_flow, request, sample
 
@@ -87,19 +87,22 @@ def test_retry_after_falls_back_to_the_measured_release_rate() -> None:
     flow.observe("a", sample(clock, usage=0.95, capacity=100_000))
     refused = flow.submit(request("x", cost(2500, 2500), Priority.SHEDDABLE))
     assert isinstance(refused, Reject) and refused.status == 429
-    # The node's ceiling for sheddable work: the high watermark, less the margin its
-    # measured overshoot past panic has raised.
+    # The node's ceiling for sheddable work: the high watermark, less the margin that load
+    # beyond the plan has raised; a wait past the clamp is told as the clamp.
     ceiling = flow.policy.ceiling(flow.policy.nodes["a"], Priority.SHEDDABLE)  # type: ignore[attr-defined]
-    centre = (0.95 * 100_000 + 5000 - ceiling * 100_000) / rate
+    assert ceiling < 0.80
+    centre = min(MAX_RETRY_AFTER_S, (0.95 * 100_000 + 5000 - ceiling * 100_000) / rate)
     assert 0.8 * centre <= refused.retry_after_s <= 1.2 * centre
 
 
 def test_retry_after_covers_the_excess_over_the_ceiling() -> None:
     flow, clock = make_flow(reservation_overhead_tokens=0, release_rate_halflife_s=5.0)
     rate = _steady_release(flow, clock)
-    # Now the node is full; a sheddable request of 100 tokens is 10,100 tokens over its ceiling.
+    # Now the node is full; a sheddable request of 100 tokens is over its ceiling by the
+    # node's excess, 100 tokens and the margin that load beyond the plan raised.
     flow.observe("a", sample(clock, usage=0.90, capacity=100_000))
     refused = flow.submit(request("x", cost(50, 50), Priority.SHEDDABLE))
     assert isinstance(refused, Reject) and refused.status == 429
-    centre = (0.90 * 100_000 + 100 - 0.80 * 100_000) / rate
+    ceiling = flow.policy.ceiling(flow.policy.nodes["a"], Priority.SHEDDABLE)  # type: ignore[attr-defined]
+    centre = min(MAX_RETRY_AFTER_S, (0.90 * 100_000 + 100 - ceiling * 100_000) / rate)
     assert 0.8 * centre <= refused.retry_after_s <= 1.2 * centre

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from gateway.helpers import openai_error, until_ready
-from kvgate.core.settings import AdmissionSettings
+from kvgate.core.retry_after import MAX_RETRY_AFTER_S
 from kvgate.testing import eventually
 
 # The fake engine holds 16,384 KV tokens, 10% of them used by others: under the 0.92 panic
@@ -65,28 +65,27 @@ async def test_a_burst_at_start_is_told_when_the_running_work_ends(
         # A burst of clients that will not wait ...
         burst = [asyncio.create_task(_send(client, NO_WAIT)) for _ in range(BURST)]
         assert await eventually(lambda: _refused(counts) >= BURST - ROOM, 10.0), counts
-        # ... then clients that will, once a sample shows the started requests as the
-        # engine's own. A sample taken less than kvgate's reflection margin (0.1 s) after a
-        # request started holds it twice for kvgate (in the engine's gauge and as its
-        # hold), and until a later one the node looks as if a newcomer could never fit.
-        assert await eventually(lambda: all(r.chunks_sent >= 20 for r in engine.completions()), 5.0)
-        scrapes = engine.metrics_hits
-        assert await eventually(lambda: engine.metrics_hits >= scrapes + 2, 5.0)
+        await asyncio.sleep(0.05)  # (a sample between two arrivals may refuse one more)
+        # ... then clients that will, while the started requests run (a sample may show
+        # their prompts in the engine's gauge already: that is no reason to refuse).
+        assert await eventually(lambda: all(r.chunks_sent >= 1 for r in engine.completions()), 5.0)
         patient = [asyncio.create_task(_send(client, {})) for _ in range(PATIENT)]
         answered = await asyncio.gather(*burst)
         waited = await asyncio.gather(*patient)
     started = [(r, took) for r, took in answered if r.status_code == 200]
     refused = [r for r, _ in answered if r.status_code != 200]
-    # The room took 4 of the burst at once; the rest were refused at once, never a 5xx.
-    assert len(started) == ROOM, [r.status_code for r, _ in answered]
-    assert [r.status_code for r in refused] == [429] * (BURST - ROOM)
+    # The room took 4 of the burst at once (3 when a sample came between two arrivals and
+    # showed the first ones' prompts while kvgate still counted them whole: the safe
+    # error); the rest were refused at once, never a 5xx.
+    assert ROOM - 1 <= len(started) <= ROOM, [r.status_code for r, _ in answered]
+    assert [r.status_code for r in refused] == [429] * (BURST - len(started))
     # Those willing to wait waited in the gateway and were all served.
     assert [r.status_code for r, _ in waited] == [200] * PATIENT, [r.text for r, _ in waited]
     assert counts["queued"] == counts["admitted_after_wait"] == PATIENT
     assert all(b"[DONE]" in r.content for r, _ in started + waited)
     # Every refusal: an OpenAI error, a reason, and a Retry-After from the running work.
     ends_after = max(took for _, took in started)  # when the room really freed
-    clamp = AdmissionSettings().retry_after_max_s
+    clamp = MAX_RETRY_AFTER_S
     for response in refused:
         error = openai_error(response.content)
         assert error["type"] == "rate_limit_error", error

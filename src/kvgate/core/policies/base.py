@@ -697,7 +697,8 @@ class BasePolicy:
         A hold counts in full until a sample taken `reflect_margin_s` after its first token
         confirms its prompt; a long prompt's prefill can take seconds, during which the
         engine's `used` grows with it while the hold still counts it whole. Here every hold
-        sent at least a margin before the sample is taken to be in it: its prompt, and the
+        sent at least a margin before the sample, or whose first token came before it (its
+        prefill was done, its blocks taken), is taken to be in it: its prompt, and the
         output it had made by then. Admission keeps the over-count (it is the safe error);
         the panic gate and the predictions of when room frees subtract it, or a node in the
         middle of a long prefill would look fuller than it can ever be."""
@@ -712,7 +713,8 @@ class BasePolicy:
         overlap = 0.0
         for hold in book.holds.values():
             part = 0.0
-            if hold.ticket.admitted_at <= sent_by:
+            first = hold.ticket.first_token_at
+            if hold.ticket.admitted_at <= sent_by or (first is not None and first <= at):
                 likely = hold.prompt + hold.known_by(at)
                 if likely > hold.reflected:
                     part = likely - hold.reflected
