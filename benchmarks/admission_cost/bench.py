@@ -7,7 +7,7 @@ requests of 500 prompt + 500 output tokens. Rejections are measured with every n
 (`time.process_time`), so that other jobs on a shared machine do not inflate them; each
 round times a batch of decisions. Writes results.md next to this file.
 
-    /work/venv/bin/python benchmarks/admission_cost/bench.py [--quick]
+    python benchmarks/admission_cost/bench.py [--quick]
 """
 
 from __future__ import annotations

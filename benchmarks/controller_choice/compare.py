@@ -15,7 +15,7 @@ yet), the case feedback is meant to absorb; 30 % of the traffic invisible to the
 gateway's books (it bypasses kvgate); and mixed priorities. Writes results.md next to
 this file.
 
-    /work/venv/bin/python benchmarks/controller_choice/compare.py [--quick]
+    python benchmarks/controller_choice/compare.py [--quick]
 """
 
 from __future__ import annotations

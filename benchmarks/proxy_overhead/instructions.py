@@ -7,7 +7,7 @@ the gateway process executes in user space (the kernel's share is the same sysca
 both sides of an A/B), and the count of the same code repeats within ~0.5 %.
 
     python benchmarks/proxy_overhead/instructions.py kvgate floor
-    python benchmarks/proxy_overhead/instructions.py before=/work/old-checkout/src kvgate
+    python benchmarks/proxy_overhead/instructions.py before=../old-checkout/src kvgate
 
 Each argument is a stack: `kvgate` (this checkout's `kvgate serve`, native client, policy
 `none`, access log on), `floor` (`floor_app.py`: uvicorn and kvgate's upstream client with

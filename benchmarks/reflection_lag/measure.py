@@ -7,7 +7,7 @@ the first streamed token to the first `/metrics` poll (stamped when the poll was
 whose `vllm:kv_cache_usage_perc` contains the prompt. A positive lag is what the margin
 must cover; a negative one means the gauge already showed the prompt before the token.
 
-    /work/venv/bin/python benchmarks/reflection_lag/measure.py [--trials 8]
+    python benchmarks/reflection_lag/measure.py [--trials 8]
 
 Holds the machine-wide real-engine lock, starts `serve.sh` on a free port, stops it after.
 Writes results.md next to this file.

@@ -4,7 +4,7 @@ Compares prometheus_client's full text parser with kvgate's targeted scanner on 
 vLLM page (53 KB, 614 lines), and times every dialect's adapter on its fixture page.
 CPU time (time.process_time), median of 7 rounds. Run:
 
-    /work/venv/bin/python benchmarks/scrape_cost/bench_parse.py
+    python benchmarks/scrape_cost/bench_parse.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 aiohttp GET+read, the same GET with plain asyncio streams, the lean client kvgate uses,
 the vLLM parse, and the adaptive policy's observe. Best and median of 5 rounds.
-Run: /work/venv/bin/python benchmarks/scrape_cost/bench_pieces.py
+Run: python benchmarks/scrape_cost/bench_pieces.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ real vLLM parse; prints how many polls
 each lost to the timeout and their latency. Also checks the adapter's abort on a server
 started without --enable-scale-out (expect False, remembered).
 Start an engine first (`bash scripts/real-vllm/serve.sh PORT`), then:
-    /work/venv/bin/python benchmarks/scrape_cost/bench_real_vllm.py PORT [POLLS]
+    python benchmarks/scrape_cost/bench_real_vllm.py PORT [POLLS]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ adaptive policy's observe), and whether N nodes at 50 ms keep their schedule.
 
 The engines are one subprocess (page_server.py) answering every GET with the real 53 KB
 vLLM page, so the scraper process's own CPU (time.process_time) is what is measured.
-Run:  /work/venv/bin/python benchmarks/scrape_cost/bench_scrape.py [N ...] [--seconds S]
+Run:  python benchmarks/scrape_cost/bench_scrape.py [N ...] [--seconds S]
 """
 
 from __future__ import annotations
