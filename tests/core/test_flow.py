@@ -130,7 +130,7 @@ def test_queued_when_the_predicted_wait_fits() -> None:
 
 
 def test_a_zero_bound_decides_at_once() -> None:
-    bench = Bench(queue=QueueSettings(max_wait_s={}))
+    bench = Bench(queue=QueueSettings(max_wait_s={"critical": 0, "standard": 0, "sheddable": 0}))
     fill(bench)
     decision = bench.submit(500, 500)
     assert isinstance(decision, Reject) and decision.status == 429

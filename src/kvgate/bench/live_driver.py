@@ -52,7 +52,9 @@ def _gateway_env(spec: RunSpec, engines: list[str], port: int, scrape_s: float) 
         text = json.dumps(value) if isinstance(value, dict) else str(value)
         env[f"KVGATE_ADMISSION__{key.upper()}"] = text
     if not spec.queue:
-        env["KVGATE_QUEUE__MAX_WAIT_S"] = "{}"  # every request decided at once
+        env["KVGATE_QUEUE__MAX_WAIT_S"] = (
+            '{"critical": 0, "standard": 0, "sheddable": 0}'  # decide at once
+        )
     if spec.order != "fair" or not spec.feedback:
         raise ValueError(f"{spec.label}: live runs take kvgate's configuration only")
     return env

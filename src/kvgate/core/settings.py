@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from kvgate.core.request import Priority
 
@@ -140,11 +140,11 @@ def _default_waits() -> dict[BandName, float]:
     return {"critical": 60.0, "standard": 60.0, "sheddable": 30.0}
 
 
-def _default_waiting() -> dict[BandName, int]:
+def _default_waiting() -> dict[BandName, int | None]:
     return {"total": 4096}
 
 
-def _default_waiting_tokens() -> dict[BandName, int]:
+def _default_waiting_tokens() -> dict[BandName, int | None]:
     return {"total": 16_000_000}
 
 
@@ -156,17 +156,34 @@ class QueueSettings(BaseModel):
     max_wait_s: dict[BandName, float] = Field(
         default_factory=_default_waits,
         description="Longest wait per priority before a 429 (a request is queued only if it"
-        " is predicted to start within it; `X-Kvgate-Max-Wait-Ms` may lower it).",
+        " is predicted to start within it; `X-Kvgate-Max-Wait-Ms` may lower it; 0: never"
+        " wait). Priorities left out keep their defaults.",
     )
-    max_waiting: dict[BandName, int] = Field(
+    max_waiting: dict[BandName, int | None] = Field(
         default_factory=_default_waiting,
-        description="Waiting requests at most, per priority and in `total` (none: no cap).",
+        description="Waiting requests at most, per priority and in `total` (null: no cap)."
+        " Entries left out keep their defaults.",
     )
-    max_waiting_tokens: dict[BandName, int] = Field(
+    max_waiting_tokens: dict[BandName, int | None] = Field(
         default_factory=_default_waiting_tokens,
         description="KV tokens (prompt + max_tokens) waiting at most, per priority and in"
-        " `total` (none: no cap).",
+        " `total` (null: no cap). Entries left out keep their defaults.",
     )
+
+    @field_validator("max_wait_s", mode="before")
+    @classmethod
+    def _waits_over_defaults(cls, value: Any) -> Any:
+        return {**_default_waits(), **value} if isinstance(value, dict) else value
+
+    @field_validator("max_waiting", mode="before")
+    @classmethod
+    def _waiting_over_defaults(cls, value: Any) -> Any:
+        return {**_default_waiting(), **value} if isinstance(value, dict) else value
+
+    @field_validator("max_waiting_tokens", mode="before")
+    @classmethod
+    def _tokens_over_defaults(cls, value: Any) -> Any:
+        return {**_default_waiting_tokens(), **value} if isinstance(value, dict) else value
 
     @model_validator(mode="after")
     def _positive(self) -> QueueSettings:
@@ -176,7 +193,7 @@ class QueueSettings(BaseModel):
             ("max_waiting_tokens", self.max_waiting_tokens),
         ):
             for band, value in table.items():
-                if value < 0:
+                if value is not None and value < 0:
                     raise ValueError(f"queue.{name}.{band} must not be negative")
         return self
 
@@ -188,7 +205,7 @@ class QueueSettings(BaseModel):
         return 0.0
 
     @staticmethod
-    def cap(table: dict[BandName, int], band: str) -> int | None:
+    def cap(table: dict[BandName, int | None], band: str) -> int | None:
         """A cap of `max_waiting` or `max_waiting_tokens` (None: uncapped)."""
         for name, cap in table.items():
             if name == band:

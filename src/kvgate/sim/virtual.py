@@ -55,7 +55,7 @@ from kvgate.sim.workload import RequestSpec, WorkloadSpec, generate
  _SYNC, _STORE, _REPLY) = range(12)  # fmt: skip
 _PRIORITY_NAMES = {p: p.name.lower() for p in Priority}
 # A gateway without a queue: every request is admitted or refused at once.
-NO_QUEUE = QueueSettings(max_wait_s={})
+NO_QUEUE = QueueSettings(max_wait_s={"critical": 0, "standard": 0, "sheddable": 0})
 
 
 # How one try ended, from the client's point of view (shared with the live benchmark).
