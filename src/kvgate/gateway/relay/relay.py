@@ -407,7 +407,8 @@ class Relay:
             decision = await self._wait(call, decision)
         if isinstance(decision, Reject):
             self.metrics.admissions["rejected", ex.priority or "-", decision.reason] += 1
-            self.metrics.observe_retry_after(decision.retry_after_s)
+            if decision.status != 400:  # a 400 tells no Retry-After: nothing to retry
+                self.metrics.observe_retry_after(decision.retry_after_s)
             ex.reason = decision.reason
             raise _rejection(decision, after_failure=after_failure)
         self.metrics.admissions["admitted", ex.priority or "-", "admitted"] += 1
