@@ -167,8 +167,9 @@ def overview(lay: Layout) -> None:
     )
     lay.add(
         stat(
-            "Shed ratio",
-            "Share of admission decisions that were rejections (429/503 with Retry-After).",
+            "Refusal ratio",
+            "Share of admission decisions that were refusals (429/503 with Retry-After, 400):"
+            " requests that could not start or wait for room.",
             f"sum(rate({REJECTED}[{RI}])) / clamp_min(sum(rate(kvgate_admissions_total[{RI}])),"
             " 1e-9)",
             "percentunit",
@@ -277,7 +278,7 @@ def admission(lay: Layout) -> None:
     lay.add(
         timeseries(
             "Responses by status",
-            "What clients get back: 200s, 429s (shed, retry later), 503s, upstream errors.",
+            "What clients get back: 200s, 429s (refused, retry later), 503s, upstream errors.",
             [(f"sum by (status) (rate(kvgate_requests_total[{RI}]))", "{{status}}")],
             "reqps",
             stack=True,
@@ -322,10 +323,11 @@ def kv_cache(lay: Layout) -> None:
     )
     lay.add(
         timeseries(
-            "KV usage predicted by kvgate",
-            "Reported usage plus reservations of admitted requests the engine cannot show yet: "
-            "what admission decides on. Dashed: high (0.80) and panic (0.92) watermarks.",
-            [(f"kvgate_node_predicted_usage{{{NODE}}}", "{{node}}")],
+            "KV peak planned by kvgate",
+            "The highest KV usage each node is planned to reach with what runs on it (each"
+            " request growing to its expected end): what admission decides on. Dashed: high"
+            " (0.80) and panic (0.92) watermarks.",
+            [(f"kvgate_node_planned_peak{{{NODE}}}", "{{node}}")],
             "percentunit",
             max_value=1,
             thresholds=[(0.8, "yellow"), (0.92, "red")],
@@ -674,7 +676,7 @@ def dashboard() -> dict[str, Any]:
     return {
         "title": "kvgate: KV-aware admission",
         "uid": "kvgate-overview",
-        "description": "What each engine reports, what kvgate predicts, and what it sheds.",
+        "description": "What each engine reports, what kvgate plans, and what it refuses.",
         "tags": ["kvgate", "vllm", "llm"],
         "timezone": "browser",
         "schemaVersion": 39,

@@ -333,6 +333,17 @@ _NODE_GAUGES = (
         ("predicted_usage", "predicted_kv_usage"),
     ),
     (
+        "kvgate_node_planned_peak",
+        "The highest KV usage the node is planned to reach with what runs on it (0-1): what"
+        " admission decides on.",
+        ("peak_usage",),
+    ),
+    (
+        "kvgate_node_margin",
+        "How far feedback has lowered the node's ceilings for non-critical work (0-1).",
+        ("margin",),
+    ),
+    (
         "kvgate_inflight_tokens",
         "KV tokens reserved by requests admitted to the node and not yet released.",
         ("inflight_tokens", "reserved_tokens", "reservations_tokens"),
