@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-run the whole overload benchmark (issue 6) and rewrite the committed reports.
+# Re-run the whole overload benchmark and rewrite the committed reports.
 #   virtual: 16 x gpu-8b, 4 loads x 6 policies x 3 seeds, 240 s each  (~30-40 min, 2 cores)
 #   live-sim: 2 x cpu-tiny engines behind `kvgate serve`, real HTTP      (~15 min)
 #   live-vllm: the real vLLM CPU engine, direct vs adaptive              (~8 min)

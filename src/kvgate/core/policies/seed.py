@@ -1,7 +1,7 @@
 """`seed`: a faithful port of the BEHAVIOUR of the original Go sketch, FLAWS INCLUDED.
 
 This policy exists only as a baseline to compare kvgate against. Do not use it to protect
-anything. It reproduces, on purpose (see issue 4, "Known flaws of the sketch"):
+anything. It reproduces, on purpose, the known flaws of that sketch:
 
 * a rejection rate (integer percent) recomputed only on a 50 ms tick; here the tick is
   driven lazily by the injected clock (the first call after a tick boundary recomputes),

@@ -132,7 +132,7 @@ class NodeStats:
             "last_success_age_s": (
                 None if self.last_success_at is None else max(0.0, now - self.last_success_at)
             ),
-            "last_sample": None if sample is None else sample_as_dict(sample),
+            "last_sample": None if sample is None else sample.as_dict(),
         }
 
     def drain_latencies(self) -> list[float]:
@@ -145,18 +145,6 @@ class NodeStats:
     def _observe_latency(self, latency: float) -> None:
         self.last_latency_s = latency
         self._latency_observations.append(latency)
-
-
-def sample_as_dict(sample: NodeSample) -> dict[str, Any]:
-    return {
-        "kv_usage": sample.kv_usage,
-        "kv_capacity_tokens": sample.kv_capacity_tokens,
-        "running": sample.running,
-        "waiting": sample.waiting,
-        "iteration_latency_s": sample.iteration_latency_s,
-        "preemptions_total": sample.preemptions_total,
-        "sampled_at": sample.sampled_at,
-    }
 
 
 class Scraper:
