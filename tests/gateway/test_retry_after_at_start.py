@@ -3,7 +3,7 @@
 A freshly started gateway has measured nothing yet: no request has ended, no stream has
 shown the engine's pace, so no rate of freeing is known. A burst larger than the engine's
 room must still be told when to come back from the gateway's own state (when the requests
-it started will end), never the clamp (`admission.retry_after_max_s`, 30 s) that a gateway
+it started will end), never the clamp (`MAX_RETRY_AFTER_S`, 30 s) that a gateway
 without a prediction would fall back to. Real adaptive policy, the fake engine, real
 sockets.
 """

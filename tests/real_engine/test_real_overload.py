@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvgate.core.retry_after import MAX_RETRY_AFTER_S
 from kvgate.core.settings import AdmissionSettings
 from real_engine.conftest import (
     BURST_MAX_TOKENS,
@@ -79,7 +80,7 @@ def _assert_impatient_refused_with_a_prediction(result: QueuedBurst) -> None:
     served = result.burst.median_admitted_latency()
     assert max(o.latency_s for o in impatient) < served, summary
     # Retry-After is a prediction, not the clamp.
-    clamp = DEFAULTS.retry_after_max_s
+    clamp = MAX_RETRY_AFTER_S
     assert min(float(o.retry_after_ms or "nan") for o in impatient) < clamp * 1000, summary
 
 

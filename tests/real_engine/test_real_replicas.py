@@ -114,13 +114,6 @@ async def _split_burst(
     return BurstResult(list(outcomes), recorder.samples, preempted, wall)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="core: behind a first waiter, a replica whose engine is held by the other's"
-    " requests predicts no drain and refuses (wait_exceeded: measured 10 of 16); and the"
-    " split of the room lets the two start 6 where one gateway starts 5 (peak KV 0.94)."
-    " Both reproduced on a manual clock in tests/cluster/test_replica_race.py",
-)
 @pytest.mark.timeout(300)
 async def test_two_replicas_serve_the_burst_whole_without_preemption(
     redis: RedisServer,
