@@ -21,9 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,16 +31,13 @@ from statistics import mean
 
 import httpx
 
+from kvgate import children
+from kvgate.testing import free_port
+
 HERE = Path(__file__).resolve().parent
 KEYS = {"flood": "flood-key-0123456789", "light": "light-key-0123456789"}
 PROMPT = "word " * 200
 MAX_TOKENS = 200
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -130,12 +124,7 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    children.stop(proc, 20.0, group=True)
 
 
 async def wait_ready(url: str) -> None:

@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvgate import children
+from kvgate.testing import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -52,12 +53,6 @@ WANTED = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:num_preemptions_total": "preemptions",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def read_metrics(text: str) -> dict[str, float]:
@@ -223,13 +218,7 @@ async def wait_idle(engine: str, timeout_s: float = 60.0) -> None:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    children.stop(proc, 20.0, group=True)
 
 
 async def main(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ politely, then firmly."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 from typing import Any
@@ -20,13 +21,23 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def stop(process: subprocess.Popen[Any], timeout_s: float) -> None:
-    """SIGTERM, up to `timeout_s` to exit, then SIGKILL; returns once it has exited."""
+def stop(process: subprocess.Popen[Any], timeout_s: float, *, group: bool = False) -> None:
+    """SIGTERM, up to `timeout_s` to exit, then SIGKILL; returns once it has exited.
+    `group`: signal its whole process group (a child started with `start_new_session`
+    whose own children must go with it, such as a shell script that runs a server)."""
     if process.poll() is not None:
         return
-    process.send_signal(signal.SIGTERM)
+
+    def send(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(process.pid, sig)
+            else:
+                process.send_signal(sig)
+
+    send(signal.SIGTERM)
     try:
         process.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        process.kill()
+        send(signal.SIGKILL)
         process.wait()
