@@ -20,8 +20,12 @@ never waits for that exchange; it folds the latest views in when they arrive:
   the phases of their ticks. A claim can only shrink what a replica may still add, never
   grow it before it is published. What each replica claims is its part of the slack: the
   replica whose queue head has waited longest (ages compared at one instant: each view's
-  age is added) first gets what that head needs, and the rest goes by the tokens each
-  replica has waiting (equal parts when none has any). Two replicas racing for the last
+  age is added) first gets what that head needs; then each replica gets what it is
+  expected to need before its next claim (its waiting tokens, and its recent arrivals over
+  two sync periods; in proportion when they need more than there is), and the rest goes in
+  equal parts, so that no replica is left without room for what arrives (a split by
+  demand alone swings the whole room from one replica to another sync after sync, since a
+  claim is seen one sync late). Two replicas racing for the last
   room on a node: one sync publishes both heads, the next gives the room to the older one;
   the other waits for the next room.
 - **Tenants and fairness.** Each replica's in-flight usage per tenant and its fairness
@@ -41,9 +45,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# A replica's demand counts at least this many tokens, so that replicas with nothing
-# waiting still get an even part of the slack for what arrives before the next sync.
-_DEMAND_FLOOR = 1.0
+# What a replica is expected to need before its claim is renewed: the tokens arriving at
+# its recent rate over this horizon (two sync periods) come on top of those waiting.
+DEMAND_HORIZON_S = 0.1
 
 
 @dataclass(slots=True)
@@ -73,13 +77,19 @@ class PeerState:
 
 @dataclass(frozen=True, slots=True)
 class Demand:
-    """One replica's claim on slack: its id, the tokens it has waiting, its head's need and
-    how long the head has waited."""
+    """One replica's claim on slack: its id, the tokens it has waiting, its head's need, how
+    long the head has waited, and the tokens per second arriving at it lately."""
 
     replica: str
     waiting_tokens: float
     head_tokens: float
     head_age_s: float
+    arrival_tokens_per_s: float = 0.0
+
+    @property
+    def need(self) -> float:
+        """Tokens it is expected to need before its next claim."""
+        return self.waiting_tokens + self.arrival_tokens_per_s * DEMAND_HORIZON_S
 
 
 def merge(views: Iterable[Mapping[str, Any]], now: float) -> PeerState:
@@ -125,28 +135,34 @@ def demand_of(view: Mapping[str, Any]) -> Demand:
         head_tokens=float(queue.get("head_tokens", 0.0)),
         # The head has waited since the view was published too: ages compare at one instant.
         head_age_s=float(queue.get("head_age_s", 0.0)) + float(view.get("view_age_s", 0.0)),
+        arrival_tokens_per_s=float(queue.get("arrival_tokens_per_s", 0.0)),
     )
 
 
 def share_of(me: str, demands: Sequence[Demand], slack: float) -> float:
     """This replica's fraction of a node's `slack` (see the module docstring); the same
-    split on every replica that sees the same demands."""
+    split on every replica that sees the same demands. The oldest waiting head gets what it
+    needs first; then every replica gets what it is expected to need before its next claim
+    (in proportion, when they need more than there is), and what is left goes in equal
+    parts, so that a replica that is idle now still has room for what arrives."""
     if not demands:
         return 1.0
     if slack <= 0:
         return 1.0 / len(demands)
+    whole = slack
+    needs = {d.replica: d.need for d in demands}
+    mine = 0.0
     waiting = [d for d in demands if d.waiting_tokens > 0]
-    first_take = 0.0
-    first: str | None = None
     if waiting:
         head = max(waiting, key=lambda d: (d.head_age_s, d.replica))
-        first, first_take = head.replica, min(slack, head.head_tokens)
-    rest = slack - first_take
-    weights = {d.replica: max(_DEMAND_FLOOR, d.waiting_tokens) for d in demands}
-    if first is not None:
-        weights[first] = max(_DEMAND_FLOOR, weights[first] - first_take)
-    total = sum(weights.values())
-    mine = rest * weights.get(me, 0.0) / total if total > 0 else 0.0
-    if me == first:
-        mine += first_take
-    return max(0.0, min(1.0, mine / slack))
+        first = min(slack, head.head_tokens)
+        needs[head.replica] = max(0.0, needs[head.replica] - first)
+        slack -= first
+        if head.replica == me:
+            mine += first
+    total = sum(needs.values())
+    if total >= slack:
+        mine += slack * needs.get(me, 0.0) / total if total > 0 else 0.0
+    else:
+        mine += needs.get(me, 0.0) + (slack - total) / len(demands)
+    return max(0.0, min(1.0, mine / whole))

@@ -57,12 +57,15 @@ from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.flow.fairness import Fairness, TokenFairness
 from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
 from kvgate.core.policies.base import BasePolicy
+from kvgate.core.rates import DecayingRate
 from kvgate.core.request import AdmissionRequest, Priority
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, jittered
 from kvgate.core.settings import QueueSettings
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import Lease, TenantLedger, TenantRefusal
 
+# Half-life of the arrival rate a replica tells the others (what it will need next).
+ARRIVALS_HALFLIFE_S = 1.0
 # A dispatch walk stops after this many waiters in a row found no room.
 MAX_MISSES = 16
 # A sample wakes the waiters at most this often (a release always does): samples of many
@@ -104,6 +107,7 @@ class FlowController:
         self._walked: tuple[int, float] = (-1, float("-inf"))
         self.replica = replica  # its name among the gateway's replicas (kvgate.core.peers)
         self._peer_demands: list[peers.Demand] = []  # the others' queues, as of the last sync
+        self._arrivals = DecayingRate(ARRIVALS_HALFLIFE_S)  # tokens submitted per second
         self._peers_at = 0.0
         self._peer_tenant_queues: list[tuple[str, dict[str, list[float]]]] = []
         self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
@@ -118,6 +122,7 @@ class FlowController:
         if too_big is not None:
             self.tenants.refused(request.tenant)
             return Reject(400, "tenant_limit", 0.0, f"{too_big.message} It can never start.")
+        self._arrivals.add(now, tokens)
         bound = self._bound(request)
         blocked = self.tenants.check(request.tenant, tokens)
         ahead = self._tokens_ahead(request)
@@ -348,6 +353,7 @@ class FlowController:
             "waiting_tokens": self.queue.tokens,
             "head_tokens": head_tokens,
             "head_age_s": 0.0 if head is None else now - head.enqueued_at,
+            "arrival_tokens_per_s": round(self._arrivals.value(now), 1),
         }
 
     def _tenant_demand(self, now: float) -> dict[str, list[float]]:
