@@ -137,7 +137,7 @@ class AdmissionSettings(BaseModel):
 
 
 def _default_waits() -> dict[BandName, float]:
-    return {"critical": 120.0, "standard": 120.0, "sheddable": 60.0}
+    return {"critical": 60.0, "standard": 60.0, "sheddable": 30.0}
 
 
 def _default_waiting() -> dict[BandName, int | None]:
