@@ -9,6 +9,8 @@ reproduce what the live tests (`test_live_admission.py`) see with real processes
 
 from __future__ import annotations
 
+import bench_scripts
+
 from kvgate.cluster.memory import MemoryStore
 from kvgate.cluster.sync import SYNC_PERIOD_S, ClusterSync
 from kvgate.core.admission import Admit, Decision
@@ -105,36 +107,12 @@ async def test_a_tenant_limit_holds_across_three_replicas_ticking_at_their_own_p
 
 
 def test_shared_replicas_never_preempt_small_engines_in_virtual_time() -> None:
-    """The live benchmark's burst (benchmarks/replicas/live.py) in virtual time: four
-    cpu-tiny engines, 2 s at 20 requests/s then 6 s at 3.3/s, ~800-token prompts, 300
-    output tokens; two replicas syncing every 50 ms, as live replicas do."""
-    from kvgate.sim.presets import get_preset
-    from kvgate.sim.virtual import VirtualCluster, VirtualConfig
-    from kvgate.sim.workload import Phase, WorkloadSpec
-
-    workload = WorkloadSpec(
-        phases=(Phase(2.0, 20.0), Phase(6.0, 20.0 / 6)),
-        prompt_mean=800,
-        prompt_sigma=0.05,
-        max_tokens_mean=300,
-        max_tokens_sigma=0.0,
-        ignore_eos_fraction=1.0,
-        priority_weights=(0, 1, 0),
-    )
-    config = VirtualConfig(
-        engine=get_preset("cpu-tiny"),
-        workload=workload,
-        duration_s=8.0,
-        nodes=4,
-        gateways=2,
-        admission=AdmissionSettings(policy="adaptive"),
-        drain_s=60.0,
-        seed=1,
-        sync_interval_s=SYNC_PERIOD_S,
-        store_latency_s=0.001,
-    )
-    result = VirtualCluster(config).run()
-    assert result.summary()["preemptions"] == 0
+    """The replica benchmark's small-engine burst (`benchmarks/replicas/virtual.py`, the
+    live benchmark's burst: four cpu-tiny engines, 2 s at 20 requests/s then 6 s at
+    3.3/s, ~800-token prompts, 300 output tokens) through two replicas syncing every 50 ms
+    in one atomic exchange, as live replicas do."""
+    result = bench_scripts.load("replicas/virtual.py").run("cpu-tiny", 2, True, 1)
+    assert result["preemptions"] == 0
 
 
 async def test_requests_queue_behind_a_waiter_when_the_room_is_held_by_another_replica() -> None:

@@ -12,11 +12,9 @@ room instead of being refused) with no preemption at all.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
+import bench_scripts
 import pytest
 
 from real_engine.conftest import GatewayFactory
@@ -24,24 +22,12 @@ from real_engine.engine import ServerProcess, record_figure
 
 pytestmark = pytest.mark.real_engine
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _bench() -> ModuleType:
-    path = REPO / "benchmarks" / "vllm_burst" / "run.py"
-    spec = importlib.util.spec_from_file_location("vllm_burst_run", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.mark.timeout(300)
 async def test_vllm_benchmark_burst_is_served_whole_without_preemption(
     start_gateway: GatewayFactory, idle_engine: ServerProcess, tmp_path: Path
 ) -> None:
-    bench = _bench()
+    bench = bench_scripts.load("vllm_burst/run.py")
     # The engine's pace on a shared machine varies several-fold (this burst takes the
     # engine alone 13-70 s): the bound covers the slowest, so that the test is of the
     # queue serving the burst whole, not of the machine's speed.

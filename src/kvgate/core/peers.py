@@ -70,7 +70,6 @@ class PeerState:
     nodes: dict[str, NodePeers] = field(default_factory=dict)
     tenants: dict[str, tuple[int, int]] = field(default_factory=dict)  # tokens, requests
     service: dict[str, float] = field(default_factory=dict)  # fairness counters, summed
-    share: float = 1.0  # this replica's part of each node's slack until the next sync
     members: int = 1
     isolated: bool = False
 
@@ -137,6 +136,17 @@ def demand_of(view: Mapping[str, Any]) -> Demand:
         head_age_s=float(queue.get("head_age_s", 0.0)) + float(view.get("view_age_s", 0.0)),
         arrival_tokens_per_s=float(queue.get("arrival_tokens_per_s", 0.0)),
     )
+
+
+def tenant_demand_of(view: Mapping[str, Any]) -> dict[str, list[float]]:
+    """A view's demand per limited tenant, `[waiting requests, waiting tokens, head's
+    tokens, head's age]`, its heads' ages as of now (like `demand_of`)."""
+    age = float(view.get("view_age_s", 0.0))
+    out: dict[str, list[float]] = {}
+    for tenant, entry in (view.get("tenant_queue") or {}).items():
+        count, tokens, head, head_age = (float(x) for x in entry)
+        out[str(tenant)] = [count, tokens, head, head_age + age]
+    return out
 
 
 def share_of(me: str, demands: Sequence[Demand], slack: float) -> float:

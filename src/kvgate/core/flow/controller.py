@@ -386,7 +386,9 @@ class FlowController:
         self.policy.set_peers(state)
         self.tenants.peers = state.tenants
         self.tenants.split = 1
-        self._peer_tenant_queues = [(str(v.get("replica", "")), _aged_queues(v)) for v in others]
+        self._peer_tenant_queues = [
+            (str(v.get("replica", "")), peers.tenant_demand_of(v)) for v in others
+        ]
         self.tenants.set_peer_claims(peers.tenant_claims(others))
         self.queue.fairness.set_peer_service(state.service)
         self.dispatch()
@@ -606,16 +608,6 @@ class FlowController:
         notify = waiter.notify
         if notify is not None:
             notify(decision)
-
-
-def _aged_queues(view: Mapping[str, Any]) -> dict[str, list[float]]:
-    """A peer view's per-tenant demand, its heads' ages as of the view's arrival."""
-    age = float(view.get("view_age_s", 0.0))
-    out: dict[str, list[float]] = {}
-    for tenant, entry in (view.get("tenant_queue") or {}).items():
-        count, tokens, head, head_age = (float(x) for x in entry)
-        out[str(tenant)] = [count, tokens, head, head_age + age]
-    return out
 
 
 def _part(me: str, demands: list[peers.Demand], left: float | None, whole: bool) -> float:

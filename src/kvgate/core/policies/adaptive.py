@@ -230,16 +230,7 @@ class AdaptivePolicy(BasePolicy):
     ) -> _Fit:
         """Does the request fit on the node now; with how much headroom left, or why not."""
         node = self.nodes.get(node_id)
-        if node is None:
-            return _Fit(None, "stale")
-        sample = node.sample
-        settings = self.settings
-        fresh = (  # `is_fresh`, inlined: this runs for every candidate of every decision
-            sample is not None
-            and now - sample.sampled_at <= settings.stale_after_s
-            and node.consecutive_failures < self.tuning.failures_to_stale
-        )
-        if not fresh and not node.is_live(now, settings):
+        if node is None or not node.is_live(now, self.settings):
             return _Fit(None, "stale")
         if node.thrashing:
             return _Fit(None, "thrashing")

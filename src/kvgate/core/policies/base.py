@@ -82,7 +82,8 @@ from kvgate.core.signals import NodeSample
 
 _NEG_INF = float("-inf")
 # The engine frees a request's blocks at most this long before the gateway reads its end
-# (the final chunk's relay); a sample that arrived within it may already lack them.
+# (the final chunk's relay, which adds 3-4 ms at p99: benchmarks/proxy_overhead); a sample
+# that arrived within it may already lack them.
 FREED_MARGIN_S = 0.02
 # Token-count checkpoints kept per request, at least a third of `reflect_margin_s` apart, so
 # a sample's cutoff (its time less the margin) always finds one however often counts come.
