@@ -316,7 +316,8 @@ class FlowController:
         self, mine: Mapping[str, list[float]], since: float
     ) -> dict[str, list[float | None]]:
         """Claims on each limited tenant's remaining room, split between the replicas as a
-        node's slack is: what the longest-waiting head needs first, the rest by demand."""
+        node's slack is (`peers.share_of`): what the longest-waiting head needs first, then
+        what each replica has waiting, the rest in equal parts."""
         tenants = {*mine, *self.tenants.local_usage(), *self.tenants.peers, *self.tenants.limits}
         for _, queues in self._peer_tenant_queues:
             tenants.update(queues)
