@@ -9,7 +9,7 @@ never waits for that exchange; it folds the latest views in when they arrive:
   now, the steps it still has to run, and how long ago it was sent to the engine. Other
   replicas' requests enter a node's envelope like this replica's own, so every replica
   plans the same peak. A request's age says what of its unseen tokens a sample most likely
-  holds already (one taken a margin after it was sent: a prefill in progress); like a
+  holds already (one taken after it was sent: a prefill in progress); like a
   replica's own, that over-count stays in admission and leaves the predictions.
 - **Claims on the slack.** Between two syncs, replicas cannot see each other's new
   admissions. So each replica, when it publishes its view, *claims* part of every node's
@@ -57,7 +57,7 @@ class NodePeers:
     unreflected: float = 0.0  # tokens their samples cannot contain yet
     claimed: float = 0.0  # what they may still add until their next sync (their claims)
     # (sent at, on this replica's clock; unreflected tokens) of each request with some
-    # unreflected: what a sample taken a margin after it was sent most likely holds.
+    # unreflected: what a sample taken after it was sent most likely holds.
     unseen: list[tuple[float, float]] = field(default_factory=list)
     upper: float = 0.0  # unreflected + every remaining step: nothing ends
     loads: list[tuple[float, float]] = field(default_factory=list)  # (remaining, held)

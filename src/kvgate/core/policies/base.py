@@ -689,8 +689,8 @@ class BasePolicy:
         own = self.own_overlap(node)
         if peers is None or not peers.unseen or node.sample is None:
             return own
-        sent_by = node.sample.sampled_at - self.tuning.reflect_margin_s
-        return own + sum(tokens for sent, tokens in peers.unseen if sent <= sent_by)
+        at = node.sample.sampled_at
+        return own + sum(tokens for sent, tokens in peers.unseen if sent < at)
 
     def own_overlap(self, node: NodeState) -> float:
         """Tokens the node's last sample most likely holds twice for this replica.
@@ -698,11 +698,12 @@ class BasePolicy:
         A hold counts in full until a sample taken `reflect_margin_s` after its first token
         confirms its prompt; a long prompt's prefill can take seconds, during which the
         engine's `used` grows with it while the hold still counts it whole. Here every hold
-        sent at least a margin before the sample, or whose first token came before it (its
-        prefill was done, its blocks taken), is taken to be in it: its prompt, and the
-        output it had made by then. Admission keeps the over-count (it is the safe error);
-        the panic gate and the predictions of when room frees subtract it, or a node in the
-        middle of a long prefill would look fuller than it can ever be."""
+        sent before the sample was taken is taken to be in it (an engine with room takes a
+        prompt's blocks when the request arrives): its prompt, and the output it had made
+        by then. Admission keeps the over-count (it is the safe error); the panic gate and
+        the predictions of when room frees subtract it, or a node in the middle of a long
+        prefill would look fuller than it can ever be, and a request that will fit once
+        what runs has ended would be refused as one that never fits."""
         book = self._books.get(node.node_id)
         sample = node.sample
         if book is None or sample is None or sample.kv_usage is None:
@@ -710,12 +711,10 @@ class BasePolicy:
         at = sample.sampled_at
         if book.overlap_for == at:
             return book.overlap  # once per sample; a release takes its own part out
-        sent_by = at - self.tuning.reflect_margin_s
         overlap = 0.0
         for hold in book.holds.values():
             part = 0.0
-            first = hold.ticket.first_token_at
-            if hold.ticket.admitted_at <= sent_by or (first is not None and first <= at):
+            if hold.ticket.admitted_at < at:
                 likely = hold.prompt + hold.known_by(at)
                 if likely > hold.reflected:
                     part = likely - hold.reflected
