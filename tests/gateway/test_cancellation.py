@@ -61,8 +61,8 @@ async def test_disconnect_while_waiting_reaches_the_engine(
     )  # fmt: skip
     if stage == "before_first_token":
         await client.read_until(b"\r\n\r\n")
-    else:
-        await asyncio.sleep(0.15)  # the request is upstream, the engine is busy with it
+    else:  # the request is upstream, the engine is busy with it
+        assert await eventually(lambda: any(r.request_id == rid for r in fake_engine.requests))
     assert fake_engine.by_id(rid).closed_by_client_at is None
     client.drop()
     took = await _propagation(fake_engine, client, rid)
@@ -80,7 +80,8 @@ async def test_disconnect_mid_stream_stops_the_tokens(
     client = await _leave_mid_stream(gw.url, rid)
     took = await _propagation(fake_engine, client, rid)
     sent_at_close = fake_engine.by_id(rid).chunks_sent
-    await asyncio.sleep(0.1)
+    # Once the engine has stopped handling the request its count is final.
+    assert await eventually(lambda: fake_engine.by_id(rid).handled_at is not None)
     print(f"\nmid_stream: engine saw the close {took * 1000:.2f} ms after the client")
     assert took < GENEROUS_S
     assert fake_engine.by_id(rid).chunks_sent == sent_at_close < 500  # no further tokens
@@ -100,8 +101,7 @@ async def test_many_concurrent_disconnects_leave_nothing_behind(
         clients.append(
             await RawClient.post(gw.url, "/v1/completions", body, {"x-request-id": f"many-{i}"})
         )
-    await asyncio.sleep(0.2)
-    assert gw.in_flight == 20
+    assert await eventually(lambda: gw.in_flight == 20)
     for client in clients:
         client.drop()
     for i in range(20):

@@ -39,6 +39,9 @@ class EngineRequest:
     chunk_times: list[float] = field(default_factory=list)  # when each token event was written
     closed_by_client_at: float | None = None  # when the engine read end-of-file from the client
     completed_at: float | None = None
+    # When the engine stopped handling a completion (answered, cut, or given up on its
+    # departed client): nothing more is sent for it after this.
+    handled_at: float | None = None
 
     @property
     def json(self) -> Any:
@@ -226,6 +229,7 @@ class FakeEngine:
             return await _send(writer, 200, orjson.dumps(answer), keep_alive=False)
         finally:
             closed.cancel()
+            req.handled_at = time.monotonic()
 
     async def _stream(
         self,
