@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -38,9 +37,16 @@ from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.relay.relay import Relay
 from kvgate.gateway.relay.tokenizers import load_tokenizers
 from kvgate.gateway.relay.upstream import ModelCatalog, UpstreamPool
+from kvgate.gateway.security.admin import AdminAccess, is_admin_path
 from kvgate.gateway.security.auth import Security, TenantCollector
 
 log = logging.getLogger(__name__)
+
+#: The admin routes that change the gateway, and their 403 while no admin token is set.
+_CONTROLS = {
+    "/admin/signals": AdminAccess(True, "Pushed signals are disabled", "push_disabled"),
+    "/admin/reload": AdminAccess(True, "Reloading is disabled", "reload_disabled"),
+}
 
 
 class Gateway:
@@ -74,8 +80,9 @@ class Gateway:
         self._resolver = resolver
         self.discovery = Discovery(config.backends, resolver)
         self.backends = backends if backends is not None else self.discovery.backends()
-        # Without API keys `security` is inert; with them it authenticates every request and
-        # names its tenant, whose limits the core's flow controller keeps.
+        # Without API keys the front door is off; with them it authenticates every request
+        # and names its tenant, whose limits the core's flow controller keeps. The admin
+        # check guards every admin route either way.
         self.security = Security.from_config(config.auth, config.server.admin_token)
         self.admission = FlowController(
             policy or build_policy(config.admission, self.clock),
@@ -120,6 +127,8 @@ class Gateway:
         if not config.server.metrics_listen:  # else only on its own address: serve_metrics
             self.routes["GET", "/metrics"] = self._metrics
         self._merge_dashboard()
+        self.routes = self.security.admin.protect_routes(self.routes, _CONTROLS)
+        self._no_admin_route = self.security.admin.protect(self._no_route)
         self._paths = {path for _, path in self.routes}
         # A reload may change the keys, never switch them on or off (Security.update).
         self._front_door = self.security.front.enabled
@@ -141,22 +150,26 @@ class Gateway:
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            handler = self.routes.get((scope["method"], scope["path"]))
+            path = scope["path"]
+            handler = self.routes.get((scope["method"], path))
             if handler is not None:
                 await handler(scope, receive, send)
-            elif scope["path"].startswith("/v1/") and scope["path"] not in self._paths:
+            elif path.startswith("/v1/") and path not in self._paths:
                 await self.relay.passthrough(scope, receive, send)
-            elif scope["path"] in self._paths:
-                await send_error(
-                    send,
-                    GatewayError(
-                        405, f"Method {scope['method']} not allowed.", "method_not_allowed"
-                    ),
-                )
+            elif is_admin_path(path):  # what exists under /admin is the admin's to learn
+                await self._no_admin_route(scope, receive, send)
             else:
-                await send_error(send, GatewayError(404, f"No route {scope['path']}.", "not_found"))
+                await self._no_route(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _no_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """405 for a known path asked with another method, else 404."""
+        if scope["path"] in self._paths:
+            message = f"Method {scope['method']} not allowed."
+            await send_error(send, GatewayError(405, message, "method_not_allowed"))
+        else:
+            await send_error(send, GatewayError(404, f"No route {scope['path']}.", "not_found"))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
@@ -386,7 +399,6 @@ class Gateway:
     async def _signals(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Samples pushed by sidecars, for engines kvgate cannot scrape itself."""
         try:
-            self._check_admin(scope, "Pushed signals are disabled", "push_disabled")
             body = await _read_small_body(receive, MAX_PUSH_BYTES)
             accepted = self._apply_push(body)
         except GatewayError as err:
@@ -397,11 +409,7 @@ class Gateway:
     async def _reload(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Re-read the configuration and apply its backends (as SIGHUP does)."""
         try:
-            self._check_admin(scope, "Reloading is disabled", "reload_disabled")
             change, later = self.reload()
-        except GatewayError as err:
-            await send_error(send, err)
-            return
         except ReloadUnavailable as exc:
             await send_error(send, GatewayError(409, f"{exc}.", "reload_unavailable"))
             return
@@ -415,19 +423,6 @@ class Gateway:
             "restart_needed": later,
         }
         await send_json(send, 200, orjson.dumps(body))
-
-    def _check_admin(self, scope: Scope, disabled: str, code: str) -> None:
-        """The admin bearer token; `disabled` and `code` say which route is off without one."""
-        token = self.config.server.admin_token
-        if not token:
-            raise GatewayError(403, f"{disabled}: set server.admin_token.", code)
-        sent = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                sent = value
-        expected = b"Bearer " + token.encode()
-        if not hmac.compare_digest(sent, expected):
-            raise GatewayError(401, "A valid admin bearer token is required.", "invalid_token")
 
     def _apply_push(self, body: bytes) -> int:
         """Validate every sample first (all or nothing), then feed them to the policy."""
@@ -476,7 +471,6 @@ async def _quiet(coro: Awaitable[Any]) -> Any:
     except Exception:
         log.exception("background task failed")
         return None
-
 
 async def _read_small_body(receive: Receive, limit: int) -> bytes:
     parts: list[bytes] = []

@@ -269,7 +269,8 @@ async def test_kvgate_serve_applies_a_changed_file_on_sighup(
     _write_config(path, [first.url], server=info)
     async with kvgate_serve("--config", str(path)) as served:
         url = served.url
-        async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        admin = {"authorization": f"Bearer {TOKEN}"}  # the file sets an admin token
+        async with httpx.AsyncClient(base_url=url, timeout=5, headers=admin) as client:
             assert await until_ready(client), "kvgate serve never became ready"
             assert (await _completion(url, "second")).status_code == 404
 

@@ -249,8 +249,9 @@ class GatewayServer:
     def _log_exposure(self, sock: socket.socket) -> None:
         """Say at start who can reach this gateway (a warning: public and no API keys)."""
         host, port = sock.getsockname()[:2]
-        front = self.gateway.security.front
-        level, text = exposure_message(host, port, len(front.keys), front.has_admin_token)
+        security = self.gateway.security
+        keys, admin = len(security.front.keys), security.admin.has_token
+        level, text = exposure_message(host, port, keys, admin)
         log.log(level, "%s", text)
 
     @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Client authentication, tenant limits and the admin token: kvgate's front door.
+"""Client authentication and tenant limits: kvgate's front door.
 
 `FrontDoor` runs before routing, only when keys are configured (without keys it is not on
 the request path at all):
@@ -9,15 +9,14 @@ the request path at all):
   lowered to the key's maximum (never refused: clients that always ask for `critical` keep
   working, they just are not believed). The client's key is removed from the headers, so
   it never reaches an engine; engines get their own `backends[].api_key`, if any.
-- `/admin/...` and `/dashboard...` need `server.admin_token`, as a bearer token or as the
-  password of HTTP Basic auth (what a browser prompts for, so the dashboard and its event
-  stream work without any page changes). With keys but no admin token they are closed.
+- `/admin/...` and `/dashboard...` need no client key: they are the admin check's
+  (`kvgate.gateway.security.admin`, the same rule with or without keys).
 - `/healthz`, `/readyz` and `/metrics` stay open, for probes and Prometheus.
 
 Keys are never compared as plain text: the presented key is hashed (SHA-256), its digest
 looked up among the configured digests and confirmed with `hmac.compare_digest`, so the
 timing tells an attacker nothing about how close a guess was (see `KeyRing`). Digests,
-not keys, are kept in memory, and nothing here logs a key or a token.
+not keys, are kept in memory, and nothing here logs a key.
 
 The front door leaves the key's tenant in the ASGI scope (`TENANT_SCOPE_KEY`); the relay
 puts it on the request's `AdmissionRequest`, and the core's flow controller enforces the
@@ -27,8 +26,6 @@ module owns the `TenantLedger` those limits live in, so a reload can change them
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import hmac
 import ipaddress
@@ -43,6 +40,7 @@ from kvgate.core.request import Priority
 from kvgate.core.tenants import TenantLedger, TenantLimits
 from kvgate.gateway.http.asgi import TENANT_SCOPE_KEY, ASGIApp, Receive, Scope, Send
 from kvgate.gateway.http.errors import GatewayError, send_error
+from kvgate.gateway.security.admin import AdminGuard, is_admin_path
 from kvgate.gateway.security.settings import AuthSettings, TenantSettings
 
 log = logging.getLogger(__name__)
@@ -50,7 +48,6 @@ log = logging.getLogger(__name__)
 
 _CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
 _PRIORITY_HEADER = b"x-kvgate-priority"
-_ADMIN_PREFIXES = ("/admin/", "/dashboard")
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
@@ -123,44 +120,22 @@ def presented_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-def admin_credential(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
-    """The admin token from a bearer header or from HTTP Basic auth's password."""
-    for name, value in headers:
-        if name != b"authorization":
-            continue
-        scheme, _, token = value.partition(b" ")
-        scheme = scheme.lower()
-        if scheme == b"bearer":
-            return token.strip()
-        if scheme == b"basic":
-            try:
-                decoded = base64.b64decode(token.strip(), validate=True)
-            except (binascii.Error, ValueError):
-                return None
-            return decoded.partition(b":")[2]
-    return None
-
-
-def _unauthorized(message: str, code: str, *, basic: bool = False) -> GatewayError:
-    challenge = b'Basic realm="kvgate admin"' if basic else b'Bearer realm="kvgate"'
-    return GatewayError(401, message, code, headers=[(b"www-authenticate", challenge)])
+def _unauthorized(message: str, code: str) -> GatewayError:
+    return GatewayError(
+        401, message, code, headers=[(b"www-authenticate", b'Bearer realm="kvgate"')]
+    )
 
 
 class FrontDoor:
     """Authenticates a request, tags it with its tenant and priority, then calls the app."""
 
-    def __init__(self, keys: KeyRing, admin_token: str | None) -> None:
+    def __init__(self, keys: KeyRing) -> None:
         self.keys = keys
-        self._admin = digest(admin_token) if admin_token else None
         self.refused = 0
 
     @property
     def enabled(self) -> bool:
         return len(self.keys) > 0
-
-    @property
-    def has_admin_token(self) -> bool:
-        return self._admin is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, app: ASGIApp) -> None:
         path: str = scope["path"]
@@ -176,12 +151,9 @@ class FrontDoor:
 
     def _check(self, scope: Scope, path: str) -> str | None:
         """Raise for a refused request; return the tenant of an authenticated client."""
-        if path in _OPEN_PATHS:
+        if path in _OPEN_PATHS or is_admin_path(path):
             return None
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        if path.startswith(_ADMIN_PREFIXES):
-            self._check_admin(headers)
-            return None
         key = presented_key(headers)
         if key is None:
             raise _unauthorized(
@@ -192,19 +164,6 @@ class FrontDoor:
             raise _unauthorized("The API key is not valid.", "invalid_api_key")
         scope["headers"] = _retag(headers, entry)
         return entry.tenant
-
-    def _check_admin(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
-        """Admin token as bearer or Basic password; the challenge is Basic, so a browser
-        opening the dashboard (or its event stream) prompts for it."""
-        if self._admin is None:
-            raise GatewayError(
-                403, "Admin routes are closed: set server.admin_token.", "admin_disabled"
-            )
-        sent = admin_credential(headers)
-        if sent is None or not hmac.compare_digest(digest(sent), self._admin):
-            raise _unauthorized(
-                "A valid admin token is required.", "invalid_admin_token", basic=True
-            )
 
 
 def _retag(headers: Sequence[tuple[bytes, bytes]], entry: KeyEntry) -> list[tuple[bytes, bytes]]:
@@ -260,17 +219,20 @@ def _limits(settings: TenantSettings) -> TenantLimits:
 
 @dataclass
 class Security:
-    """What the gateway needs from this module: the front door and the tenant ledger."""
+    """What the gateway needs from this package: the front door, the tenant ledger and
+    the admin check."""
 
     front: FrontDoor
     ledger: TenantLedger
+    admin: AdminGuard
 
     @classmethod
     def from_config(cls, auth: AuthSettings, admin_token: str | None) -> Security:
         keys = KeyRing(load_keys(auth))
         ledger = TenantLedger()
         _apply_limits(ledger, auth)
-        return cls(FrontDoor(keys, admin_token), ledger)
+        admin = AdminGuard(admin_token, views_open=len(keys) == 0)
+        return cls(FrontDoor(keys), ledger, admin)
 
     @property
     def tenants(self) -> bool:
@@ -309,10 +271,11 @@ def exposure_message(host: str, port: int, keys: int, admin: bool) -> tuple[int,
             f"auth: no API keys configured, so kvgate listens on loopback only ({where}); "
             "configure auth.keys before binding a public address",
         )
+    readable = "" if admin else " and read /admin/state"
     return (
         logging.WARNING,
         f"auth: NO API KEYS configured and kvgate listens on {where}: anyone who can reach it "
-        "can send requests and read /admin/state; configure auth.keys",
+        f"can send requests{readable}; configure auth.keys",
     )
 
 
