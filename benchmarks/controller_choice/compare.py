@@ -87,8 +87,8 @@ class _Mixed:
         self._inner = inner
 
     def submit(self, request: AdmissionRequest) -> Decision | Waiter:
-        request.priority = _mixed_priority(_user(request.request_id))
-        return self._inner.submit(request)
+        priority = _mixed_priority(_user(request.request_id))
+        return self._inner.submit(dataclasses.replace(request, priority=priority))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -22,7 +22,7 @@ from kvgate.adapters.push import PushValidationError, parse_push
 from kvgate.config import load_config
 from kvgate.gateway.app import Gateway
 from kvgate.gateway.http.errors import GatewayError
-from kvgate.gateway.relay.relay import parse_completion
+from kvgate.gateway.relay.intake import parse_completion
 
 LIMIT = 4096
 KEY = "fuzz-key-0123456789abcdef"

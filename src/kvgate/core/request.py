@@ -1,7 +1,9 @@
 """What admission knows about one request: its cost, priority, tenant and where it may go.
 
-The shell builds one `AdmissionRequest` per client request and hands it to the core's flow
-controller; every answer (admit now, wait, refuse) and every ticket refers back to it.
+The shell builds one `AdmissionRequest` per client request, once the request is parsed,
+costed and its candidate nodes known, and hands it to the core's flow controller; every
+answer (admit now, wait, refuse) and every ticket refers back to it. It is immutable: a
+retry on other nodes is a copy (`dataclasses.replace`) naming them.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class RequestCost:
 DEFAULT_TENANT = ""
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False)
 class AdmissionRequest:
     """One request as admission sees it. Identity, not value, makes two requests equal.
 

@@ -31,12 +31,13 @@ from kvgate.gateway.engines.backend_set import BackendChange, diff_backends, res
 from kvgate.gateway.engines.discovery import Discovery, Resolver, resolve_ipv4
 from kvgate.gateway.engines.scraper import Scraper
 from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
+from kvgate.gateway.http.body import ClientGone, read_body
 from kvgate.gateway.http.errors import GatewayError, send_error, send_json
 from kvgate.gateway.ops import dashboard
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.relay.relay import Relay
 from kvgate.gateway.relay.tokenizers import load_tokenizers
-from kvgate.gateway.relay.upstream import ModelCatalog, UpstreamPool
+from kvgate.gateway.relay.upstream import ModelCatalog, Upstream, UpstreamPool
 from kvgate.gateway.security.admin import AdminAccess, is_admin_path
 from kvgate.gateway.security.auth import Security, TenantCollector
 
@@ -68,7 +69,6 @@ class Gateway:
         policy: BasePolicy | None = None,
         clock: Clock | None = None,
         estimator: CostEstimator | None = None,
-        backends: list[Backend] | None = None,
         load_config: Callable[[], KvgateConfig] | None = None,
         resolver: Resolver = resolve_ipv4,
         replicas: int = 1,
@@ -79,7 +79,7 @@ class Gateway:
         # `discover: dns` entries have no backend until their first lookup (in `running`).
         self._resolver = resolver
         self.discovery = Discovery(config.backends, resolver)
-        self.backends = backends if backends is not None else self.discovery.backends()
+        self.backends = self.discovery.backends()
         # Without API keys the front door is off; with them it authenticates every request
         # and names its tenant, whose limits the core's flow controller keeps. The admin
         # check guards every admin route either way.
@@ -99,14 +99,12 @@ class Gateway:
         self.catalog = ModelCatalog(self.pool)
         self.catalog.bind(self.spawn)
         self.relay = Relay(
-            pool=self.pool,
-            catalog=self.catalog,
-            admission=self.admission,
-            estimator=estimator or _estimator(config),
-            metrics=self.metrics,
-            upstream=config.upstream,
-            limits=config.limits,
-            spawn=self.spawn,
+            Upstream(self.pool, self.catalog, config.upstream),
+            self.admission,
+            estimator or _estimator(config),
+            self.metrics,
+            config.limits,
+            self.spawn,
         )
         self.scraper: Scraper | None = None
         #: With `store.url`: this replica's link to the others (started by `running`).
@@ -399,10 +397,12 @@ class Gateway:
     async def _signals(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Samples pushed by sidecars, for engines kvgate cannot scrape itself."""
         try:
-            body = await _read_small_body(receive, MAX_PUSH_BYTES)
+            body = await read_body(receive, MAX_PUSH_BYTES)
             accepted = self._apply_push(body)
         except GatewayError as err:
             await send_error(send, err)
+            return
+        except ClientGone:  # nobody is left to answer
             return
         await send_json(send, 202, orjson.dumps({"accepted": accepted}))
 
@@ -471,18 +471,3 @@ async def _quiet(coro: Awaitable[Any]) -> Any:
     except Exception:
         log.exception("background task failed")
         return None
-
-async def _read_small_body(receive: Receive, limit: int) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise GatewayError(400, "The client went away.", "client_gone")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise GatewayError(413, f"The body is larger than {limit} bytes.", "request_too_large")
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)

@@ -1,2 +1,8 @@
-"""The relay: admit a request, pick a backend, forward it, stream the answer back; and the
-upstream pool and model catalog it forwards through."""
+"""The relay: read a request, admit it, forward it to a backend and relay the answer back.
+
+`relay.py` runs one request's life and writes its access line; `intake.py` reads and costs
+the request, `admitting.py` waits for the core's admission and retries, `streaming.py`
+relays the answer; `call.py` holds the request's objects, `upstream.py` the engines'
+connections and model catalog, `context.py` the engines' context-length refusals and
+`tokenizers.py` the configured tokenizers, read at startup.
+"""

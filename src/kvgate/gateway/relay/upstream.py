@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -28,6 +29,7 @@ import orjson
 
 from kvgate.adapters.backend import Backend
 from kvgate.gateway.http.h1client import H1Pool, H1Response
+from kvgate.gateway.settings import UpstreamSettings
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,6 @@ CONNECT_TIMEOUT_S = 2.0
 #: Connections of the side session (model lists, abort calls), not of the relay: a few per
 #: backend at most, so this only bounds a runaway (e.g. a mass of aborts at once).
 SIDE_SESSION_CONNECTIONS = 1000
-#: How long the backends' `/v1/models` lists are reused. Lists change when an engine
-#: loads a model, which takes far longer; a stale list is refreshed in the background and
-#: an unknown model is looked up again at once, so no request waits on this period.
-MODELS_TTL_S = 5.0
 
 #: Headers that describe one connection, not the message (RFC 9110 7.6.1), plus the ones
 #: the client library computes itself. Lower-case bytes, as ASGI delivers them.
@@ -300,6 +298,16 @@ class ModelCatalog:
         if not isinstance(entries, list):
             return None
         return [e for e in entries if isinstance(e, dict) and "id" in e]
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """The relay's way to the engines: the connections, which engine serves which model,
+    and how long an engine may keep a request waiting."""
+
+    pool: UpstreamPool
+    catalog: ModelCatalog
+    settings: UpstreamSettings
 
 
 def request_headers(

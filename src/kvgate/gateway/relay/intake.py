@@ -1,0 +1,262 @@
+"""Reading a request: from the client's headers and body to the two immutable requests.
+
+`read_head` takes what kvgate reads from the headers in one pass (request id, priority,
+wait bound, declared length), before anything else, so that even a refusal carries the
+request's id. `Intake` then reads the body (`kvgate.gateway.http.body`: 413 past
+`limits.max_body_bytes`), validates what the gateway needs of it (400 on anything
+malformed, never a crash), resolves the model's backends (404 when none serves it, 503
+when none is reachable) and costs it, and builds, once each:
+
+- the `ClientRequest` (`kvgate.gateway.relay.call`): what the client asked, with the body
+  as it goes upstream;
+- the core's `AdmissionRequest`: its cost, priority, tenant, model and candidate nodes.
+
+A completion's JSON is parsed once (orjson) and only `model`, `stream`, `max_tokens` (or
+`max_completion_tokens`) and the prompt are checked; the rest is relayed as sent. The
+engine's own context refusals are made here, before admission (`context.py`). Admission
+plans for `admission.default_max_tokens` of output when a request sends no `max_tokens`,
+so the body sent upstream says so (no larger than the model's context). Any other `/v1/...`
+request passes through unread except for its `model`, costed at a token per 4 bytes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import orjson
+
+from kvgate.core.cost import CostEstimator
+from kvgate.core.request import AdmissionRequest, Priority, RequestCost
+from kvgate.gateway.http.asgi import TENANT_SCOPE_KEY, Receive, Scope
+from kvgate.gateway.http.body import read_body
+from kvgate.gateway.http.errors import GatewayError
+from kvgate.gateway.relay.call import AccessRecord, ClientRequest
+from kvgate.gateway.relay.context import check_context
+from kvgate.gateway.relay.upstream import Upstream
+
+#: The largest `max_tokens` accepted: the int32 range that engines written in C++ and Rust
+#: parse it into, so no engine is sent a number it cannot read. No model's context comes
+#: near it; whether a request fits a node's KV cache is the admission's question.
+MAX_TOKENS_CEILING = 2**31 - 1
+
+
+class Head(NamedTuple):
+    """The header values kvgate reads, as sent (validated when the request is built)."""
+
+    request_id: str
+    declared_length: int | None
+    priority: str | None
+    max_wait_ms: str | None
+
+
+class CompletionFields(NamedTuple):
+    """What the gateway validates of a completion's JSON body, and the body itself."""
+
+    model: str
+    stream: bool
+    max_tokens: int | None
+    data: dict[str, Any]
+
+
+def read_head(headers: Sequence[tuple[bytes, bytes]]) -> Head:
+    """Request id, declared length, priority and wait bound, in one pass over the headers."""
+    rid: str | None = None
+    priority: str | None = None
+    max_wait: str | None = None
+    declared: int | None = None
+    for name, value in headers:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if 0 < len(text) <= 128 and text.isascii() and text.isprintable():
+                rid = text
+        elif name == b"x-kvgate-priority":
+            priority = value.decode("latin-1")
+        elif name == b"x-kvgate-max-wait-ms":
+            max_wait = value.decode("latin-1")
+        elif name == b"content-length" and value.isdigit():
+            declared = int(value)
+    # 128 random bits without the syscall `uuid4()` makes: ids need to be unique, not secret.
+    return Head(rid or f"{random.getrandbits(128):032x}", declared, priority, max_wait)
+
+
+class Intake:
+    """Reads, validates and costs requests for the relay; shared by all of them."""
+
+    def __init__(self, upstream: Upstream, estimator: CostEstimator, max_body_bytes: int) -> None:
+        self.pool = upstream.pool
+        self.catalog = upstream.catalog
+        self.estimator = estimator
+        self.max_body_bytes = max_body_bytes
+
+    async def completion(
+        self, head: Head, scope: Scope, receive: Receive, record: AccessRecord
+    ) -> tuple[ClientRequest, AdmissionRequest]:
+        """POST /v1/completions and /v1/chat/completions: parsed, checked and costed."""
+        body = await read_body(receive, self.max_body_bytes, head.declared_length)
+        priority, max_wait_s = _header_fields(head, record)
+        model, stream, max_tokens, data = parse_completion(body)
+        record.model = model
+        if "messages" not in data and "prompt" not in data:
+            field = "messages" if record.route.endswith("/chat/completions") else "prompt"
+            raise _bad(f"`{field}` is required.", field)
+        estimator = self.estimator
+        try:
+            cost = estimator.estimate(model, data)
+        except ValueError as exc:
+            raise _bad(f"{exc}.", getattr(exc, "param", None)) from None
+        record.estimated_prompt = cost.prompt_tokens
+        candidates = await self._nodes_for(model)
+        limit = self.catalog.max_model_len(model)
+        check_context(limit, model, data, cost, estimator)
+        if limit is not None and cost.total > limit:
+            # The engine stops generating at its context length, so no request holds more.
+            # The prompt is over-estimated by design: leave room for it to be that much
+            # shorter, which leaves more room to generate.
+            shortest = int(cost.prompt_tokens / estimator.tuning.prompt_safety_factor)
+            output = min(cost.max_output_tokens, max(0, limit - shortest))
+            cost = RequestCost(cost.prompt_tokens, output, cost.prompt_floor)
+        if max_tokens is None:
+            body = self._with_default_max_tokens(data, limit)
+        tenant = scope.get(TENANT_SCOPE_KEY) or ""
+        client = ClientRequest(
+            head.request_id, priority, tenant, max_wait_s, body, model, stream, max_tokens, data
+        )
+        request = AdmissionRequest(
+            head.request_id,
+            cost,
+            priority,
+            tenant=tenant,
+            model=model,
+            candidates=candidates,
+            exact_output=client.exact_output,
+            max_wait_s=max_wait_s,
+        )
+        return client, request
+
+    async def passthrough(
+        self, head: Head, scope: Scope, receive: Receive, record: AccessRecord
+    ) -> tuple[ClientRequest, AdmissionRequest]:
+        """Any other /v1/... request: relayed unread, to a backend serving its `model`."""
+        body = await read_body(receive, self.max_body_bytes, head.declared_length)
+        priority, max_wait_s = _header_fields(head, record)
+        model = _model_of(body)
+        if model is None:
+            candidates = tuple(self.pool.backends)
+        else:
+            record.model = model
+            candidates = await self._nodes_for(model)
+        tenant = scope.get(TENANT_SCOPE_KEY) or ""
+        client = ClientRequest(head.request_id, priority, tenant, max_wait_s, body, model)
+        # Embeddings and the like hold KV only for their input, roughly a token per 4 bytes.
+        cost = RequestCost(prompt_tokens=len(body) // 4, max_output_tokens=0)
+        request = AdmissionRequest(
+            head.request_id,
+            cost,
+            priority,
+            tenant=tenant,
+            model=model or "",
+            candidates=candidates,
+            max_wait_s=max_wait_s,
+        )
+        return client, request
+
+    def _with_default_max_tokens(self, data: dict[str, Any], limit: int | None) -> bytes:
+        """The body with the output cap admission assumed, made explicit (no larger than the
+        model's context, which an engine would refuse).
+
+        Without it the engine may generate up to its context limit, past what was planned.
+        Re-encoding happens only for requests that omit `max_tokens`.
+        """
+        cap = self.estimator.settings.default_max_tokens
+        if limit is not None:
+            cap = min(cap, limit)
+        return orjson.dumps({**data, "max_tokens": cap})
+
+    async def _nodes_for(self, model: str) -> tuple[str, ...]:
+        nodes = await self.catalog.resolve(model)
+        if nodes is not None:
+            return nodes
+        if not self.catalog.known:
+            raise GatewayError(
+                503,
+                "No backend is reachable to serve this request.",
+                "no_backend",
+                headers=[(b"retry-after", b"1"), (b"x-kvgate-reason", b"no_backend")],
+            )
+        raise GatewayError(
+            404, f"The model `{model}` does not exist.", "model_not_found", param="model"
+        )
+
+
+def _header_fields(head: Head, record: AccessRecord) -> tuple[Priority, float | None]:
+    """The priority (noted on the record) and the client's wait bound (400 on a bad one
+    of either)."""
+    try:
+        priority = Priority.parse(head.priority)
+    except ValueError as exc:
+        raise GatewayError(400, str(exc), "invalid_priority", param="X-Kvgate-Priority") from None
+    record.priority = priority.label
+    if head.max_wait_ms is None:
+        return priority, None
+    text = head.max_wait_ms.strip()
+    if not text.isdigit() or len(text) > 9:
+        raise GatewayError(
+            400,
+            "X-Kvgate-Max-Wait-Ms must be a whole number of milliseconds.",
+            "invalid_max_wait",
+            param="X-Kvgate-Max-Wait-Ms",
+        )
+    return priority, int(text) / 1000.0
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> GatewayError:
+    return GatewayError(400, message, code, param=param)
+
+
+def parse_completion(body: bytes, max_tokens_limit: int = MAX_TOKENS_CEILING) -> CompletionFields:
+    """Validate only what the gateway needs (model, stream, max_tokens); relay the rest."""
+    if not body:
+        raise _bad("The request body is empty; expected a JSON object.")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(
+            f"The request body is not valid JSON (UTF-8): {exc}.", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise _bad("The request body must be a JSON object.", code="invalid_json")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("`model` is required and must be a non-empty string.", "model")
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("`stream` must be a boolean.", "stream")
+    max_tokens: int | None = None
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(f"`{key}` must be an integer.", key)
+        if value < 0:
+            raise _bad(f"`{key}` must not be negative.", key)
+        if value > max_tokens_limit:
+            raise _bad(f"`{key}` must be at most {max_tokens_limit}.", key)
+        max_tokens = value if max_tokens is None else min(max_tokens, value)
+    return CompletionFields(model, stream, max_tokens, data)
+
+
+def _model_of(body: bytes) -> str | None:
+    """The `model` of a pass-through JSON body, if it has one (no error if it is not JSON)."""
+    if not body or b'"model"' not in body:
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else None
