@@ -35,9 +35,10 @@ class ServerSettings(BaseModel):
     )
     admin_token: str | None = Field(
         None,
-        description="Bearer token of the admin routes: `POST /admin/signals` and"
-        " `POST /admin/reload` always need it (refused while it is unset); with API keys,"
-        " `/admin/*` and `/dashboard` need it too.",
+        description="Token of the admin routes (`/admin/*`, `/dashboard`), as a bearer"
+        " token or HTTP Basic password: when set, every one of them needs it. While it is"
+        " unset `POST /admin/signals` and `POST /admin/reload` are refused, and the others"
+        " are open only without API keys.",
     )
     metrics_listen: str | None = Field(
         None,
