@@ -49,8 +49,8 @@ from typing import Any
 
 import httpx
 
-from kvgate.children import die_with_parent
-from kvgate.cluster.redis_server import RedisServer
+from kvgate.procs.children import die_with_parent
+from kvgate.procs.redis_server import RedisServer
 from kvgate.testing import free_port
 
 HERE = Path(__file__).resolve().parent

@@ -21,7 +21,6 @@ import contextlib
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -591,28 +590,6 @@ def _totals(deltas: dict[str, float], account: dict[str, float] | None) -> Engin
 
 
 # --- processes -----------------------------------------------------------------------------
-
-
-def free_port(count: int = 1) -> int:
-    """A port p such that p..p+count-1 were all free a moment ago, on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base: int = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        if all(_is_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no block of free ports found")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass

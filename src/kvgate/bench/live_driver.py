@@ -23,7 +23,6 @@ import aiohttp
 from kvgate.bench.live import (
     LiveTarget,
     Proc,
-    free_port,
     kvgate_cmd,
     parse_metrics,
     run_live,
@@ -33,6 +32,7 @@ from kvgate.bench.live import (
 from kvgate.bench.metrics import RunResult
 from kvgate.bench.suite import RunSpec
 from kvgate.bench.workload import burst_times, generate
+from kvgate.procs.ports import free_port
 
 LOGS = Path("/tmp/kvgate-bench-logs")
 

@@ -6,9 +6,9 @@ same engine the suite uses (`from kvgate.testing import FakeEngine`); nothing in
 gateway imports it.
 """
 
+from kvgate.procs.ports import free_port
 from kvgate.testing.fake_engine import EngineRequest, FakeEngine
 from kvgate.testing.polling import eventually
-from kvgate.testing.ports import free_port
 from kvgate.testing.sim import overloaded_engine
 
 __all__ = ["EngineRequest", "FakeEngine", "eventually", "free_port", "overloaded_engine"]
