@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from kvgate.bench.driver import REAL_VLLM_LOCK, REAL_VLLM_SERVE, real_vllm_lock
-from kvgate.bench.live import free_port
+from kvgate.procs.ports import free_port
 
 CAPACITY = 4096  # serve.sh defaults: 128 blocks x 32 tokens
 PROMPT = 1000

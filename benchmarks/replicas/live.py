@@ -49,8 +49,8 @@ from typing import Any
 
 import httpx
 
-from kvgate.children import die_with_parent
-from kvgate.cluster.redis_server import RedisServer
+from kvgate.procs.children import die_with_parent
+from kvgate.procs.redis_server import RedisServer
 from kvgate.testing import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -110,10 +110,7 @@ def _env() -> dict[str, str]:
 
 async def start_engines() -> tuple[asyncio.subprocess.Process, list[str]]:
     """`kvgate sim` with ENGINES cpu-tiny engines on free consecutive ports."""
-    for _ in range(20):
-        base = free_port()
-        if all(_port_free(base + i) for i in range(ENGINES)):
-            break
+    base = free_port(ENGINES)
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvgate", "sim", "--nodes", str(ENGINES), "--preset", "cpu-tiny",
         "--port", str(base), "--model-name", "sim-llama",
@@ -124,17 +121,6 @@ async def start_engines() -> tuple[asyncio.subprocess.Process, list[str]]:
         for url in urls:
             await _until(lambda u=url: _ok(client, f"{u}/health"), 30.0, f"engine {url}")
     return process, urls
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 async def start_gateways(

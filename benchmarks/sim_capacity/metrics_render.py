@@ -23,7 +23,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.sim.engine import Engine, Histogram
+from kvgate.sim.engine import Engine
+from kvgate.sim.histogram import Histogram
 from kvgate.sim.metrics import MetricsPage
 from kvgate.testing import overloaded_engine
 

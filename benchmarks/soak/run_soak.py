@@ -3,7 +3,7 @@
     python benchmarks/soak/run_soak.py --seconds 300 --workers 24
 
 Starts `kvgate serve` as a child process in front of simulated engines behind fault
-injectors (`kvgate.sim.chaos`), drives it with cancelling and malformed clients for the
+injectors (`kvgate.testing.chaos`), drives it with cancelling and malformed clients for the
 given time, then checks the books (in-flight requests, tickets, reservations, tenant
 usage, engine queues: all exactly zero), the RSS growth, the log and that it still
 serves. Writes the figures to `results.md` next to this file (`--out` to change) and exits
@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvgate.sim.soak import SoakReport, SoakSettings, run_soak, summary
+from kvgate.testing.soak import run_soak
+from kvgate.testing.soak_report import SoakReport, SoakSettings, summary
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,7 +39,7 @@ def render(report: SoakReport, command: str) -> str:
         "",
         f"Setup: `kvgate serve` (uvicorn, adaptive policy, 3 API keys/tenants, one tenant "
         f"limited) in front of {s.nodes} simulated `cpu-tiny` vLLM engines behind "
-        f"`kvgate.sim.chaos` fronts; {s.workers} client workers for {s.duration_s:.0f} s "
+        f"`kvgate.testing.chaos` fronts; {s.workers} client workers for {s.duration_s:.0f} s "
         f"after a {s.warmup_s:.0f} s warm-up; a fault every {s.fault_interval_s} s on "
         "average (seed "
         f"{s.seed}).",

@@ -36,7 +36,7 @@ from typing import Any
 import uvloop
 
 from kvgate.cluster.lua import MEMBERS_KEY, SYNC, VIEWS_KEY
-from kvgate.cluster.redis_server import RedisServer
+from kvgate.procs.redis_server import RedisServer
 
 VIEW = os.urandom(1024).hex().encode()  # 2 KB, incompressible like a real JSON view
 PEERS = 4

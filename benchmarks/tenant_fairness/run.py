@@ -31,7 +31,7 @@ from statistics import mean
 
 import httpx
 
-from kvgate import children
+from kvgate.procs import children
 from kvgate.testing import free_port
 
 HERE = Path(__file__).resolve().parent

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from kvgate import children
+from kvgate.procs import children
 from kvgate.testing import free_port
 
 HERE = Path(__file__).resolve().parent

@@ -58,7 +58,7 @@ PROXY_BENCH = HERE.parent / "proxy_overhead" / "bench.py"
 sys.path.insert(0, str(PROXY_BENCH.parent))
 import bench as proxy  # noqa: E402  (the fake engine, the client and the CPU reader)
 
-from kvgate.cluster.redis_server import RedisServer  # noqa: E402
+from kvgate.procs.redis_server import RedisServer  # noqa: E402
 
 STACKS = (
     "1 process",

@@ -50,8 +50,6 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
-from kvgate.children import die_with_parent
-from kvgate.cluster.redis_server import RedisServer
 from kvgate.cluster.redis_store import RedisStore
 from kvgate.cluster.store import Exchange
 from kvgate.cluster.sync import ClusterSync
@@ -62,6 +60,8 @@ from kvgate.core.policies import build_policy
 from kvgate.core.request import AdmissionRequest, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
+from kvgate.procs.children import die_with_parent
+from kvgate.procs.redis_server import RedisServer
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.md"

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from kvgate.adapters import adapter_for
-from kvgate.adapters.backend import Backend, backends_from_settings, host_port
+from kvgate.adapters.backend import Backend, host_port, unique
 from kvgate.adapters.settings import BackendSettings
 from kvgate.adapters.vllm import VllmAdapter, vllm_engine_ids
 
@@ -43,6 +43,11 @@ def test_backend_dialect_defaults_and_overrides() -> None:
     assert named.auth_headers() == {"Authorization": "Bearer s3cret"}
     assert "s3cret" not in repr(named)
     assert host_port("http://[::1]:9000") == "[::1]:9000"
+
+
+def backends_from_settings(settings: list[BackendSettings]) -> list[Backend]:
+    """Every backend of `settings`, as the gateway builds them (node ids checked)."""
+    return unique([Backend.from_settings(s) for s in settings])
 
 
 def test_duplicate_node_ids_and_bad_urls_are_refused() -> None:

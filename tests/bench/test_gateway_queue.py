@@ -17,7 +17,8 @@ import pytest
 from gateway.helpers import until_ready
 
 from kvgate.bench.gateway_queue import WaitHistogram, queue_summary, wait_histogram
-from kvgate.bench.live import LiveTarget, run_live
+from kvgate.bench.live import LiveOptions, run_live
+from kvgate.bench.live_client import LiveTarget
 from kvgate.bench.metrics import OK, Attempt, EngineTotals, RunResult, Slo, UserRequest
 from kvgate.bench.metrics import queue_figures as figures
 from kvgate.bench.report import ReportMeta, write_report
@@ -46,10 +47,7 @@ async def test_a_live_run_through_kvgate_reports_its_queue(gateway_factory: Any)
             Arrival(f"u{i}", 0.0, "long", PROMPT_TOKENS, OUTPUT_TOKENS) for i in range(BURST)
         ]
         target = LiveTarget([gw.url], [engine.url], "fake-model", gateway=gw.url)
-        run = await run_live(
-            arrivals,
-            ClientModel(timeout_s=30.0, max_attempts=1),
-            target,
+        options = LiveOptions(
             policy="adaptive",
             load=1.0,
             seed=0,
@@ -60,6 +58,7 @@ async def test_a_live_run_through_kvgate_reports_its_queue(gateway_factory: Any)
             drain_s=20.0,
             step_s=0.05,
         )
+        run = await run_live(arrivals, ClientModel(timeout_s=30.0, max_attempts=1), target, options)
         own = gw.gateway.admission.snapshot()["queue"]
     finally:
         await engine.stop()

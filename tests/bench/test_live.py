@@ -15,7 +15,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from kvgate.bench.live import _one_attempt, _Read, _Shared, zombie_account
+from kvgate.bench.live import zombie_account
+from kvgate.bench.live_client import ClientRun, StreamRead, one_attempt
 from kvgate.bench.metrics import ERROR, OK, TIMEOUT, Attempt
 
 
@@ -57,21 +58,21 @@ async def sse_url() -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-async def _try(url: str, knobs: dict[str, float], deadline_s: float, shared: _Shared) -> Attempt:
+async def _try(url: str, knobs: dict[str, float], deadline_s: float, shared: ClientRun) -> Attempt:
     body = orjson.dumps(knobs)
     async with aiohttp.ClientSession() as session:
-        return await _one_attempt(session, url, body, 0.0, deadline_s, shared, "r1")
+        return await one_attempt(session, url, body, 0.0, deadline_s, shared, "r1")
 
 
 async def test_a_whole_answer_counts_its_usage_not_its_events(sse_url: str) -> None:
-    shared = _Shared(time.monotonic())
+    shared = ClientRun(time.monotonic())
     attempt = await _try(sse_url, {"tokens": 31}, 5.0, shared)
     assert attempt.outcome == OK and attempt.output_tokens == 31  # 11 events, 31 tokens
     assert (shared.delivered, shared.delivered_whole, shared.departures) == (31, 31, 0)
 
 
 async def test_a_client_that_leaves_counts_the_tokens_it_read(sse_url: str) -> None:
-    shared = _Shared(time.monotonic())
+    shared = ClientRun(time.monotonic())
     attempt = await _try(sse_url, {"tokens": 300, "gap": 0.05}, 0.5, shared)
     assert attempt.outcome == TIMEOUT
     assert shared.departures == shared.departed_midstream == 1
@@ -81,14 +82,14 @@ async def test_a_client_that_leaves_counts_the_tokens_it_read(sse_url: str) -> N
 
 
 async def test_a_stream_cut_by_an_error_event_is_not_a_whole_answer(sse_url: str) -> None:
-    shared = _Shared(time.monotonic())
+    shared = ClientRun(time.monotonic())
     attempt = await _try(sse_url, {"tokens": 12, "cut": 1}, 5.0, shared)
     assert attempt.outcome == ERROR and attempt.output_tokens == 12
     assert shared.delivered_whole == 0 and shared.log[-1]["error_event"] is True
 
 
 def test_events_carrying_several_tokens_are_counted_by_their_ids() -> None:
-    read = _Read()
+    read = StreamRead()
     assert read.feed(_event([1, 2, 3, 4]).strip())
     assert not read.feed(b"")
     assert read.feed(b'data: {"choices": [{"text": "a"}]}')  # no ids: one token
@@ -96,8 +97,8 @@ def test_events_carrying_several_tokens_are_counted_by_their_ids() -> None:
     assert (read.chunks, read.tokens, read.done) == (2, 5, True)
 
 
-def _shared(**counts: int) -> _Shared:
-    shared = _Shared(0.0)
+def _shared(**counts: int) -> ClientRun:
+    shared = ClientRun(0.0)
     for key, value in counts.items():
         setattr(shared, key, value)
     return shared

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvgate.cluster.redis_server import RedisServer, find_redis_server
 from kvgate.core.signals import NodeSample
+from kvgate.procs.redis_server import RedisServer, find_redis_server
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -21,8 +21,8 @@ import httpx
 import pytest
 import yaml
 
-from kvgate.cluster.redis_server import RedisServer
 from kvgate.cluster.sync import REMOVAL_BOUND_S, SYNC_PERIOD_S
+from kvgate.procs.redis_server import RedisServer
 from kvgate.testing import EngineRequest, FakeEngine
 
 from .helpers import Replica, fresh_everywhere, replicas, state, synced_again, wait_for

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvgate.cluster import lua
-from kvgate.cluster.redis_server import RedisServer
 from kvgate.cluster.redis_store import RedisStore
 from kvgate.cluster.store import StoreError
 from kvgate.cluster.urls import check_url, redact
+from kvgate.procs.redis_server import RedisServer
 from kvgate.testing import free_port
 
 pytestmark = pytest.mark.redis_server

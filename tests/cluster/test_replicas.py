@@ -20,8 +20,8 @@ import httpx
 import pytest
 from gateway.helpers import until_ready
 
-from kvgate.cluster.redis_server import RedisServer
 from kvgate.cluster.sync import REMOVAL_BOUND_S
+from kvgate.procs.redis_server import RedisServer
 from kvgate.testing import FakeEngine, free_port
 
 from .conftest import DelayProxy

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvgate.cluster.redis_server import RedisServer
 from kvgate.cluster.redis_store import RedisStore
 from kvgate.cluster.sync import ClusterSync
 from kvgate.core.clock import MonotonicClock
+from kvgate.procs.redis_server import RedisServer
 from kvgate.testing import eventually, free_port
 
 from .conftest import DelayProxy, RecordingParticipant, RecordingSink

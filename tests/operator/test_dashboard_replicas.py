@@ -16,7 +16,7 @@ import pytest
 from cluster.helpers import Replica, replicas, state, synced_again
 from opview_browser import CHROMIUM_ARGS, chromium_path, missing_reason
 
-from kvgate.cluster.redis_server import RedisServer, find_redis_server
+from kvgate.procs.redis_server import RedisServer, find_redis_server
 
 WAIT_MS = 30_000
 pytestmark = pytest.mark.timeout(180)

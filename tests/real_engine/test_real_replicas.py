@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvgate.cluster.redis_server import RedisServer, find_redis_server
+from kvgate.procs.redis_server import RedisServer, find_redis_server
 from real_engine.conftest import (
     BURST_MAX_TOKENS,
     BURST_N,

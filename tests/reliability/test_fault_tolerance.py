@@ -1,6 +1,6 @@
 """Engines that fail: stale or garbage metrics, hangs and crashes mid-stream, comebacks.
 
-Real servers only: simulated vLLM engines (`kvgate.sim`) behind `kvgate.sim.chaos`
+Real servers only: simulated vLLM engines (`kvgate.sim`) behind `kvgate.testing.chaos`
 fronts, the real gateway with the adaptive policy, httpx clients. Every test ends with the
 gateway's books at zero (the `gateway_factory` fixture checks in-flight and tickets; the
 tests check reserved tokens per node too).
@@ -17,9 +17,9 @@ import httpx
 import orjson
 import pytest
 
-from kvgate.sim.chaos import ChaosNode
 from kvgate.sim.presets import get_preset
 from kvgate.testing import eventually
+from kvgate.testing.chaos import ChaosNode
 
 MODEL = "sim-llama"
 

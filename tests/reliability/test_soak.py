@@ -15,7 +15,8 @@ import os
 
 import pytest
 
-from kvgate.sim.soak import SoakSettings, run_soak, summary
+from kvgate.testing.soak import run_soak
+from kvgate.testing.soak_report import SoakSettings, summary
 
 SECONDS = float(os.environ.get("KVGATE_SOAK_SECONDS", "60"))
 

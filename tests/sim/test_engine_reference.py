@@ -220,5 +220,5 @@ def test_fast_engine_matches_the_naive_vllm_walk(
             if result.preempted:
                 event("a step preempted")
             assert engine.used_blocks == expected["used"]
-            assert list(engine._running) == expected["running"]
+            assert list(engine._sched.running) == expected["running"]
     assert engine.used_blocks == 0

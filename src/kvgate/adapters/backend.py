@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
@@ -44,11 +44,6 @@ class Backend:
     def auth_headers(self) -> Mapping[str, str]:
         """Headers for calls to the engine itself (metrics, abort); empty without a key."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-
-def backends_from_settings(settings: Iterable[BackendSettings]) -> list[Backend]:
-    """Build every backend; two backends with one node id is a configuration error."""
-    return unique([Backend.from_settings(s) for s in settings])
 
 
 def unique(backends: list[Backend]) -> list[Backend]:

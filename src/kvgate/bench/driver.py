@@ -10,10 +10,8 @@ achieved live at 1x as the live sustainable capacity.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import fcntl
-import json
 import math
 import os
 import time
@@ -324,11 +322,3 @@ def real_vllm_lock(timeout_s: float = 1800.0) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def dump_json(path: Path, data: object) -> None:
-    path.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
-
-
-def run_async(coro: object) -> object:
-    return asyncio.run(coro)  # type: ignore[arg-type]

@@ -13,28 +13,70 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 
-from kvgate.bench.live import (
-    LiveTarget,
-    Proc,
-    free_port,
-    kvgate_cmd,
-    parse_metrics,
-    run_live,
-    start,
-    wait_healthy,
-)
+from kvgate.bench.live import LiveOptions, run_live
+from kvgate.bench.live_client import LiveTarget
+from kvgate.bench.live_poll import parse_metrics
 from kvgate.bench.metrics import RunResult
 from kvgate.bench.suite import RunSpec
 from kvgate.bench.workload import burst_times, generate
+from kvgate.procs import children
+from kvgate.procs.ports import free_port
 
 LOGS = Path("/tmp/kvgate-bench-logs")
+
+
+@dataclass
+class Proc:
+    """A child process we started, stopped with SIGTERM (then SIGKILL) by its own pid."""
+
+    popen: subprocess.Popen[bytes]
+    name: str
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        children.stop(self.popen, grace_s)
+
+
+def start(cmd: Sequence[str], name: str, log: Path, env: dict[str, str] | None = None) -> Proc:
+    """Start `cmd` with its output in `log` (a benchmark must not drown the terminal)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as fh:
+        popen = subprocess.Popen(
+            list(cmd),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    return Proc(popen, name)
+
+
+async def wait_healthy(url: str, proc: Proc, timeout_s: float) -> None:
+    """Poll `url` until it answers 200; fail early if the process died."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{proc.name} not healthy at {url} after {timeout_s:.0f} s")
+
+
+def kvgate_cmd(*args: str) -> list[str]:
+    """`kvgate ...` run with this interpreter, so the venv in use is the one benchmarked."""
+    return [sys.executable, "-m", "kvgate", *args]
 
 
 def _gateway_env(spec: RunSpec, engines: list[str], port: int, scrape_s: float) -> dict[str, str]:
@@ -85,21 +127,17 @@ async def _wait_idle(engines: list[str], timeout_s: float = 60.0) -> None:
 def _play(spec: RunSpec, target: LiveTarget) -> RunResult:
     arrivals = generate(spec.shape, spec.nodes, spec.duration_s, spec.load, spec.seed)
     bursts = burst_times(spec.shape, spec.duration_s)
-    return asyncio.run(
-        run_live(
-            arrivals,
-            spec.client,
-            target,
-            policy=spec.label,
-            load=spec.load,
-            seed=spec.seed,
-            preset=spec.preset,
-            duration_s=spec.duration_s,
-            warmup_s=spec.warmup_s,
-            slo=spec.slo,
-            bursts=bursts,
-        )
+    options = LiveOptions(
+        policy=spec.label,
+        load=spec.load,
+        seed=spec.seed,
+        preset=spec.preset,
+        duration_s=spec.duration_s,
+        warmup_s=spec.warmup_s,
+        slo=spec.slo,
+        bursts=bursts,
     )
+    return asyncio.run(run_live(arrivals, spec.client, target, options))
 
 
 def _with_gateway(

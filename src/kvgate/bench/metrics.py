@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -292,8 +292,3 @@ def recovery_time(run: RunResult, settle_s: float = 2.0) -> float:
         times.append(found)
     run.extra["unrecovered_bursts"] = unrecovered
     return float(np.mean(times))
-
-
-def run_to_dict(run: RunResult) -> dict[str, Any]:
-    """A JSON-able dump of a run (for `results.json` next to the report)."""
-    return asdict(run)

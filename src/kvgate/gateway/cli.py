@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import IO, Any
 
-from kvgate.children import die_with_parent, stop
+from kvgate.procs.children import die_with_parent, stop
 
 log = logging.getLogger("kvgate.serve")
 
@@ -196,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_workers(args: argparse.Namespace, config: Any, overrides: dict[str, Any]) -> int:
-    """`--workers N`: this process supervises N `kvgate serve` workers (kvgate.cluster.workers)."""
-    from kvgate.cluster.workers import serve_workers
+    """`--workers N`: this process supervises N `kvgate serve` workers (kvgate.procs.workers)."""
+    from kvgate.procs.workers import serve_workers
 
     flags = {"--config": args.config, "--policy": args.policy, "--server": args.server,
              "--log-level": args.log_level, "--log-format": args.log_format,

@@ -1,11 +1,15 @@
 """An inference-engine simulator that behaves like vLLM where overload is decided.
 
 - `engine`: the pure engine model (paged KV blocks, continuous batching in vLLM v1's order,
-  chunked prefill, recompute preemption, aborts, zombies, roofline step latency).
+  chunked prefill, recompute preemption, aborts, zombies, roofline step latency), built of
+  `config` (what defines an engine), `sequences` (a request inside it, the waiting queue),
+  `scheduler` (vLLM's schedule() and the KV block pool), `decoding` (the decoding
+  sequences in aggregate) and `histogram` (its latency histograms).
 - `presets`: `cpu-tiny` (calibrated to the real vLLM CPU build) and `gpu-8b` (Llama-3.1-8B
   on one H100-class GPU).
 - `metrics`: the vLLM-named Prometheus page (plus `sim:` counters).
-- `server` + `cli`: live mode, `kvgate sim --nodes N`: OpenAI-compatible HTTP engines.
+- `server` + `openai_request` + `cli`: live mode, `kvgate sim --nodes N`: OpenAI-compatible
+  HTTP engines.
 - `workload` + `virtual`: virtual-time mode, a discrete-event cluster of engine models
   behind kvgate admission policies, for long and large experiments::
 

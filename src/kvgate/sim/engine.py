@@ -29,8 +29,11 @@ What is modelled, following vLLM v1's `Scheduler.schedule()`:
   sequences + per_context_token * context tokens attended`.
 
 Decoding sequences are kept in an aggregate form (a global decode-step counter, a count of
-sequences per block phase, a heap of finish steps), so a step costs O(prefilling sequences
-+ events), not O(running sequences), and FCFS preemption costs O(victims).
+sequences per block phase, a heap of finish steps: `kvgate.sim.decoding`), so a step costs
+O(prefilling sequences + events), not O(running sequences), and FCFS preemption costs
+O(victims) (`kvgate.sim.scheduler`, which also holds the block pool). A request inside the
+engine and the waiting queue are in `kvgate.sim.sequences`, the configuration in
+`kvgate.sim.config`, the histograms in `kvgate.sim.histogram`.
 `tests/sim/test_engine_reference.py` checks it step for step against a naive transcription
 of vLLM's walk. Documented simplifications: within a step, decoding sequences take their
 token of the budget before any prefill chunk (vLLM walks the running list in admission
@@ -41,126 +44,38 @@ walk for that step while the simulator goes on scheduling the sequences after it
 
 from __future__ import annotations
 
-import heapq
-import math
 import random
-from bisect import bisect_left
-from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-# Histogram bucket bounds copied from a real vLLM metrics page (see scripts/real-vllm).
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-ITL_BUCKETS: tuple[float, ...] = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0,
-)  # fmt: skip
-E2E_BUCKETS: tuple[float, ...] = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-ITERATION_TOKEN_BUCKETS: tuple[float, ...] = (
-    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-)  # fmt: skip
+from kvgate.sim.config import EngineConfig, StepLatency
+from kvgate.sim.histogram import (
+    E2E_BUCKETS,
+    ITERATION_TOKEN_BUCKETS,
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+)
+from kvgate.sim.scheduler import Scheduler
+from kvgate.sim.sequences import DECODE, Seq, eos_length
+
+#: What driving an engine takes: the configuration that defines it, and what it returns.
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineSnapshot",
+    "FinishReason",
+    "FinishedRequest",
+    "StepLatency",
+    "StepResult",
+]
 
 FinishReason = Literal["length", "stop"]
-
-_WAITING, _PREFILL, _DECODE, _DONE = 0, 1, 2, 3
 
 
 class EngineError(ValueError):
     """A request the engine refuses outright (too long, bad parameters, duplicate id)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepLatency:
-    """Roofline step-time model; every term is in seconds."""
-
-    fixed_s: float
-    per_prefill_token_s: float
-    per_seq_s: float
-    per_context_token_s: float
-
-    def duration(self, prefill_tokens: int, seqs: int, context_tokens: int) -> float:
-        return (
-            self.fixed_s
-            + self.per_prefill_token_s * prefill_tokens
-            + self.per_seq_s * seqs
-            + self.per_context_token_s * context_tokens
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything that defines one engine. `num_blocks` counts vLLM's null block too."""
-
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    latency: StepLatency
-    enable_chunked_prefill: bool = True
-    scheduling: Literal["fcfs", "priority"] = "fcfs"
-    abort_on_disconnect: bool = True
-    eos_mean_tokens: float = 256.0
-
-    def __post_init__(self) -> None:
-        if self.num_blocks < 2 or self.block_size < 1:
-            raise ValueError("num_blocks must be >= 2 and block_size >= 1")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("need 1 <= max_num_seqs <= max_num_batched_tokens")
-        if self.latency.fixed_s <= 0:
-            raise ValueError("a step must take some time: latency.fixed_s must be > 0")
-        if self.max_model_len < 2:
-            raise ValueError("max_model_len must be >= 2")
-        if self.eos_mean_tokens < 1:
-            raise ValueError("eos_mean_tokens must be >= 1")
-        if self.max_model_len > self.usable_blocks * self.block_size:
-            # vLLM refuses to start in this case too: one full-length sequence must fit.
-            raise ValueError(
-                f"max_model_len ({self.max_model_len}) exceeds the KV cache's usable capacity "
-                f"({self.usable_blocks * self.block_size} tokens): lower max_model_len or "
-                "add blocks"
-            )
-
-    @property
-    def usable_blocks(self) -> int:
-        return self.num_blocks - 1
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """What a gateway computes from `cache_config_info`: num_gpu_blocks x block_size."""
-        return self.num_blocks * self.block_size
-
-
-class Histogram:
-    """A cumulative Prometheus-style histogram kept as plain lists (cheap to observe)."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(float(b) for b in bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # last slot: above every bound
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, times: int = 1) -> None:
-        self.counts[bisect_left(self.bounds, value)] += times
-        self.sum += value * times
-        self.count += times
-
-    def cumulative(self) -> list[int]:
-        """Counts per `le` bound, the last one being +Inf."""
-        out, total = [], 0
-        for c in self.counts:
-            total += c
-            out.append(total)
-        return out
 
 
 @dataclass(slots=True)
@@ -217,116 +132,11 @@ class EngineSnapshot:
     iteration_tokens: Histogram
 
 
-class _Seq:
-    """One request inside the engine. Decoding ones keep their counts relative to `_g`."""
-
-    __slots__ = (
-        "arrival",
-        "computed",
-        "first_token_at",
-        "gbase",
-        "generated",
-        "gone",
-        "gone_at",
-        "ignore_eos",
-        "last_token_at",
-        "max_computed",
-        "max_tokens",
-        "order",
-        "phase",
-        "preemptions",
-        "priority",
-        "prompt",
-        "request_id",
-        "state",
-        "target",
-        "uncounted_preemptions",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt: int,
-        max_tokens: int,
-        target: int,
-        ignore_eos: bool,
-        priority: int,
-        arrival: float,
-        order: int,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.target = target
-        self.ignore_eos = ignore_eos
-        self.priority = priority
-        self.arrival = arrival
-        self.order = order
-        self.state = _WAITING
-        self.generated = 0
-        self.computed = 0
-        self.max_computed = 0
-        self.gbase = 0
-        self.phase = 0
-        self.first_token_at: float | None = None
-        self.last_token_at = 0.0
-        self.gone = False
-        self.preemptions = 0
-        self.uncounted_preemptions = 0
-        self.gone_at = 0  # tokens generated when the client left
-
-
-class _WaitingQueue:
-    """vLLM's waiting queue: a deque (FCFS) or a heap on (priority, arrival) (priority).
-
-    Removal is lazy: an aborted sequence is marked done and skipped when it reaches the
-    front, so `abort` stays O(1).
-    """
-
-    def __init__(self, by_priority: bool) -> None:
-        self._by_priority = by_priority
-        self._fifo: deque[_Seq] = deque()
-        self._heap: list[tuple[int, float, int, _Seq]] = []
-        self.size = 0
-
-    def push_back(self, seq: _Seq) -> None:
-        self.size += 1
-        if self._by_priority:
-            heapq.heappush(self._heap, (seq.priority, seq.arrival, seq.order, seq))
-        else:
-            self._fifo.append(seq)
-
-    def push_front(self, seq: _Seq) -> None:
-        self.size += 1
-        if self._by_priority:
-            heapq.heappush(self._heap, (seq.priority, seq.arrival, seq.order, seq))
-        else:
-            self._fifo.appendleft(seq)
-
-    def peek(self) -> _Seq | None:
-        if self._by_priority:
-            while self._heap and self._heap[0][3].state != _WAITING:
-                heapq.heappop(self._heap)
-            return self._heap[0][3] if self._heap else None
-        while self._fifo and self._fifo[0].state != _WAITING:
-            self._fifo.popleft()
-        return self._fifo[0] if self._fifo else None
-
-    def pop(self) -> _Seq:
-        seq = heapq.heappop(self._heap)[3] if self._by_priority else self._fifo.popleft()
-        self.size -= 1
-        return seq
-
-    def discard(self, seq: _Seq) -> None:
-        """Called after `seq.state` left _WAITING; the entry itself is dropped lazily."""
-        self.size -= 1
-
-
 @dataclass(slots=True)
 class _InFlight:
     start: float
     duration: float
-    prefills: list[tuple[_Seq, int]]
+    prefills: list[tuple[Seq, int]]
     decoding: int
     preempted: list[str]
     aborted: list[str]
@@ -341,20 +151,9 @@ class Engine:
         self.config = config
         self.record_emissions = record_emissions
         self._rng = random.Random(seed)
-        self._bs = config.block_size
-        self._usable = config.usable_blocks
-        self._used = 0
-        self._seqs: dict[str, _Seq] = {}  # every request not yet finished or aborted
-        self._running: dict[str, _Seq] = {}  # admission order = vLLM's running list
-        self._waiting = _WaitingQueue(config.scheduling == "priority")
-        self._prefilling: dict[str, _Seq] = {}  # running, prompt not yet fully computed
-        # Aggregate state of decoding sequences (see module docstring).
-        self._g = 0  # decode steps taken so far; a decoding seq has generated gbase + _g
-        self._n_decode = 0
-        self._n_decode_zombie = 0
-        self._phase_count = [0] * self._bs
-        self._decode_ctx_base = 0  # sum over decoding seqs of (prompt + gbase - 1)
-        self._finish_heap: list[tuple[int, int, _Seq]] = []
+        self._sched = Scheduler(config)
+        self._decode = self._sched.decode
+        self._seqs: dict[str, Seq] = {}  # every request not yet finished or aborted
         self._pending_aborts: list[str] = []
         self._in_flight: _InFlight | None = None
         self._last_step_end: float | None = None
@@ -405,28 +204,23 @@ class Engine:
                 f"this model's maximum context length is {limit} tokens; the prompt "
                 f"({prompt_tokens}) plus max_tokens ({max_tokens}) exceeds it"
             )
-        target = max_tokens if ignore_eos else min(max_tokens, self._sample_eos_length())
+        if ignore_eos:
+            target = max_tokens
+        else:
+            target = min(max_tokens, eos_length(self._rng, self.config.eos_mean_tokens))
         self._order += 1
-        seq = _Seq(
-            request_id,
-            prompt_tokens,
-            max_tokens,
-            target,
-            ignore_eos,
-            priority,
-            now,
-            self._order,
+        seq = Seq(
+            request_id=request_id,
+            prompt=prompt_tokens,
+            max_tokens=max_tokens,
+            target=target,
+            ignore_eos=ignore_eos,
+            priority=priority,
+            arrival=now,
+            order=self._order,
         )
         self._seqs[request_id] = seq
-        self._waiting.push_back(seq)
-
-    def _sample_eos_length(self) -> int:
-        """Output length when EOS is sampled: geometric with the configured mean."""
-        p = 1.0 / self.config.eos_mean_tokens
-        if p >= 1.0:
-            return 1
-        u = 1.0 - self._rng.random()  # in (0, 1]
-        return 1 + int(math.log(u) / math.log1p(-p))
+        self._sched.waiting.push_back(seq)
 
     def abort(self, request_id: str) -> bool:
         """Remove a request at the next step (vLLM's abort). False if it is unknown."""
@@ -447,20 +241,20 @@ class Engine:
         self._mark_zombie(seq)
         return True
 
-    def _mark_zombie(self, seq: _Seq) -> None:
+    def _mark_zombie(self, seq: Seq) -> None:
         if seq.gone:
             return
         seq.gone = True
-        if seq.state == _DECODE:
-            seq.gone_at = seq.gbase + self._g
-            self._n_decode_zombie += 1
+        if seq.state == DECODE:
+            self._decode.client_gone(seq)
         else:
             seq.gone_at = seq.generated
 
     # ----------------------------------------------------------------- queries
     @property
     def has_work(self) -> bool:
-        return bool(self._running) or self._waiting.size > 0 or bool(self._pending_aborts)
+        sched = self._sched
+        return bool(sched.running) or sched.waiting.size > 0 or bool(self._pending_aborts)
 
     @property
     def in_flight(self) -> bool:
@@ -468,19 +262,19 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._sched.running)
 
     @property
     def num_waiting(self) -> int:
-        return self._waiting.size
+        return self._sched.waiting.size
 
     @property
     def used_blocks(self) -> int:
-        return self._used
+        return self._sched.used
 
     @property
     def kv_usage(self) -> float:
-        return self._used / self._usable
+        return self._sched.used / self._sched.usable
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._seqs
@@ -490,27 +284,28 @@ class Engine:
         seq = self._seqs.get(request_id)
         if seq is None:
             return 0
-        return seq.gbase + self._g if seq.state == _DECODE else seq.generated
+        return seq.gbase + self._decode.g if seq.state == DECODE else seq.generated
 
     def last_token_at(self, request_id: str) -> float | None:
         """When a live request last produced a token (None: unknown or none yet)."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.first_token_at is None:
             return None
-        return self._last_step_end if seq.state == _DECODE else seq.last_token_at
+        return self._last_step_end if seq.state == DECODE else seq.last_token_at
 
     def blocks_held(self) -> dict[str, int]:
         """Blocks per running request, recomputed from scratch (for tests and audits)."""
-        return {rid: self._blocks_of(seq) for rid, seq in self._running.items()}
+        sched = self._sched
+        return {rid: sched.blocks_of(seq) for rid, seq in sched.running.items()}
 
     def metrics_snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(
             num_blocks=self.config.num_blocks,
-            block_size=self._bs,
+            block_size=self.config.block_size,
             kv_usage=self.kv_usage,
-            used_blocks=self._used,
-            running=len(self._running),
-            waiting=self._waiting.size,
+            used_blocks=self._sched.used,
+            running=self.num_running,
+            waiting=self.num_waiting,
             preemptions_total=self.preemptions_total,
             preemptions_evicted=self.preemptions_evicted,
             prompt_tokens_total=self.prompt_tokens_total,
@@ -536,136 +331,24 @@ class Engine:
         if self._in_flight is not None:
             raise RuntimeError("begin_step called twice without finish_step")
         aborted = self._apply_aborts()
-        if not self._running and self._waiting.size == 0:
+        sched = self._sched
+        if not sched.running and sched.waiting.size == 0:
             if not aborted:
                 return None
             # Only aborts to report: a zero-length bookkeeping step.
             self._in_flight = _InFlight(now, 0.0, [], 0, [], aborted)
             return 0.0
-        budget = self.config.max_num_batched_tokens - self._n_decode
-        prefills: list[tuple[_Seq, int]] = []
-        preempted: list[str] = []
-        need = self._phase_count[-self._g % self._bs] if self._n_decode else 0
-        for seq in self._prefilling.values():
-            chunk = min(seq.prompt + seq.generated - seq.computed, budget)
-            if chunk <= 0:
-                continue
-            budget -= chunk
-            prefills.append((seq, chunk))
-            need += self._ceil(seq.computed + chunk) - self._ceil(seq.computed)
-        if need <= self._usable - self._used:
-            self._used += need
-        elif self.config.scheduling == "fcfs":
-            prefills, budget = self._preempt_from_tail(prefills, budget, preempted)
-        else:
-            prefills, budget = self._schedule_with_preemption(preempted)
-        if not preempted:
-            budget = self._admit_waiting(budget, prefills)
+        prefills, preempted = sched.schedule()
+        self.preemptions_evicted += len(preempted)
+        decoding = self._decode.count
         prefill_tokens = sum(chunk for _, chunk in prefills)
-        context = self._decode_ctx_base + self._n_decode * self._g
+        context = self._decode.context_tokens()
         context += sum(seq.computed for seq, _ in prefills)
-        seqs = self._n_decode + len(prefills)
+        seqs = decoding + len(prefills)
         duration = self.config.latency.duration(prefill_tokens, seqs, context)
-        self.iteration_tokens.observe(prefill_tokens + self._n_decode)
-        self._in_flight = _InFlight(now, duration, prefills, self._n_decode, preempted, aborted)
+        self.iteration_tokens.observe(prefill_tokens + decoding)
+        self._in_flight = _InFlight(now, duration, prefills, decoding, preempted, aborted)
         return duration
-
-    def _preempt_from_tail(
-        self, prefills: list[tuple[_Seq, int]], budget: int, preempted: list[str]
-    ) -> tuple[list[tuple[_Seq, int]], int]:
-        """FCFS preemption in O(victims): vLLM walks the running list in order and, when a
-        sequence's new blocks do not fit, preempts the *last* running sequence until they
-        do (or until it is the one preempted). The survivors are therefore the longest
-        prefix of the running list whose new blocks fit in what is free plus what the
-        preempted tail held, which is what popping the tail until the total fits gives."""
-        chunks = {seq.request_id: chunk for seq, chunk in prefills}
-        need_p = {
-            rid: self._ceil(self._running[rid].computed + c)
-            - self._ceil(self._running[rid].computed)
-            for rid, c in chunks.items()
-        }
-        need = sum(need_p.values())
-        while True:
-            total = need + (self._phase_count[-self._g % self._bs] if self._n_decode else 0)
-            if total <= self._usable - self._used or not self._running:
-                break
-            victim = next(reversed(self._running.values()))
-            if victim.request_id in chunks:
-                need -= need_p.pop(victim.request_id)
-                budget += chunks.pop(victim.request_id)
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-        self._used += total
-        kept = [(seq, c) for seq, c in prefills if seq.request_id in chunks]
-        return kept, budget
-
-    def _schedule_with_preemption(self, preempted: list[str]) -> tuple[list[tuple[_Seq, int]], int]:
-        """Slow path: walk the running list in order, preempting from its tail (or the
-        lowest priority) until each sequence's new blocks fit, as vLLM does."""
-        by_priority = self.config.scheduling == "priority"
-        budget = self.config.max_num_batched_tokens - self._n_decode
-        scheduled: dict[str, tuple[_Seq, int, int]] = {}  # id -> (seq, chunk, blocks)
-        order = list(self._running.values())
-        i = 0
-        while i < len(order):
-            seq = order[i]
-            i += 1
-            if seq.request_id not in self._running:
-                continue  # preempted earlier in this walk
-            if seq.state == _DECODE:
-                computed, chunk = seq.prompt + seq.gbase + self._g - 1, 1
-            else:
-                computed = seq.computed
-                chunk = min(seq.prompt + seq.generated - computed, budget)
-                if chunk <= 0:
-                    continue
-            new_blocks = self._ceil(computed + chunk) - self._ceil(computed)
-            while new_blocks > self._usable - self._used:
-                victim = (
-                    max(self._running.values(), key=lambda s: (s.priority, s.arrival))
-                    if by_priority
-                    else next(reversed(self._running.values()))
-                )
-                taken = scheduled.pop(victim.request_id, None)
-                if taken is not None:  # priority mode may evict an already-scheduled seq
-                    self._used -= taken[2]
-                    if victim.state == _PREFILL:
-                        budget += taken[1]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
-                    break
-            if seq.state == _WAITING:  # it was preempted itself
-                continue
-            self._used += new_blocks
-            if seq.state == _PREFILL:
-                budget -= chunk
-            scheduled[seq.request_id] = (seq, chunk, new_blocks)
-        prefills = [(s, c) for s, c, _ in scheduled.values() if s.state == _PREFILL]
-        left = self.config.max_num_batched_tokens - self._n_decode - sum(c for _, c in prefills)
-        return prefills, left
-
-    def _admit_waiting(self, budget: int, prefills: list[tuple[_Seq, int]]) -> int:
-        cfg = self.config
-        while budget > 0 and len(self._running) < cfg.max_num_seqs:
-            seq = self._waiting.peek()
-            if seq is None:
-                break
-            todo = seq.prompt + seq.generated
-            if not cfg.enable_chunked_prefill and todo > budget:
-                break
-            chunk = min(todo, budget)
-            blocks = self._ceil(chunk)
-            if blocks > self._usable - self._used:
-                break
-            self._waiting.pop()
-            seq.state = _PREFILL
-            self._running[seq.request_id] = seq
-            self._prefilling[seq.request_id] = seq
-            self._used += blocks
-            budget -= chunk
-            prefills.append((seq, chunk))
-        return budget
 
     def finish_step(self) -> StepResult:
         """Apply the in-flight step's outcome at its end time."""
@@ -682,11 +365,12 @@ class Engine:
         self.steps_total += 1
         self.busy_seconds_total += flight.duration
         if self.record_emissions and flight.decoding:
-            result.emitted = [s.request_id for s in self._running.values() if s.state == _DECODE]
+            running = self._sched.running.values()
+            result.emitted = [s.request_id for s in running if s.state == DECODE]
         if flight.decoding:
-            self._g += 1
+            self._decode.g += 1
             self.generation_tokens_total += flight.decoding
-            self.zombie_tokens_total += self._n_decode_zombie
+            self.zombie_tokens_total += self._decode.zombies
             if self._last_step_end is not None:
                 self.itl.observe(end - self._last_step_end, flight.decoding)
         for seq, chunk in flight.prefills:
@@ -695,7 +379,7 @@ class Engine:
         self._last_step_end = end
         return result
 
-    def _apply_prefill(self, seq: _Seq, chunk: int, end: float, result: StepResult) -> None:
+    def _apply_prefill(self, seq: Seq, chunk: int, end: float, result: StepResult) -> None:
         start = seq.computed
         seq.computed += chunk
         if start < seq.max_computed:
@@ -703,7 +387,6 @@ class Engine:
         if seq.computed < seq.prompt + seq.generated:
             return
         # Prefill (or re-prefill) done: this step samples the next token.
-        del self._prefilling[seq.request_id]
         seq.generated += 1
         self.generation_tokens_total += 1
         if seq.gone:
@@ -721,38 +404,13 @@ class Engine:
         seq.last_token_at = end
         if self.record_emissions:
             result.emitted.append(seq.request_id)
-        self._enter_decode(seq)
-
-    def _enter_decode(self, seq: _Seq) -> None:
-        seq.state = _DECODE
-        seq.gbase = seq.generated - self._g
-        seq.phase = (seq.prompt + seq.gbase - 1) % self._bs
-        self._phase_count[seq.phase] += 1
-        self._decode_ctx_base += seq.prompt + seq.gbase - 1
-        self._n_decode += 1
-        if seq.gone:
-            self._n_decode_zombie += 1
-        heapq.heappush(self._finish_heap, (seq.target - seq.gbase, seq.order, seq))
-
-    def _leave_decode(self, seq: _Seq) -> None:
-        """Materialise a decoding sequence's counts and take it out of the aggregates."""
-        seq.generated = seq.gbase + self._g
-        seq.computed = seq.prompt + seq.generated - 1
-        self._phase_count[seq.phase] -= 1
-        self._decode_ctx_base -= seq.prompt + seq.gbase - 1
-        self._n_decode -= 1
-        if seq.gone:
-            self._n_decode_zombie -= 1
+        self._sched.start_decoding(seq)
 
     def _pop_finished(self, end: float, result: StepResult) -> None:
-        heap = self._finish_heap
-        while heap and heap[0][0] <= self._g:
-            _, _, seq = heapq.heappop(heap)
-            if seq.state != _DECODE or seq.target - seq.gbase != self._g:
-                continue  # stale entry: the sequence was preempted or aborted since
-            self._leave_decode(seq)
+        for seq in self._decode.finished():
             seq.last_token_at = end
-            self._release(seq)
+            self._sched.release(seq)
+            del self._seqs[seq.request_id]
             reason: FinishReason = "length" if seq.generated >= seq.max_tokens else "stop"
             self.success_total[reason] += 1
             self.e2e.observe(end - seq.arrival)
@@ -778,47 +436,8 @@ class Engine:
             seq = self._seqs.get(rid)
             if seq is None:
                 continue
-            if seq.state == _WAITING:
-                seq.state = _DONE
-                self._waiting.discard(seq)
-                del self._seqs[rid]
-            else:
-                if seq.state == _DECODE:
-                    self._leave_decode(seq)
-                else:
-                    del self._prefilling[rid]
-                self._release(seq)
+            self._sched.remove(seq)
+            del self._seqs[rid]
             done.append(rid)
         self._pending_aborts.clear()
         return done
-
-    def _release(self, seq: _Seq) -> None:
-        """Free a running sequence's blocks and forget it."""
-        self._used -= self._ceil(seq.computed)
-        seq.state = _DONE
-        del self._running[seq.request_id]
-        del self._seqs[seq.request_id]
-
-    def _preempt(self, seq: _Seq) -> None:
-        """Recompute-mode preemption: free everything, back to the head of the queue."""
-        if seq.state == _DECODE:
-            self._leave_decode(seq)
-        else:
-            del self._prefilling[seq.request_id]
-        self._used -= self._ceil(seq.computed)
-        seq.max_computed = max(seq.max_computed, seq.computed)
-        seq.computed = 0
-        seq.state = _WAITING
-        seq.preemptions += 1
-        seq.uncounted_preemptions += 1
-        self.preemptions_evicted += 1
-        del self._running[seq.request_id]
-        self._waiting.push_front(seq)
-
-    def _blocks_of(self, seq: _Seq) -> int:
-        if seq.state == _DECODE:
-            return self._ceil(seq.prompt + seq.gbase + self._g - 1)
-        return self._ceil(seq.computed)
-
-    def _ceil(self, tokens: int) -> int:
-        return -(-tokens // self._bs)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvgate.sim.engine import Engine, Histogram
+from kvgate.sim.engine import Engine
+from kvgate.sim.histogram import Histogram
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -10,9 +10,9 @@ What a client sees follows vLLM: `cmpl-<X-Request-Id>` / `chatcmpl-<X-Request-Id
 takes; a reused X-Request-Id gets a `-dupN` engine id until its namesake's end was reported,
 and an abort reaches both, as vLLM's random id suffixes make it), `usage` and
 `stream_options.include_usage`, `ignore_eos` and `priority` extensions,
-OpenAI-style JSON errors. Prompt length comes from the request: token ids count one each,
-text counts `len(text) / chars_per_token`, so a 32k-token prompt is cheap to send. The
-generated text is filler; one token is one short word.
+OpenAI-style JSON errors. What the engine reads of a request (prompt length, options) is
+parsed in `kvgate.sim.openai_request`. The generated text is filler; one token is one
+short word.
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -32,6 +30,14 @@ from aiohttp import web
 
 from kvgate.sim.engine import Engine, EngineError, StepResult
 from kvgate.sim.metrics import CONTENT_TYPE, MetricsPage, only_samples
+from kvgate.sim.openai_request import (
+    BadRequest,
+    ParsedRequest,
+    chat_request,
+    check_model,
+    completion_request,
+    read_json,
+)
 
 _WORDS = tuple(
     " " + w
@@ -41,16 +47,7 @@ _WORDS = tuple(
     ).split()
 )
 _log = logging.getLogger(__name__)
-_CHAT_TOKENS_PER_MESSAGE = 4  # role markers and separators a chat template adds
 _MAX_BODY = 64 * 1024 * 1024
-
-
-class BadRequest(Exception):
-    """An invalid request: answered with an OpenAI-style 400 (or the given status)."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
@@ -108,16 +105,6 @@ class _Stream:
     def ended(self) -> bool:
         """The engine reported this request's end (finished or aborted)."""
         return self.finish_reason is not None or self.aborted
-
-
-@dataclass(frozen=True, slots=True)
-class _Parsed:
-    prompt_tokens: int
-    max_tokens: int | None
-    stream: bool
-    include_usage: bool
-    ignore_eos: bool
-    priority: int
 
 
 class SimServer:
@@ -300,7 +287,7 @@ class SimServer:
         return _json({"object": "list", "data": [card]})
 
     async def _abort_requests(self, request: web.Request) -> web.Response:
-        body = await _read_json(request)
+        body = await read_json(request)
         ids = body.get("request_ids")
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise BadRequest("request_ids must be a list of strings", "request_ids")
@@ -317,16 +304,16 @@ class SimServer:
 
     # ------------------------------------------------------------------ generation
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request)
-        self._check_model(body)
-        parsed = self._parse_common(body, self._completion_prompt_tokens(body.get("prompt")))
+        body = await read_json(request)
+        check_model(body, self.model_name)
+        parsed = completion_request(body, self.chars_per_token)
         xid = self._request_id(request)
         return await self._generate(request, parsed, f"cmpl-{xid}", f"cmpl-{xid}-0", chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request)
-        self._check_model(body)
-        parsed = self._parse_common(body, self._chat_prompt_tokens(body.get("messages")))
+        body = await read_json(request)
+        check_model(body, self.model_name)
+        parsed = chat_request(body, self.chars_per_token)
         xid = self._request_id(request)
         return await self._generate(
             request, parsed, f"chatcmpl-{xid}", f"chatcmpl-{xid}", chat=True
@@ -336,72 +323,8 @@ class SimServer:
         header = request.headers.get("X-Request-Id")
         return header if header else uuid.uuid4().hex
 
-    def _check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
-
-    def _text_tokens(self, text: str) -> int:
-        return max(1, math.ceil(len(text) / self.chars_per_token)) if text else 0
-
-    def _completion_prompt_tokens(self, prompt: Any) -> int:
-        if isinstance(prompt, str):
-            return self._text_tokens(prompt)
-        if isinstance(prompt, list) and prompt:
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return len(prompt)
-            if len(prompt) == 1:
-                return self._completion_prompt_tokens(prompt[0])
-            raise BadRequest("the simulator serves one prompt per request", "prompt")
-        raise BadRequest("prompt must be a non-empty string or list of token ids", "prompt")
-
-    def _chat_prompt_tokens(self, messages: Any) -> int:
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list", "messages")
-        total = 0
-        for message in messages:
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise BadRequest("each message needs a role and content", "messages")
-            content = message.get("content")
-            if isinstance(content, list):
-                texts = [p.get("text", "") for p in content if isinstance(p, dict)]
-                content = "".join(t for t in texts if isinstance(t, str))
-            if content is not None and not isinstance(content, str):
-                raise BadRequest("message content must be a string or parts", "messages")
-            total += self._text_tokens(content or "") + _CHAT_TOKENS_PER_MESSAGE
-        return total
-
-    def _parse_common(self, body: dict[str, Any], prompt_tokens: int) -> _Parsed:
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None and (
-            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-        ):
-            raise BadRequest("max_tokens must be a positive integer", "max_tokens")
-        n = body.get("n", 1)
-        if n != 1:
-            raise BadRequest("the simulator supports only n=1", "n")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("stream must be a boolean", "stream")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise BadRequest("stream_options must be an object", "stream_options")
-        if options and not stream:
-            raise BadRequest("stream_options is only allowed with stream=true", "stream_options")
-        priority = body.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise BadRequest("priority must be an integer", "priority")
-        return _Parsed(
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            stream=stream,
-            include_usage=bool(options.get("include_usage", False)),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-            priority=priority,
-        )
-
     async def _generate(
-        self, request: web.Request, p: _Parsed, public_id: str, engine_id: str, chat: bool
+        self, request: web.Request, p: ParsedRequest, public_id: str, engine_id: str, chat: bool
     ) -> web.StreamResponse:
         if self.failure is not None:
             return error_response(500, f"the simulated engine failed: {self.failure!r}")
@@ -452,7 +375,9 @@ class SimServer:
         self.engine.disconnect(engine_id)
         self._wake.set()
 
-    async def _whole(self, p: _Parsed, stream: _Stream, public_id: str, chat: bool) -> web.Response:
+    async def _whole(
+        self, p: ParsedRequest, stream: _Stream, public_id: str, chat: bool
+    ) -> web.Response:
         while stream.finish_reason is None and not stream.aborted:
             await stream.event.wait()
             stream.event.clear()
@@ -476,7 +401,7 @@ class SimServer:
         )
 
     async def _stream_out(
-        self, request: web.Request, p: _Parsed, stream: _Stream, public_id: str, chat: bool
+        self, request: web.Request, p: ParsedRequest, stream: _Stream, public_id: str, chat: bool
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -503,7 +428,7 @@ class SimServer:
         self,
         response: web.StreamResponse,
         head: dict[str, Any],
-        p: _Parsed,
+        p: ParsedRequest,
         stream: _Stream,
         chat: bool,
     ) -> None:
@@ -551,17 +476,3 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 def _json(payload: dict[str, Any], status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
-
-
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise BadRequest("the request body is too large", status=413) from None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body

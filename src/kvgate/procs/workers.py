@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-from kvgate.children import die_with_parent
-from kvgate.cluster.redis_server import RedisServer, RedisServerUnavailable, find_redis_server
 from kvgate.cluster.urls import redact
+from kvgate.procs.children import die_with_parent
+from kvgate.procs.redis_server import RedisServer, RedisServerUnavailable, find_redis_server
 
 log = logging.getLogger("kvgate.workers")
 

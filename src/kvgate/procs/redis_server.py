@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvgate.children import die_with_parent, stop
-from kvgate.testing.ports import free_port
+from kvgate.procs.children import die_with_parent, stop
+from kvgate.procs.ports import free_port
 
 REDIS_SERVER = "redis-server"
 _START_TIMEOUT_S = 10.0
