@@ -78,7 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="serve /metrics on this address only (e.g. 0.0.0.0:9464), not on the main one",
     )
-    parser.add_argument("--log-level", help="log level (default info; access lines are info)")
+    parser.add_argument(
+        "--log-level",
+        help="debug, info, warning, error or critical (default info; access lines are info)",
+    )
     parser.add_argument(
         "--log-format",
         choices=["text", "json"],
@@ -264,16 +267,23 @@ def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: s
 
 
 def _check_tls(certfile: str | None, keyfile: str | None) -> None:
-    """Load the certificate and key once before serving: a wrong path or a key that does
-    not match is a configuration error, said plainly, not a traceback from the server."""
+    """Load the certificate and key once before serving: a file that cannot be read (named)
+    or a key that does not match is a configuration error, said plainly, not a traceback
+    from the server."""
     from kvgate.config import ConfigError
 
     if not (certfile and keyfile):
         return
+    for key, path in (("server.certfile", certfile), ("server.keyfile", keyfile)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"TLS: {exc}") from None
+        raise ConfigError(f"TLS: {certfile} with {keyfile}: {exc}") from None
 
 
 class SimulatorError(RuntimeError):
