@@ -3,10 +3,14 @@ metrics flags, and what `--backend` does to the file's backends."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -129,3 +133,69 @@ async def test_an_ipv6_listen_with_the_port_flag(fake_engine: FakeEngine, tmp_pa
             body = {"model": "fake-model", "prompt": "p"}
             assert (await client.post("/v1/completions", json=body)).status_code == 200
     assert f"kvgate listening on http://[::1]:{port} ".encode() in served.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux: /proc/PID/task/*/children)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def _importing_pydantic(pid: int) -> bool:
+    """kvgate has begun reading its configuration model (pydantic's library is mapped)."""
+    try:
+        return "pydantic_core" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return True
+    return state == "Z"  # exited, not yet reaped by its new parent
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="watches the process through /proc")
+@pytest.mark.parametrize("moment", ["while it imports", "while the simulator starts"])
+def test_ctrl_c_while_kvgate_starts_exits_quietly_with_130(moment: str, tmp_path: Path) -> None:
+    """Ctrl-C before the server handles signals (it drains then) is a quiet exit, status
+    130, with no traceback; the simulator it was starting is stopped too."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvgate", "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        # A terminal's Ctrl-C reaches a process whose SIGINT is not ignored (as it is for
+        # a background job of a shell that started pytest).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 60.0
+        children: list[int] = []
+        while time.monotonic() < deadline and process.poll() is None:
+            children = _children(process.pid)
+            started = children if moment == "while the simulator starts" else None
+            if started or (started is None and _importing_pydantic(process.pid)):
+                break
+            time.sleep(0.002)
+        assert process.poll() is None, "kvgate serve exited by itself"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    deadline = time.monotonic() + 10.0
+    while not all(_gone(child) for child in children) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(_gone(child) for child in children), "the simulator lives on"
