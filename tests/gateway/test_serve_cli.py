@@ -3,6 +3,7 @@ metrics flags, and what `--backend` does to the file's backends."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -63,7 +64,20 @@ async def test_json_logs_metrics_address_and_backend_flag(
             hidden = await client.get("/metrics")
             scraped = await client.get(f"http://{metrics}/metrics")
             only_metrics = await client.get(f"http://{metrics}/v1/models")
+            dashboard = await client.get("/dashboard")
+        # The start-up line's `kvgate status` command, run as printed, reads this gateway.
+        port = served.url.rpartition(":")[2]
+        command = f"kvgate status --config kvgate.yaml --port {port}"
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+        status = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", *command.split(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
+            env={**clean, "NO_COLOR": "1", "COLUMNS": "160"},
+        )  # fmt: skip
+        status_out = (await asyncio.wait_for(status.communicate(), 60))[0].decode()
     assert served.returncode == 0, served.stderr.decode()
+    assert dashboard.status_code == 200
+    assert status.returncode == 0 and "policy none" in status_out, status_out
     assert (ok.status_code, unknown.status_code) == (200, 404)
     assert hidden.status_code == 404 and only_metrics.status_code == 404
     assert scraped.status_code == 200 and b"kvgate_requests_total" in scraped.content
@@ -73,6 +87,10 @@ async def test_json_logs_metrics_address_and_backend_flag(
     assert {"kvgate.serve", "uvicorn.error", "kvgate.access"} <= loggers
     listening = next(line["message"] for line in lines if "listening on" in line.get("message", ""))
     assert "1 backend(s) from --backend, in place of the configuration's 2" in listening
+    assert listening.endswith(f"; pid {served.process.pid})")
+    assert f"dashboard: {served.url}/dashboard; in a terminal: {command}" in [
+        line.get("message") for line in lines
+    ]
     assert [(a["status"], a["reason"]) for a in access_lines(served.stderr)] == [
         (200, None),
         (404, "model_not_found"),

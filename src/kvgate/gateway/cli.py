@@ -189,7 +189,13 @@ def run(args: argparse.Namespace) -> int:
             return _serve_workers(args, config, overrides)
         # What SIGHUP and /admin/reload re-read: the same file, environment and flags
         # (backends given with --backend, or the simulator's, stay as they are).
-        return _serve(config, lambda: load_config(args.config, **overrides), args.as_worker, origin)
+        return _serve(
+            config,
+            lambda: load_config(args.config, **overrides),
+            args.as_worker,
+            origin,
+            args.config,
+        )
     except SimulatorError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 1
@@ -221,11 +227,17 @@ def _serve_workers(args: argparse.Namespace, config: Any, overrides: dict[str, A
     )
 
 
-def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: str = "") -> int:
+def _serve(
+    config: Any,
+    reread: Callable[[], Any],
+    as_worker: int = 0,
+    origin: str = "",
+    config_path: str | None = None,
+) -> int:
     from kvgate.gateway.app import Gateway
     from kvgate.gateway.http.server import bind_socket, run_server
     from kvgate.gateway.relay.tokenizers import TokenizerLoadError
-    from kvgate.gateway.settings import join_address, listen_address
+    from kvgate.gateway.settings import join_address, listen_address, local_url
 
     server = config.server
     sockets = []
@@ -245,16 +257,22 @@ def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: s
         except (TokenizerLoadError, ValueError) as exc:
             print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
             return 2
-        scheme = "https" if server.certfile and server.keyfile else "http"
+        tls = bool(server.certfile and server.keyfile)
+        host, port = sockets[0].getsockname()[:2]
         log.info(
-            "kvgate listening on %s://%s (%s, policy %s, %d backend(s)%s: %s)",
-            scheme,
-            join_address(*sockets[0].getsockname()[:2]),
+            "kvgate listening on %s://%s (%s, policy %s, %d backend(s)%s: %s; pid %d)",
+            "https" if tls else "http",
+            join_address(host, port),
             server.server,
             config.admission.policy,
             len(gateway.backends),
             origin,
             ", ".join(b.node_id for b in gateway.backends),
+            os.getpid(),
+        )
+        url = local_url(host, port, tls=tls)
+        log.info(
+            "dashboard: %s/dashboard; in a terminal: %s", url, _status_command(url, config_path)
         )
         metrics_sock = sockets[1] if len(sockets) > 1 else None
         if metrics_sock is not None:
@@ -264,6 +282,24 @@ def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: s
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _status_command(url: str, config_path: str | None) -> str:
+    """The `kvgate status` that reaches the gateway at `url` from this host: it reads the
+    same file and environment, so only what the flags changed is said again."""
+    from kvgate.config import load_config
+    from kvgate.gateway.settings import local_url
+
+    words = ["kvgate status"]
+    if config_path:
+        words += ["--config", config_path]
+    server = load_config(config_path).server
+    host, port = server.address
+    configured = local_url(host, port, tls=bool(server.certfile and server.keyfile))
+    if url != configured:
+        same_host = url.rpartition(":")[0] == configured.rpartition(":")[0]
+        words += ["--port", url.rpartition(":")[2]] if same_host else ["--url", url]
+    return " ".join(words)
 
 
 def _check_tls(certfile: str | None, keyfile: str | None) -> None:

@@ -94,6 +94,13 @@ def join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def local_url(host: str, port: int, *, tls: bool = False) -> str:
+    """The base URL that reaches a gateway listening on (host, port) from the same machine:
+    a wildcard address (`0.0.0.0`, `::`) is reached through loopback."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"{'https' if tls else 'http'}://{join_address(host, port)}"
+
+
 #: How many read timeouts an engine may take to send its response headers. Before them it
 #: is silent while the request waits in its queue and, for a non-streamed answer, while it
 #: generates the whole answer: ten silences (10 minutes at the default) cover a long
