@@ -9,16 +9,18 @@ to protect.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
+import signal
 import ssl
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from kvgate.children import die_with_parent, stop
@@ -345,20 +347,23 @@ class SimulatorProcess:
         # Its own session: Ctrl-C reaches only the gateway, which drains and then stops
         # the simulator; on Linux the child also dies with the gateway if that is killed.
         # Its output goes through the gateway's logging (one format for the whole stream).
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
-        )
-        sim = cls(process, [])
+        sim: SimulatorProcess | None = None
         try:
+            with _sigint_held():
+                process = subprocess.Popen(
+                    command,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    start_new_session=True,
+                    preexec_fn=_in_child,
+                )
+                sim = cls(process, [])
             sim._wait_ready(nodes, timeout_s)
         except BaseException:
-            sim.stop()
+            if sim is not None:
+                sim.stop()
             raise
         return sim
 
@@ -384,6 +389,32 @@ class SimulatorProcess:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         stop(self.process, timeout_s)
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold SIGINT back while a child is forked; a Ctrl-C meanwhile arrives just after.
+
+    Python runs handlers around a fork (logging releases its lock in one): a Ctrl-C raised
+    inside one leaves that lock held, and the exit that follows hangs on it.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _in_child() -> None:
+    """In the simulator's process before exec: SIGINT as usual again (the mask is
+    inherited), and, on Linux, death with the gateway."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if sys.platform == "linux":
+        die_with_parent()
 
 
 def _forward(pipe: IO[str], level: int, lines: list[str] | None = None) -> None:
