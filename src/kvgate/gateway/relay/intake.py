@@ -183,7 +183,7 @@ class Intake:
                 503,
                 "No backend is reachable to serve this request.",
                 "no_backend",
-                headers=[(b"retry-after", b"1"), (b"x-kvgate-reason", b"no_backend")],
+                headers=[(b"retry-after", b"1")],
             )
         raise GatewayError(
             404, f"The model `{model}` does not exist.", "model_not_found", param="model"

@@ -153,7 +153,7 @@ class Relay:
             await self._admit_and_relay(scope, receive, send, record, client, request)
         except GatewayError as err:
             record.status = err.status
-            record.reason = _reason(err)
+            record.reason = err.code
             if record.ending == "done":
                 record.ending = "rejected" if err.status in (429, 503) else "bad_request"
             record.first_byte_at = time.monotonic()
@@ -344,12 +344,3 @@ def _with_field(body: bytes, name: str, value: str) -> bytes:
     data = orjson.loads(body)
     data[name] = value
     return orjson.dumps(data)
-
-
-def _reason(err: GatewayError) -> str:
-    """Why the gateway refused, for the access log: the `x-kvgate-reason` it sends, else
-    the error's code."""
-    for name, value in err.headers:
-        if name == b"x-kvgate-reason":
-            return value.decode("latin-1")
-    return str(err.code)
