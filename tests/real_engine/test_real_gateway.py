@@ -340,6 +340,27 @@ async def test_over_long_requests_get_the_engines_own_400_from_kvgate(
                 assert relayed.json()["usage"]["completion_tokens"] == 2048 - 1000
 
 
+async def test_without_max_tokens_vllm_generates_the_rest_of_its_context_through_kvgate_too(
+    start_gateway: GatewayFactory, idle_engine: ServerProcess
+) -> None:
+    """A chat request without `max_tokens`: vLLM generates up to the rest of its
+    2,048-token context (end-of-sequence ignored: to the very end), over 1,024 tokens after
+    a prompt of about 900. Through kvgate the same: it sends no `max_tokens` of its own (it
+    sent 1,024, which cut the answer there)."""
+    gateway = start_gateway()
+    messages = [{"role": "user", "content": " self" * 900}]
+    body = {"model": MODEL_NAME, "messages": messages, **VLLM_ONLY}
+    async with httpx.AsyncClient(timeout=180.0) as client:
+        relayed = await client.post(gateway.url + "/v1/chat/completions", json=body)
+        direct = await client.post(idle_engine.url + "/v1/chat/completions", json=body)
+    assert relayed.status_code == direct.status_code == 200, relayed.text
+    assert "x-kvgate-reason" not in relayed.headers
+    usage = relayed.json()["usage"]
+    assert usage == direct.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 2048
+    assert usage["completion_tokens"] > 1024
+
+
 async def test_an_engine_added_by_a_reload_is_scraped_and_served(
     tmp_path: Path, idle_engine: ServerProcess
 ) -> None:

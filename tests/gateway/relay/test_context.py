@@ -107,3 +107,26 @@ async def test_no_limit_is_assumed_when_a_backend_does_not_list_one(
         )
     assert response.headers.get("x-kvgate-reason") != "context_length_exceeded"
     assert _relayed(gw) == 1
+
+
+async def test_a_long_prompt_without_max_tokens_is_served_as_the_engine_serves_it(
+    sim_server: SimServer, gateway_factory
+) -> None:
+    """The simulator refuses a prompt plus `max_tokens` over its context, as strict engines
+    do, and without `max_tokens` generates up to the rest of it, as vLLM's chat does: 1,629 prompt
+    tokens and no `max_tokens` are served with or without kvgate in front (kvgate once
+    sent its own `max_tokens` 1,024 and got a 400 naming it)."""
+    gw = await gateway_factory([f"http://127.0.0.1:{sim_server.port}"])
+    await gw.gateway.catalog.refresh()
+    body = {"model": MODEL, "prompt": list(range(10, 1639))}
+    async with httpx.AsyncClient(timeout=60) as client:
+        direct = await client.post(f"http://127.0.0.1:{sim_server.port}/v1/completions", json=body)
+        relayed = await client.post(gw.url + "/v1/completions", json=body)
+        chat = await client.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "abcd" * 1600}]},
+        )
+    assert direct.status_code == relayed.status_code == chat.status_code == 200, relayed.text
+    assert relayed.json()["usage"]["prompt_tokens"] == 1629
+    assert 0 < relayed.json()["usage"]["completion_tokens"] <= LIMIT - 1629
+    assert "x-kvgate-reason" not in relayed.headers
