@@ -27,6 +27,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from kvgate.gateway.ops.tenants import NO_KEY
+
 PRIORITIES = ("critical", "standard", "sheddable")
 STATE_STYLE = {
     "ok": "green",
@@ -211,6 +213,7 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
         "counters": _obj(raw.get("counters")) or _obj(raw.get("gateway")),
         "scrape": _obj(raw.get("scrape")) or _obj(raw.get("scraper")),
         "cluster": _obj(raw.get("cluster")),
+        "tenants": _obj(raw.get("tenants")),
     }
 
 
@@ -263,8 +266,28 @@ def render(state: dict[str, Any], per_second: dict[str, float] | None = None) ->
     parts: list[RenderableType] = [_cluster_table(state, per_second)]
     if state["cluster"]:
         parts.append(_replica_table(state["cluster"]))
+    tenants = _tenant_table(state["tenants"])
+    if tenants is not None:
+        parts.append(tenants)
     parts.append(_node_table(state))
     return Group(*parts)
+
+
+def _tenant_table(tenants: dict[str, Any]) -> Table | None:
+    """One row per tenant, with the figures the gateway lists in `columns` (see
+    kvgate.gateway.ops.tenants); None when the gateway sends no such table."""
+    columns = [c for c in tenants.get("columns") or [] if isinstance(c, list) and len(c) == 2]
+    rows = [_obj(row) for row in tenants.get("rows") or []]
+    if not columns or not rows:
+        return None
+    table = Table(title=f"tenants ({len(rows)})", show_header=True)
+    table.add_column("tenant")
+    for _, heading in columns:
+        table.add_column(str(heading), justify="right")
+    for row in rows:
+        name = str(row.get("tenant") or "") or NO_KEY
+        table.add_row(name, *(_fmt(_num(row.get(str(key)))) for key, _ in columns))
+    return table
 
 
 def _replica_table(cluster: dict[str, Any]) -> RenderableType:

@@ -35,6 +35,7 @@ from kvgate.gateway.http.body import ClientGone, read_body
 from kvgate.gateway.http.errors import GatewayError, send_error, send_json
 from kvgate.gateway.ops import dashboard
 from kvgate.gateway.ops.telemetry import GatewayMetrics
+from kvgate.gateway.ops.tenants import tenant_table
 from kvgate.gateway.relay.relay import Relay
 from kvgate.gateway.relay.tokenizers import load_tokenizers
 from kvgate.gateway.relay.upstream import ModelCatalog, Upstream, UpstreamPool
@@ -377,9 +378,13 @@ class Gateway:
 
     def state(self) -> dict[str, Any]:
         """Everything `/admin/state` and the dashboard show."""
+        policy = self.admission.snapshot()
         return {
             "time": self.clock.now(),
-            "policy": self.admission.snapshot(),
+            "policy": policy,
+            "tenants": tenant_table(
+                self.metrics.tenants, policy["tenants"], policy["queue"]["tenants"]
+            ),
             "scraper": None if self.scraper is None else self.scraper.snapshot(),
             "cluster": None if self.cluster is None else self.cluster.snapshot(),
             "gateway": {

@@ -59,6 +59,7 @@ class AccessRecord:
     request_id: str
     route: str
     started: float
+    tenant: str = ""  # its API key's tenant ("" without keys)
     backend: str = "-"
     status: int = 0
     streamed: bool = False

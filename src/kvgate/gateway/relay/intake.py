@@ -33,7 +33,7 @@ import orjson
 
 from kvgate.core.cost import CostEstimator
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
-from kvgate.gateway.http.asgi import TENANT_SCOPE_KEY, Receive, Scope
+from kvgate.gateway.http.asgi import Receive, Scope
 from kvgate.gateway.http.body import read_body
 from kvgate.gateway.http.errors import GatewayError
 from kvgate.gateway.relay.call import AccessRecord, ClientRequest
@@ -116,7 +116,7 @@ class Intake:
         check_context(limit, model, data, cost, estimator)
         if max_tokens is None and limit is None:
             body = self._with_default_max_tokens(data)
-        tenant = scope.get(TENANT_SCOPE_KEY) or ""
+        tenant = record.tenant
         client = ClientRequest(
             head.request_id, priority, tenant, max_wait_s, body, model, stream, max_tokens, data
         )
@@ -144,7 +144,7 @@ class Intake:
         else:
             record.model = model
             candidates = await self._nodes_for(model)
-        tenant = scope.get(TENANT_SCOPE_KEY) or ""
+        tenant = record.tenant
         client = ClientRequest(head.request_id, priority, tenant, max_wait_s, body, model)
         # Embeddings and the like hold KV only for their input, roughly a token per 4 bytes.
         cost = RequestCost(prompt_tokens=len(body) // 4, max_output_tokens=0)
