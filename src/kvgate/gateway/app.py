@@ -34,6 +34,7 @@ from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
 from kvgate.gateway.http.body import ClientGone, read_body
 from kvgate.gateway.http.errors import GatewayError, send_error, send_json
 from kvgate.gateway.ops import dashboard
+from kvgate.gateway.ops.history import ChartHistory
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.ops.tenants import tenant_table
 from kvgate.gateway.relay.relay import Relay
@@ -108,6 +109,8 @@ class Gateway:
             self.spawn,
         )
         self.scraper: Scraper | None = None
+        #: The last minutes of what the dashboard charts (recorded by `running`).
+        self.history = ChartHistory(self.state)
         #: With `store.url`: this replica's link to the others (started by `running`).
         self.cluster: ClusterSync | None = None
         self.replicas = replicas
@@ -203,6 +206,7 @@ class Gateway:
                     self._join_replicas()
                     self._start_scraper()
                     self.spawn(self.catalog.refresh())
+                    self.spawn(self.history.run())
                     yield self
                 finally:
                     self._group = None
@@ -453,7 +457,8 @@ class Gateway:
         return not self.relay.accepting
 
     def _merge_dashboard(self) -> None:
-        for key, app in dashboard.routes(self.state, closing=self._draining).items():
+        routes = dashboard.routes(self.state, closing=self._draining, history=self.history)
+        for key, app in routes.items():
             self.routes.setdefault(key, app)
 
 
