@@ -13,12 +13,12 @@ when none is reachable) and costs it, and builds, once each:
 
 A completion's JSON is parsed once (orjson) and only `model`, `stream`, `max_tokens` (or
 `max_completion_tokens`) and the prompt are checked; the rest is relayed as sent. It is
-costed within the model's context length when the engines list it, and the engine's own
-context refusals are made here, before admission (`context.py`). A request that sends no
-`max_tokens` is relayed as sent when the context is known: the engine generates up to the
-rest of it, which is then its planned cap (how long it runs is planned by the lengths
-learned per model). Where the context is unknown, admission plans for
-`admission.default_max_tokens` of output and the body sent upstream says so. Any other
+costed within the model's context length when the engines list it, and what an engine
+would refuse for that length is refused here, before admission (`context.py`). A request
+that sends no `max_tokens` is relayed as sent when the context is known: the engine
+generates up to the rest of it at most, which is then its planned cap (how long it runs is
+planned by the lengths learned per model). Where the context is unknown, admission plans
+for `admission.default_max_tokens` of output and the body sent upstream says so. Any other
 `/v1/...` request passes through unread except for its `model`, costed at a token per 4
 bytes.
 """
