@@ -114,6 +114,12 @@ def _serve(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedPr
     )
 
 
+_BAD_LEVEL = (
+    "server.log_level: Input should be 'debug', 'info', 'warning', 'error' or 'critical'"
+    " (got 'verbose')"
+)
+
+
 @pytest.mark.parametrize(
     ("file_text", "args", "env", "expected"),
     [
@@ -138,7 +144,15 @@ def _serve(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedPr
             "server.port: not a setting: give `server.listen",
         ),
         ("admission: {seed: 7}\n", (), {}, "admission.seed: not a setting"),
-        (None, ("--certfile", "no.pem", "--keyfile", "no.key"), {}, "TLS: [Errno 2]"),
+        (
+            None,
+            ("--certfile", "/nonexistent.pem", "--keyfile", "no.key"),
+            {},
+            "server.certfile: cannot read /nonexistent.pem: No such file or directory",
+        ),
+        (None, ("--log-level", "verbose"), {}, _BAD_LEVEL),
+        (None, (), {"KVGATE_SERVER__LOG_LEVEL": "verbose"}, _BAD_LEVEL),
+        ("server: {log_level: verbose}\n", (), {}, _BAD_LEVEL),
     ],
 )
 def test_configuration_mistakes_are_one_clear_line_and_exit_2(

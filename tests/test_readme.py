@@ -57,6 +57,30 @@ def test_the_readme_names_what_ci_installs() -> None:
             words = line.split("apt-get install", 1)[1].split(">", 1)[0].split()
             packages |= {w for w in words if not w.startswith("-")}
     assert {"chromium", "prometheus", "podman"} <= packages
-    tests = _section(README.read_text(), "### Tests")
+    tests = _section(README.read_text(), "## Development")
     assert [name for name in sorted(packages) if f"`{name}`" not in tests] == []
     assert "Chromium and promtool" in tests and "scripts/install-real-vllm.sh" in tests
+    assert "pip install -e '.[test]' && python -m pytest -q " in tests
+
+
+def test_the_quick_start_is_for_a_user_and_names_what_kubernetes_needs_first() -> None:
+    """CI's machinery is in Development, not before Why; the Kubernetes one-liner says that
+    the production overlay needs its secrets written first, and where that is told."""
+    text = README.read_text()
+    quick = text[text.index("## Quick start") : text.index("## Why")]
+    for internal in (".ci/run", "mmdebstrap", "netavark", "promtool", "slirp4netns"):
+        assert internal not in quick, internal
+    kube = " ".join(quick[quick.index("On Kubernetes") :].split())
+    production = kube.index("kubectl apply -k deploy/kubernetes/overlays/production")
+    assert "secrets" in kube[production : production + 400]
+    assert "docs/kubernetes.md#3-deploy-in-front-of-your-engines" in kube
+    guide = (ROOT / "docs/kubernetes.md").read_text()
+    assert "## 3. Deploy in front of your engines: `overlays/production`" in guide
+    assert "2. **Credentials.** Write them into the overlay's `secrets/`" in guide
+
+
+def test_no_doc_signals_every_gateway_on_the_host() -> None:
+    """`pkill -f "kvgate serve"` or `killall` would reach every gateway of the host."""
+    for doc in DOCS:
+        text = doc.read_text()
+        assert "pkill" not in text and "killall" not in text, doc

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import sys
 from collections.abc import Sequence
 
@@ -58,6 +57,8 @@ EXTRAS = {"bench": "bench"}
 
 
 def _version() -> str:
+    import importlib.metadata  # 40 ms: only for --version
+
     try:
         return importlib.metadata.version("kvgate")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree
@@ -75,11 +76,22 @@ def _needs_extra(command: str, package: str) -> int:
     return 2
 
 
+#: The exit status of a command interrupted by Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    """Run one subcommand; its exit status.
+
+    Ctrl-C before a command handles SIGINT itself (while kvgate imports and starts, or in a
+    command that never does) ends it quietly with status 130, not with a traceback.
+    """
     try:
+        parser = build_parser()
         args = parser.parse_args(argv)
         return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return INTERRUPTED
     except ModuleNotFoundError as exc:
         command = next((a for a in (argv or sys.argv[1:]) if a in SUBCOMMANDS), None)
         if command is None or (exc.name or "").startswith("kvgate"):

@@ -4,6 +4,11 @@ It reads `GET /admin/state` (the same JSON the dashboard streams), so an operato
 jump host with only `ssh` gets the same facts as the browser: per node what the engine
 reports and what kvgate predicts, and what admission is doing about it. `--watch` redraws
 every `--interval` seconds and adds per-second rates derived from the counters.
+
+Which gateway, and its admin token, come from the same places as for `kvgate serve`, in
+the same order: the flags (`--url`, or `--port` for the configured host; `--admin-token`),
+then the `KVGATE_*` environment, then the file `--config` names (`server.listen`,
+`server.admin_token`). A refusal says what the gateway said and what to do about it.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import time
 import urllib.error
 import urllib.request
@@ -19,8 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
+
+from kvgate.gateway.ops.tenants import NO_KEY
 
 PRIORITIES = ("critical", "standard", "sheddable")
 STATE_STYLE = {
@@ -35,13 +42,34 @@ STATE_STYLE = {
 }
 
 
+#: What to do about an admin refusal, by the error `code` the gateway answered.
+_ADMIN_HINTS = {
+    "admin_disabled": "the gateway has API keys and no admin token, so its admin routes are"
+    " closed: set server.admin_token in its configuration (or KVGATE_SERVER__ADMIN_TOKEN),"
+    " restart it, and give the same token here (--admin-token, the environment or --config)",
+    "invalid_admin_token": "give the gateway's server.admin_token: --admin-token,"
+    " KVGATE_SERVER__ADMIN_TOKEN or --config FILE",
+}
+
+
 class StatusError(Exception):
     """The gateway could not be read; the message says why, for a human."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url", default="http://127.0.0.1:8080", help="gateway base URL (default: %(default)s)"
+        "--url",
+        help="gateway base URL (default: server.listen of the environment and --config,"
+        " http://127.0.0.1:8080 without either)",
+    )
+    parser.add_argument(
+        "--port", type=int, help="the gateway's port on this host (replaces server.listen's)"
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the gateway's YAML config file: its server.listen and server.admin_token"
+        " (the environment and the flags beat it, as for kvgate serve)",
     )
     parser.add_argument("--watch", action="store_true", help="refresh until interrupted")
     parser.add_argument(
@@ -49,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--admin-token",
-        default=os.environ.get("KVGATE_SERVER__ADMIN_TOKEN"),
-        help="bearer token for the admin API (default: $KVGATE_SERVER__ADMIN_TOKEN)",
+        help="token of the admin routes (default: server.admin_token of"
+        " $KVGATE_SERVER__ADMIN_TOKEN and --config)",
     )
     parser.add_argument(
         "--timeout", type=float, default=3.0, help="HTTP timeout in seconds (default: 3)"
@@ -75,18 +103,47 @@ def run(args: argparse.Namespace) -> int:
     if args.count is not None and args.count < 1:
         console.print("[red]error:[/] --count must be at least 1")
         return 2
+    if args.port is not None and (args.url or not 0 < args.port < 65536):
+        console.print("[red]error:[/] --port takes 1-65535, and not with --url")
+        return 2
+    try:
+        args.url, args.admin_token = target(args)
+    except StatusError as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        return 2
     if args.watch:
         return _watch(args, console)
     try:
         state = fetch_state(args.url, args.admin_token, args.timeout)
     except StatusError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         return 1
     if args.json:
         console.print_json(data=state)
     else:
         console.print(render(state))
     return 0
+
+
+def target(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The gateway's base URL and admin token: the flags, else the environment, else the
+    `--config` file (see the module docstring). Raises StatusError for a configuration
+    that cannot be read."""
+    if args.url and args.admin_token:
+        return args.url, args.admin_token
+    from kvgate.config import ConfigError, load_config
+    from kvgate.gateway.settings import local_url
+
+    try:
+        server = load_config(args.config).server
+    except ConfigError as exc:
+        raise StatusError(f"invalid configuration: {exc}") from None
+    token = args.admin_token or server.admin_token
+    if args.url:
+        return args.url, token
+    host, port = server.address
+    port = port if args.port is None else args.port
+    return local_url(host, port, tls=bool(server.certfile and server.keyfile)), token
 
 
 def fetch_state(url: str, token: str | None = None, timeout: float = 3.0) -> dict[str, Any]:
@@ -99,8 +156,7 @@ def fetch_state(url: str, token: str | None = None, timeout: float = 3.0) -> dic
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
     except urllib.error.HTTPError as exc:
-        hint = " (pass --admin-token)" if exc.code in (401, 403) else ""
-        raise StatusError(f"{endpoint} answered {exc.code} {exc.reason}{hint}") from None
+        raise StatusError(refusal(endpoint, exc, token_sent=bool(token))) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise StatusError(f"cannot reach the gateway at {endpoint}: {reason}") from None
@@ -111,6 +167,27 @@ def fetch_state(url: str, token: str | None = None, timeout: float = 3.0) -> dic
     if not isinstance(state, dict):
         raise StatusError(f"{endpoint} answered JSON that is not an object")
     return state
+
+
+def refusal(endpoint: str, exc: urllib.error.HTTPError, *, token_sent: bool) -> str:
+    """What the gateway answered (its message and code, whole) and, for an admin refusal,
+    what to do about it."""
+    message = code = None
+    with contextlib.suppress(Exception):
+        error = json.loads(exc.read())["error"]
+        message, code = error.get("message"), error.get("code")
+    said = f"{endpoint} answered {exc.code} {exc.reason}"
+    if isinstance(message, str) and message:
+        said += f": {message}"
+    if isinstance(code, str) and code:
+        said += f" ({code})"
+    if exc.code not in (401, 403):
+        return said
+    if code == "admin_disabled":
+        return f"{said}; {_ADMIN_HINTS['admin_disabled']}"
+    if token_sent:
+        return f"{said}; the token given is not the gateway's server.admin_token"
+    return f"{said}; {_ADMIN_HINTS['invalid_admin_token']}"
 
 
 def normalize(raw: dict[str, Any]) -> dict[str, Any]:
@@ -136,6 +213,7 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
         "counters": _obj(raw.get("counters")) or _obj(raw.get("gateway")),
         "scrape": _obj(raw.get("scrape")) or _obj(raw.get("scraper")),
         "cluster": _obj(raw.get("cluster")),
+        "tenants": _obj(raw.get("tenants")),
     }
 
 
@@ -188,12 +266,33 @@ def render(state: dict[str, Any], per_second: dict[str, float] | None = None) ->
     parts: list[RenderableType] = [_cluster_table(state, per_second)]
     if state["cluster"]:
         parts.append(_replica_table(state["cluster"]))
+    tenants = _tenant_table(state["tenants"])
+    if tenants is not None:
+        parts.append(tenants)
     parts.append(_node_table(state))
     return Group(*parts)
 
 
-def _replica_table(cluster: dict[str, Any]) -> Table:
-    """The replicas sharing this gateway's admission state, and who polls which engine."""
+def _tenant_table(tenants: dict[str, Any]) -> Table | None:
+    """One row per tenant, with the figures the gateway lists in `columns` (see
+    kvgate.gateway.ops.tenants); None when the gateway sends no such table."""
+    columns = [c for c in tenants.get("columns") or [] if isinstance(c, list) and len(c) == 2]
+    rows = [_obj(row) for row in tenants.get("rows") or []]
+    if not columns or not rows:
+        return None
+    table = Table(title=f"tenants ({len(rows)})", show_header=True)
+    table.add_column("tenant")
+    for _, heading in columns:
+        table.add_column(str(heading), justify="right")
+    for row in rows:
+        name = str(row.get("tenant") or "") or NO_KEY
+        table.add_row(name, *(_fmt(_num(row.get(str(key)))) for key, _ in columns))
+    return table
+
+
+def _replica_table(cluster: dict[str, Any]) -> RenderableType:
+    """The replicas sharing this gateway's admission state, and who polls which engine;
+    then the store's last error, whole, on lines of its own."""
     sync = _obj(cluster.get("sync"))
     health = str(cluster.get("state", "?"))
     style = {"synced": "green", "isolated": "bold red"}.get(health, "yellow")
@@ -209,17 +308,18 @@ def _replica_table(cluster: dict[str, Any]) -> Table:
     for member in cluster.get("members") or []:
         member = _obj(member)
         mark = " (this one)" if member.get("self") else ""
+        pid = _num(member.get("pid"))
         table.add_row(
             f"{member.get('id', '?')}{mark}",
             str(member.get("host") or ""),
-            _fmt(_num(member.get("pid"))),
+            "–" if pid is None else str(int(pid)),  # an id: never abbreviated
             str(member.get("state") or ""),
             _fmt(len(member.get("owns") or [])),
             _fmt(len(member.get("scrapes") or [])),
         )
-    if sync.get("last_error"):
-        table.caption = f"last store error: {sync['last_error']}"
-    return table
+    if not sync.get("last_error"):
+        return table
+    return Group(table, Text(f"last store error: {sync['last_error']}", style="yellow"))
 
 
 def _cluster_table(state: dict[str, Any], per_second: dict[str, float] | None) -> Table:

@@ -55,6 +55,35 @@ def test_token_ids_are_exact_and_batches_and_n_multiply() -> None:
     assert (n.prompt_tokens, n.max_output_tokens) == (30, 30)
 
 
+def test_within_a_known_context_no_sequence_holds_more_and_no_cap_means_the_rest() -> None:
+    """vLLM stops each sequence at the context and, without `max_tokens`, generates up to
+    it: that rest is the cap of a request that names none (`open_output`); one that names
+    a larger cap is cut to it. Text prompts leave the rest after their floor (4 characters
+    a token at most), so the cap is never below what the engine may generate."""
+    est = estimator(chars_per_token=4.0, prompt_safety_factor=1.0, default_max_tokens=300)
+    ids = est.estimate("m", {"prompt": list(range(1500))}, context=2048)
+    assert (ids.prompt_tokens, ids.max_output_tokens, ids.open_output) == (1500, 548, True)
+    asked = est.estimate("m", {"prompt": list(range(1500)), "max_tokens": 1000}, context=2048)
+    assert (asked.max_output_tokens, asked.open_output) == (548, False)
+    small = est.estimate("m", {"prompt": list(range(1500)), "max_tokens": 7}, context=2048)
+    assert small.max_output_tokens == 7
+    n = est.estimate("m", {"prompt": list(range(100)), "n": 2}, context=2048)
+    assert (n.prompt_tokens, n.max_output_tokens) == (200, 2 * (2048 - 100))
+    text = estimator(chars_per_token=3.0, prompt_safety_factor=1.1).estimate(
+        "m", {"prompt": "x" * 4000}, context=2048
+    )
+    assert text.prompt_floor == 1000 and text.max_output_tokens == 2048 - 1000
+    assert est.estimate("m", {"prompt": list(range(10))}).max_output_tokens == 300  # no context
+
+
+def test_an_open_output_is_never_what_makes_a_request_too_big() -> None:
+    """`floor_total` is what a request needs at the least: the output it asked for, and a
+    token of output when it named none (its cap is then the engine's, not its own)."""
+    est = estimator(chars_per_token=4.0, prompt_safety_factor=1.0)
+    assert est.estimate("m", {"prompt": list(range(100))}, context=2048).floor_total == 101
+    assert est.estimate("m", {"prompt": list(range(100)), "max_tokens": 50}).floor_total == 150
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

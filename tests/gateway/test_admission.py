@@ -79,7 +79,7 @@ async def test_rejection_is_a_429_with_retry_after(
         )
     assert shed.status_code == 429
     error = openai_error(shed.content)
-    assert error["code"] == "cluster_saturated" and error["type"] == "rate_limit_error"
+    assert error["code"] == "test_shed" and error["type"] == "rate_limit_error"
     assert shed.headers["retry-after"] == "3"  # whole seconds, rounded up
     assert shed.headers["retry-after-ms"] == "2400"
     assert shed.headers["x-kvgate-reason"] == "test_shed"

@@ -3,10 +3,15 @@ metrics flags, and what `--backend` does to the file's backends."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import re
+import signal
 import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -59,7 +64,20 @@ async def test_json_logs_metrics_address_and_backend_flag(
             hidden = await client.get("/metrics")
             scraped = await client.get(f"http://{metrics}/metrics")
             only_metrics = await client.get(f"http://{metrics}/v1/models")
+            dashboard = await client.get("/dashboard")
+        # The start-up line's `kvgate status` command, run as printed, reads this gateway.
+        port = served.url.rpartition(":")[2]
+        command = f"kvgate status --config kvgate.yaml --port {port}"
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+        status = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", *command.split(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
+            env={**clean, "NO_COLOR": "1", "COLUMNS": "160"},
+        )  # fmt: skip
+        status_out = (await asyncio.wait_for(status.communicate(), 60))[0].decode()
     assert served.returncode == 0, served.stderr.decode()
+    assert dashboard.status_code == 200
+    assert status.returncode == 0 and "policy none" in status_out, status_out
     assert (ok.status_code, unknown.status_code) == (200, 404)
     assert hidden.status_code == 404 and only_metrics.status_code == 404
     assert scraped.status_code == 200 and b"kvgate_requests_total" in scraped.content
@@ -69,6 +87,10 @@ async def test_json_logs_metrics_address_and_backend_flag(
     assert {"kvgate.serve", "uvicorn.error", "kvgate.access"} <= loggers
     listening = next(line["message"] for line in lines if "listening on" in line.get("message", ""))
     assert "1 backend(s) from --backend, in place of the configuration's 2" in listening
+    assert listening.endswith(f"; pid {served.process.pid})")
+    assert f"dashboard: {served.url}/dashboard; in a terminal: {command}" in [
+        line.get("message") for line in lines
+    ]
     assert [(a["status"], a["reason"]) for a in access_lines(served.stderr)] == [
         (200, None),
         (404, "model_not_found"),
@@ -129,3 +151,69 @@ async def test_an_ipv6_listen_with_the_port_flag(fake_engine: FakeEngine, tmp_pa
             body = {"model": "fake-model", "prompt": "p"}
             assert (await client.post("/v1/completions", json=body)).status_code == 200
     assert f"kvgate listening on http://[::1]:{port} ".encode() in served.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux: /proc/PID/task/*/children)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def _importing_pydantic(pid: int) -> bool:
+    """kvgate has begun reading its configuration model (pydantic's library is mapped)."""
+    try:
+        return "pydantic_core" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return True
+    return state == "Z"  # exited, not yet reaped by its new parent
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="watches the process through /proc")
+@pytest.mark.parametrize("moment", ["while it imports", "while the simulator starts"])
+def test_ctrl_c_while_kvgate_starts_exits_quietly_with_130(moment: str, tmp_path: Path) -> None:
+    """Ctrl-C before the server handles signals (it drains then) is a quiet exit, status
+    130, with no traceback; the simulator it was starting is stopped too."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvgate", "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        # A terminal's Ctrl-C reaches a process whose SIGINT is not ignored (as it is for
+        # a background job of a shell that started pytest).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 60.0
+        children: list[int] = []
+        while time.monotonic() < deadline and process.poll() is None:
+            children = _children(process.pid)
+            started = children if moment == "while the simulator starts" else None
+            if started or (started is None and _importing_pydantic(process.pid)):
+                break
+            time.sleep(0.002)
+        assert process.poll() is None, "kvgate serve exited by itself"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    deadline = time.monotonic() + 10.0
+    while not all(_gone(child) for child in children) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(_gone(child) for child in children), "the simulator lives on"

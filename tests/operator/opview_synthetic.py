@@ -22,6 +22,8 @@ import orjson
 import uvicorn
 
 from kvgate.gateway.ops import dashboard
+from kvgate.gateway.ops.history import ChartHistory
+from kvgate.gateway.ops.tenants import COLUMNS
 
 PRIORITIES = ("critical", "standard", "sheddable")
 
@@ -51,6 +53,18 @@ class SyntheticCluster:
             dt, self.last = now - self.last, now
             self._advance(dt)
             return self._snapshot(now)
+
+    def history(self, seconds: int) -> ChartHistory:
+        """A gateway's chart history of the `seconds` before now, a point a second, as if
+        this cluster had run all that time (the states that follow continue it)."""
+        history = ChartHistory(self.state)
+        with self.lock:
+            now = time.monotonic()
+            for ago in range(seconds, 0, -1):
+                self._advance(1.0)
+                history.record(self._snapshot(now - ago))
+            self.last = now
+        return history
 
     def _advance(self, dt: float) -> None:
         base = {"critical": 5.0, "standard": 30.0, "sheddable": 15.0}
@@ -106,6 +120,8 @@ class SyntheticCluster:
             "nodes": nodes,
             "controller": {
                 "in_flight_tokens": 880_000 if self.overload else 420_000,
+                "high_watermark": 0.8,
+                "panic_watermark": 0.92,
                 "feedback": True,
                 "margins": {node: entry["margin"] for node, entry in nodes.items()},
             },
@@ -118,6 +134,7 @@ class SyntheticCluster:
         return {
             "time": now,
             "policy": policy,
+            "tenants": self._tenants(),
             "gateway": {
                 "admissions": self._admissions(),
                 "retry_after_count": int(self.retry_count),
@@ -142,6 +159,21 @@ class SyntheticCluster:
                 },
             },
         }
+
+    def _tenants(self) -> dict[str, Any]:
+        """The gateway's tenants table: two tenants, with the columns the gateway lists."""
+        rows = [
+            {
+                "tenant": name,
+                "in_flight_requests": 7 * (i + 1),
+                "in_flight_tokens": 12_345 * (i + 1),
+                "queued": 3 * i,
+                "refused": int(self.retry_count) * i,
+                "served_tokens": int(self.admitted["standard"] * 900) + i,
+            }
+            for i, name in enumerate(("team-a", "batch"))
+        ]
+        return {"columns": [list(column) for column in COLUMNS], "rows": rows}
 
     def _queue(self) -> dict[str, Any]:
         """The flow controller's queue section: an overload keeps requests waiting."""
@@ -177,13 +209,17 @@ def router(
     state_provider: Callable[[], dict[str, Any]],
     admin_token: str | None = None,
     max_stream_s: float = dashboard.MAX_STREAM_S,
+    history: ChartHistory | None = None,
 ) -> Callable[..., Any]:
     """The dashboard's routes plus `/admin/state`, as the gateway would merge them.
 
-    With `admin_token`, `/admin/state` wants `Authorization: Bearer <token>`.
+    With `admin_token`, `/admin/state` wants `Authorization: Bearer <token>`; `history` is
+    sent to each page as it connects.
     """
     closing = threading.Event()
-    table = dashboard.routes(state_provider, closing=closing.is_set, max_stream_s=max_stream_s)
+    table = dashboard.routes(
+        state_provider, closing=closing.is_set, max_stream_s=max_stream_s, history=history
+    )
     expected = f"Bearer {admin_token}".encode() if admin_token else None
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:

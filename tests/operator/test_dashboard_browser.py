@@ -160,3 +160,104 @@ def test_live_gateway_overload_is_charted_and_a_dead_engine_is_flagged(
     assert counts.get("429", 0) > 0, counts  # it really was an overload
     assert state["policy"]["nodes"]["sim-victim"]["fresh"] is False
     assert page.kvgate_errors == []
+
+
+def test_a_tab_opened_now_charts_the_minutes_before_it(browser_page: Any) -> None:
+    """The gateway's history (a point a second, the last minutes) is charted at once, each
+    point placed where it happened; then the live states continue it."""
+    page = browser_page
+    cluster = SyntheticCluster(4)
+    history = cluster.history(120)
+    with serve(router(cluster.state, history=history)) as url:
+        _load(page, url, updates=1)
+        seen = page.evaluate(
+            """() => ({points: kvgate.historyPoints, kv: kvgate.charts['c-kv'].points,
+                       admittedNonZero: kvgate.charts['c-admitted'].nonZero,
+                       oldest: Date.now() / 1000 - kvgate.hist.t[0]})"""
+        )
+        page.wait_for_function("kvgate.updates >= 5", timeout=WAIT_MS)
+        later = page.evaluate("kvgate.charts['c-kv'].points")
+    assert seen["points"] == 120
+    assert seen["kv"] >= 120 and later > seen["kv"]  # history first, then the live states
+    assert seen["admittedNonZero"] >= 100  # rates derived from the history's counters
+    assert 110 <= seen["oldest"] <= 130
+    assert page.kvgate_errors == []
+
+
+def test_legends_show_the_newest_values_until_hovered(browser_page: Any) -> None:
+    page = browser_page
+    cluster = SyntheticCluster(3)
+    with serve(router(cluster.state)) as url:
+        _load(page, url, updates=4)
+        page.wait_for_timeout(300)  # a frame drawn after the latest update
+        legends = page.evaluate(
+            """() => [...document.querySelectorAll('#c-kv .u-legend .u-series')]
+                  .slice(1).map(row => row.querySelector('.u-value').textContent)"""
+        )
+    assert len(legends) == 5 and "–" not in legends, legends
+    assert all(value.endswith("%") for value in legends), legends
+
+
+def test_before_any_data_the_time_axis_is_the_window_ending_now(chromium: Any) -> None:
+    cluster = SyntheticCluster(2)
+    with serve(router(cluster.state)) as url, new_page(chromium) as page:
+        page.route("**/admin/events*", lambda route: None)  # the stream never answers
+        page.goto(url + "/dashboard")
+        page.wait_for_function("window.kvgate !== undefined", timeout=WAIT_MS)
+        span = page.evaluate(
+            """() => Object.values(kvgate.charts).map(c =>
+                  [c.u.scales.x.min - Date.now() / 1000, c.u.scales.x.max - Date.now() / 1000])"""
+        )
+    assert len(span) == 6
+    for low, high in span:  # the 5-minute window, ending when the page drew it
+        assert high - low == pytest.approx(300, abs=0.01) and -60 <= high <= 0.5, span
+
+
+def test_no_column_heading_is_clipped_at_1400_pixels(chromium: Any) -> None:
+    """Every heading of the node, tenant and replica tables fits its cell at 1,400 px."""
+    cluster = SyntheticCluster(8)
+    state = cluster.state
+    with serve(router(lambda: {**state(), "cluster": _replicas()})) as url:
+        with new_page(chromium, width=1400, height=900) as page:
+            _load(page, url, updates=3)
+            page.wait_for_timeout(300)
+            headings = page.evaluate(
+                """() => [...document.querySelectorAll('table:not(.u-legend) th')]
+                      .filter(th => th.offsetParent !== null)
+                      .map(th => [th.closest('table').id, th.textContent,
+                                  th.scrollWidth, th.clientWidth])"""
+            )
+    tables = {table for table, *_ in headings}
+    assert {"node-table", "tenant-table", "replica-table"} <= tables
+    assert [h for h in headings if h[2] > h[3]] == []
+
+
+def test_the_tenants_table_draws_the_columns_the_gateway_lists(browser_page: Any) -> None:
+    page = browser_page
+    cluster = SyntheticCluster(2)
+    with serve(router(cluster.state)) as url:
+        _load(page, url, updates=2)
+        page.wait_for_function("!document.getElementById('tenants').hidden", timeout=WAIT_MS)
+        heads = page.locator("#tenant-head th").all_inner_texts()
+        rows = page.locator("#tenant-rows tr").all_inner_texts()
+    assert heads == ["tenant", "in flight", "in-flight tokens", "queued", "refused",
+                     "served tokens"]  # fmt: skip
+    assert [row.split("\t")[:4] for row in rows] == [
+        ["team-a", "7", "12.3k", "0"], ["batch", "14", "24.7k", "3"],
+    ]  # fmt: skip
+
+
+def _replicas() -> dict[str, Any]:
+    members = [
+        {"id": f"replica-{i}", "host": "gw-host", "pid": 23812 + i, "state": "synced",
+         "owns": ["node-00"], "scrapes": [], "self": i == 0}
+        for i in range(2)
+    ]  # fmt: skip
+    return {"replicas": 2, "store": "redis://store:6379/0", "state": "synced",
+            "sync": {"last_latency_ms": 1.2}, "members": members}  # fmt: skip
+
+
+def _load(page: Any, url: str, updates: int) -> None:
+    """Open the dashboard at `url` and wait for its first `updates` states."""
+    page.goto(url + "/dashboard")
+    page.wait_for_function(f"window.kvgate && kvgate.updates >= {updates}", timeout=WAIT_MS)

@@ -221,3 +221,53 @@ def test_open_dashboards_share_one_snapshot() -> None:
     frames, builds = asyncio.run(scenario())
     assert builds == 1 and calls["n"] == 1
     assert len(set(frames)) == 1
+
+
+def _frames(response: httpx.Response, wanted: int) -> list[str]:
+    """The first `wanted` SSE events of a stream, whatever their type."""
+    frames: list[str] = []
+    buffer = ""
+    for chunk in response.iter_text():
+        buffer += chunk
+        while "\n\n" in buffer and len(frames) < wanted:
+            frame, buffer = buffer.split("\n\n", 1)
+            if "data:" in frame:
+                frames.append(frame)
+        if len(frames) >= wanted:
+            break
+    return frames
+
+
+def test_a_gateway_sends_its_history_first_then_states_with_their_time_as_id() -> None:
+    """Every page gets the gateway's last minutes of chart points as it connects; one that
+    reconnects (EventSource repeats the last id it saw) gets only the points after it."""
+    from kvgate.config import KvgateConfig
+    from kvgate.gateway.app import Gateway
+    from kvgate.testing.polling import POLL_INTERVAL_S
+
+    gateway = Gateway(KvgateConfig(backends=[{"url": "http://127.0.0.1:9", "name": "e"}]))
+    gateway.history.every_s = 0.05  # a point every 50 ms instead of every second
+    with serve(gateway) as url, httpx.Client(base_url=url, timeout=5) as client:
+        deadline = time.monotonic() + 10
+        while len(gateway.history) < 8 and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S)
+        with client.stream("GET", "/admin/events") as response:
+            first, live = _frames(response, 2)
+        assert first.startswith("event: history\ndata: ")
+        history = orjson.loads(first.split("data: ", 1)[1])
+        live_id = float(live.split("id: ", 1)[1].split("\n", 1)[0])
+        state = orjson.loads(live.split("data: ", 1)[1])
+        time.sleep(0.3)  # a few more points
+        headers = {"Last-Event-ID": repr(live_id)}
+        with client.stream("GET", "/admin/events", headers=headers) as response:
+            again = orjson.loads(_frames(response, 1)[0].split("data: ", 1)[1])
+    points = history["points"]
+    assert len(points) >= 8
+    times = [p["time"] for p in points]
+    assert times == sorted(times) and times[-1] <= history["now"] == live_id == state["time"]
+    newest = points[-1]
+    assert set(newest) == {"time", "policy", "gateway"}
+    assert set(newest["policy"]["nodes"]) == {"e"}
+    assert "admissions" in newest["gateway"] and "bands" in newest["policy"]["queue"]
+    assert again["points"] and all(p["time"] > live_id for p in again["points"])
+    assert len(again["points"]) < len(points)

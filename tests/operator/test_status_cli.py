@@ -7,22 +7,26 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from opview_synthetic import SyntheticCluster, router, serve
 
 from kvgate import status
+from kvgate.cluster.redis_store import describe_error
 
 
-def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1"}
-    env.pop("KVGATE_SERVER__ADMIN_TOKEN", None)
+def _cli(
+    *args: str, timeout: float = 30, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     return subprocess.run(
         [sys.executable, "-m", "kvgate", "status", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env={**clean, "COLUMNS": "160", "NO_COLOR": "1", **(env or {})},
+        cwd=cwd,
     )
 
 
@@ -165,3 +169,73 @@ def test_watch_redirected_to_a_file_writes_each_frame_at_once(tmp_path) -> None:
             watcher.terminate()
             watcher.wait(10)
     assert frames >= 2, out.read_text()
+
+
+def test_status_finds_the_gateway_where_serve_does(tmp_path: Path) -> None:
+    """`--config` gives `server.listen` and `server.admin_token`; the environment beats the
+    file and the flags beat both, as for `kvgate serve`."""
+    cluster = SyntheticCluster(1)
+    with serve(router(cluster.state, admin_token="s3cret")) as url:
+        port = url.rpartition(":")[2]
+        config = tmp_path / "kvgate.yaml"
+        config.write_text(f"server: {{listen: '127.0.0.1:{port}', admin_token: s3cret}}\n")
+        from_file = _cli("--config", "kvgate.yaml", cwd=tmp_path)
+        wrong = tmp_path / "wrong.yaml"
+        wrong.write_text("server: {listen: '127.0.0.1:9', admin_token: not-it}\n")
+        by_flags = _cli("--config", str(wrong), "--port", port, "--admin-token", "s3cret")
+        by_env = _cli(
+            "--config", str(wrong), "--port", port, env={"KVGATE_SERVER__ADMIN_TOKEN": "s3cret"}
+        )
+        env_beats_file = _cli(
+            "--config", str(wrong), env={"KVGATE_SERVER__LISTEN": f"127.0.0.1:{port}"}
+        )
+        bad_port = _cli("--port", "0")
+    for done in (from_file, by_flags, by_env):
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "node-00" in done.stdout
+    # The environment's listen beats the file's; the file's wrong token is then refused.
+    assert env_beats_file.returncode == 1
+    assert "the token given is not the gateway's server.admin_token" in env_beats_file.stdout
+    assert bad_port.returncode == 2 and "--port" in bad_port.stdout
+
+
+def test_a_gateway_without_an_admin_token_is_told_how_to_get_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With API keys and no admin token the gateway closes its views (403 admin_disabled):
+    status repeats what it said and what to do, not a guess about a flag."""
+    from kvgate.config import KvgateConfig
+    from kvgate.gateway.app import Gateway
+
+    config = KvgateConfig(
+        backends=[{"url": "http://127.0.0.1:9"}],
+        auth={"keys": [{"key": "k" * 32, "tenant": "team-a"}]},
+    )
+    with serve(Gateway(config)) as url:
+        assert status.run(_args(url=url)) == 1
+        assert status.run(_args(url=url, admin_token="anything")) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    said = "answered 403 Forbidden: Admin routes are closed: set server.admin_token."
+    assert out.count(f"{said} (admin_disabled)") == 2
+    assert "set server.admin_token in its configuration" in out
+    assert "pass --admin-token" not in out
+
+
+def test_pids_are_whole_and_a_store_error_is_never_cut() -> None:
+    error = describe_error(ConnectionError("Error 111 connecting to 127.0.0.1:6399." * 8))
+    assert error.endswith("127.0.0.1:6399.") and len(error) > 200
+    state = {
+        "policy": {"nodes": {}, "controller": {}},
+        "cluster": {
+            "replicas": 2,
+            "store": "redis://127.0.0.1:6399/0",
+            "state": "isolated",
+            "sync": {"last_error": error + " The end."},
+            "members": [{"id": "a", "pid": 23812, "self": True}, {"id": "b", "pid": 23877}],
+        },
+    }
+    console = status.Console(width=100, record=True)
+    console.print(status.render(state))
+    out = console.export_text()
+    assert "23812" in out and "23877" in out and "23.8k" not in out
+    assert (error + " The end.") in " ".join(out.replace("\n", " ").split())

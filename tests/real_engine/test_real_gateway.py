@@ -311,7 +311,8 @@ async def test_over_long_requests_get_the_engines_own_400_from_kvgate(
     start_gateway: GatewayFactory, idle_engine: ServerProcess
 ) -> None:
     """What vLLM refuses for its length (max_model_len 2048), kvgate refuses itself in the
-    engine's words, without sending it; what vLLM serves cut short, kvgate sends."""
+    engine's words (as its own error: code and X-Kvgate-Reason `context_length_exceeded`),
+    without sending it; what vLLM serves cut short, kvgate sends."""
     gateway = start_gateway()
     long_ids = {"model": MODEL_NAME, "prompt": list(range(10, 3010)), "max_tokens": 10}
     much_output = {**CHAT, "max_tokens": 3000}
@@ -329,11 +330,35 @@ async def test_over_long_requests_get_the_engines_own_400_from_kvgate(
             direct = await client.post(idle_engine.url + path, json=body)
             assert relayed.status_code == direct.status_code, (body, relayed.text)
             if direct.status_code == 400:
-                assert relayed.json() == direct.json()
-                assert relayed.headers["x-kvgate-reason"] == "context_length"
+                mine, engines = relayed.json()["error"], direct.json()["error"]
+                assert (mine["message"], mine["param"]) == (engines["message"], engines["param"])
+                assert mine["code"] == "context_length_exceeded"
+                assert mine["type"] == "invalid_request_error"
+                assert relayed.headers["x-kvgate-reason"] == "context_length_exceeded"
             else:
                 assert "x-kvgate-reason" not in relayed.headers
                 assert relayed.json()["usage"]["completion_tokens"] == 2048 - 1000
+
+
+async def test_without_max_tokens_vllm_generates_the_rest_of_its_context_through_kvgate_too(
+    start_gateway: GatewayFactory, idle_engine: ServerProcess
+) -> None:
+    """A chat request without `max_tokens`: vLLM generates up to the rest of its
+    2,048-token context (end-of-sequence ignored: to the very end), over 1,024 tokens after
+    a prompt of about 900. Through kvgate the same: it sends no `max_tokens` of its own (it
+    sent 1,024, which cut the answer there)."""
+    gateway = start_gateway()
+    messages = [{"role": "user", "content": " self" * 900}]
+    body = {"model": MODEL_NAME, "messages": messages, **VLLM_ONLY}
+    async with httpx.AsyncClient(timeout=180.0) as client:
+        relayed = await client.post(gateway.url + "/v1/chat/completions", json=body)
+        direct = await client.post(idle_engine.url + "/v1/chat/completions", json=body)
+    assert relayed.status_code == direct.status_code == 200, relayed.text
+    assert "x-kvgate-reason" not in relayed.headers
+    usage = relayed.json()["usage"]
+    assert usage == direct.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 2048
+    assert usage["completion_tokens"] > 1024
 
 
 async def test_an_engine_added_by_a_reload_is_scraped_and_served(

@@ -157,7 +157,7 @@ async def test_tenant_token_limit_sheds_only_that_tenant(
         assert (await first).status_code == 200
     assert second.status_code == 429
     error = openai_error(second.content)
-    assert error["code"] == "tenant_limit_exceeded" and error["type"] == "rate_limit_error"
+    assert error["code"] == "tenant_limit" and error["type"] == "rate_limit_error"
     assert second.headers["x-kvgate-reason"] == "tenant_limit"
     assert int(second.headers["retry-after"]) >= 1
     assert other.status_code == 200

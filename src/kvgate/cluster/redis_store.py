@@ -88,6 +88,6 @@ def _text(value: object) -> str:
 
 
 def describe_error(exc: BaseException) -> str:
-    """A short description of a store failure, without secrets."""
+    """A store failure as its type and whole message (redis-py's carry no secrets)."""
     text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:200]
+    return f"{type(exc).__name__}: {text}"

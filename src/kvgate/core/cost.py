@@ -3,7 +3,7 @@
 Public API::
 
     estimator = CostEstimator(settings, tokenizers={model: tokenizer})
-    cost = estimator.estimate(model, body)          # -> RequestCost (raises CostError)
+    cost = estimator.estimate(model, body, context)  # -> RequestCost (raises CostError)
     estimator.learn(model, cost.prompt_tokens, usage["prompt_tokens"])
 
 Prompt tokens come from a per-model chars-per-token ratio, which learns online from the
@@ -20,10 +20,16 @@ are counted exactly. The estimator is handed its tokenizers already loaded: read
 The estimate is cheap on purpose: the prompt's length is the sum of its strings' lengths,
 found by walking the already-parsed body; nothing is re-encoded to JSON.
 
-The output side is `max_completion_tokens` (chat), else `max_tokens`, else
-`default_max_tokens`, multiplied by the number of sequences the request asks for (`n`,
-`best_of`, and the number of prompts in a batched completion), since each sequence grows
-its own KV blocks.
+The output side is `max_completion_tokens` (chat), else `max_tokens`, multiplied by the
+number of sequences the request asks for (`n`, `best_of`, and the number of prompts in a
+batched completion), since each sequence grows its own KV blocks. With the model's context
+length (`context`, when the engines list it) no sequence holds more than it: the output is
+cut to the rest of the context after the prompt's floor, and a request that names no cap
+gets that rest as its cap (`RequestCost.open_output`): the most an engine generates for it
+(vLLM's chat completions go that far; its completions stop at OpenAI's default of 16).
+How long it really runs is planned by the output lengths learned per model
+(`kvgate.core.lengths`). Without a context, a request that names no cap is costed at
+`default_max_tokens`, which the shell then sends upstream as its cap.
 """
 
 from __future__ import annotations
@@ -109,8 +115,9 @@ class CostEstimator:
 
     # --- public API -----------------------------------------------------------------------
 
-    def estimate(self, model: str, body: dict[str, Any]) -> RequestCost:
-        """The request's cost; raises CostError for a body that cannot be costed."""
+    def estimate(self, model: str, body: dict[str, Any], context: int | None = None) -> RequestCost:
+        """The request's cost, within the model's `context` length when it is known;
+        raises CostError for a body that cannot be costed."""
         if not isinstance(body, dict):
             raise CostError("the request body must be a JSON object")
         prompt = self._measure(body)
@@ -118,13 +125,21 @@ class CostEstimator:
         exact, chars, approx = self._prompt_tokens(model, prompt)
         # Each of the `n` sequences may hold its own copy of the prompt (no prefix cache).
         tokens = (exact + approx) * per_prompt
-        output = self._output_tokens(body) * per_prompt * prompt.sequences
         floor = tokens
         if chars > 0:
             self._remember(model, tokens, chars, exact)
             ratio = max(self.ratio(model), TYPICAL_CHARS_PER_TOKEN)
             floor = (exact + int(chars / ratio)) * per_prompt
-        return RequestCost(prompt_tokens=tokens, max_output_tokens=output, prompt_floor=floor)
+        sequences = per_prompt * prompt.sequences
+        asked = self._output_tokens(body)
+        if context is None:
+            output = (self.settings.default_max_tokens if asked is None else asked) * sequences
+        else:
+            # The engine stops each sequence at the context: what they may generate is at
+            # most the context less their prompts, which hold at least the floor.
+            room = max(0, context * sequences - floor)
+            output = room if asked is None else min(asked * sequences, room)
+        return RequestCost(tokens, output, floor, open_output=asked is None)
 
     def longest_prompt(self, model: str, body: dict[str, Any]) -> tuple[int, bool]:
         """The tokens of the body's longest prompt, and whether that count is exact.
@@ -280,7 +295,8 @@ class CostEstimator:
         approx = math.ceil(chars / (ratio or self.ratio(model)) * factor)
         return exact, chars, approx
 
-    def _output_tokens(self, body: dict[str, Any]) -> int:
+    def _output_tokens(self, body: dict[str, Any]) -> int | None:
+        """The output cap per sequence the body names (None: it names none)."""
         for key in ("max_completion_tokens", "max_tokens"):
             value = body.get(key)
             if value is None:
@@ -288,7 +304,7 @@ class CostEstimator:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CostError(f"`{key}` must be a positive integer", key)
             return value
-        return self.settings.default_max_tokens
+        return None
 
     def _per_prompt(self, body: dict[str, Any]) -> int:
         per_prompt = 1

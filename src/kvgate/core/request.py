@@ -43,17 +43,23 @@ class RequestCost:
     `prompt_tokens` leans long (under-counting a prompt is the unsafe error for admission);
     `prompt_floor` is the fewest it can plausibly be (exact counts, or text at its usual
     ratio without the safety factor), for refusals that say a request can never fit.
+    `open_output`: the client named no output cap, so `max_output_tokens` is the engine's
+    own limit (the rest of the context), not an amount anyone asked for.
     """
 
     prompt_tokens: int
     max_output_tokens: int
     prompt_floor: int | None = None
+    open_output: bool = False
 
     @property
     def floor_total(self) -> int:
-        """The fewest tokens the request may need at its end."""
+        """The fewest tokens the request may need at its end: its prompt and the output it
+        asked for (a token, when it named no cap: a request is never refused for an
+        output nobody asked for)."""
         floor = self.prompt_tokens if self.prompt_floor is None else self.prompt_floor
-        return floor + self.max_output_tokens
+        output = min(1, self.max_output_tokens) if self.open_output else self.max_output_tokens
+        return floor + output
 
     @property
     def total(self) -> int:

@@ -104,7 +104,11 @@ class AdmissionSettings(BaseModel):
         ),
     )
     default_max_tokens: int = Field(
-        1024, gt=0, description="Output cap assumed (and sent upstream) when a request has none."
+        1024,
+        gt=0,
+        description="Output cap assumed, and sent upstream, for a request that names none"
+        " where the engines do not list the model's context length; where they do, such a"
+        " request may generate up to the rest of the context (vLLM's chat completions do).",
     )
     tokenizers: dict[str, str] = Field(
         default_factory=dict,

@@ -34,7 +34,9 @@ from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
 from kvgate.gateway.http.body import ClientGone, read_body
 from kvgate.gateway.http.errors import GatewayError, send_error, send_json
 from kvgate.gateway.ops import dashboard
+from kvgate.gateway.ops.history import ChartHistory
 from kvgate.gateway.ops.telemetry import GatewayMetrics
+from kvgate.gateway.ops.tenants import tenant_table
 from kvgate.gateway.relay.relay import Relay
 from kvgate.gateway.relay.tokenizers import load_tokenizers
 from kvgate.gateway.relay.upstream import ModelCatalog, Upstream, UpstreamPool
@@ -107,6 +109,8 @@ class Gateway:
             self.spawn,
         )
         self.scraper: Scraper | None = None
+        #: The last minutes of what the dashboard charts (recorded by `running`).
+        self.history = ChartHistory(self.state)
         #: With `store.url`: this replica's link to the others (started by `running`).
         self.cluster: ClusterSync | None = None
         self.replicas = replicas
@@ -202,6 +206,7 @@ class Gateway:
                     self._join_replicas()
                     self._start_scraper()
                     self.spawn(self.catalog.refresh())
+                    self.spawn(self.history.run())
                     yield self
                 finally:
                     self._group = None
@@ -377,9 +382,13 @@ class Gateway:
 
     def state(self) -> dict[str, Any]:
         """Everything `/admin/state` and the dashboard show."""
+        policy = self.admission.snapshot()
         return {
             "time": self.clock.now(),
-            "policy": self.admission.snapshot(),
+            "policy": policy,
+            "tenants": tenant_table(
+                self.metrics.tenants, policy["tenants"], policy["queue"]["tenants"]
+            ),
             "scraper": None if self.scraper is None else self.scraper.snapshot(),
             "cluster": None if self.cluster is None else self.cluster.snapshot(),
             "gateway": {
@@ -448,7 +457,8 @@ class Gateway:
         return not self.relay.accepting
 
     def _merge_dashboard(self) -> None:
-        for key, app in dashboard.routes(self.state, closing=self._draining).items():
+        routes = dashboard.routes(self.state, closing=self._draining, history=self.history)
+        for key, app in routes.items():
             self.routes.setdefault(key, app)
 
 

@@ -9,16 +9,18 @@ to protect.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
+import signal
 import ssl
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from kvgate.procs.children import die_with_parent, stop
@@ -78,7 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="serve /metrics on this address only (e.g. 0.0.0.0:9464), not on the main one",
     )
-    parser.add_argument("--log-level", help="log level (default info; access lines are info)")
+    parser.add_argument(
+        "--log-level",
+        help="debug, info, warning, error or critical (default info; access lines are info)",
+    )
     parser.add_argument(
         "--log-format",
         choices=["text", "json"],
@@ -186,7 +191,13 @@ def run(args: argparse.Namespace) -> int:
             return _serve_workers(args, config, overrides)
         # What SIGHUP and /admin/reload re-read: the same file, environment and flags
         # (backends given with --backend, or the simulator's, stay as they are).
-        return _serve(config, lambda: load_config(args.config, **overrides), args.as_worker, origin)
+        return _serve(
+            config,
+            lambda: load_config(args.config, **overrides),
+            args.as_worker,
+            origin,
+            args.config,
+        )
     except SimulatorError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 1
@@ -218,11 +229,17 @@ def _serve_workers(args: argparse.Namespace, config: Any, overrides: dict[str, A
     )
 
 
-def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: str = "") -> int:
+def _serve(
+    config: Any,
+    reread: Callable[[], Any],
+    as_worker: int = 0,
+    origin: str = "",
+    config_path: str | None = None,
+) -> int:
     from kvgate.gateway.app import Gateway
     from kvgate.gateway.http.server import bind_socket, run_server
     from kvgate.gateway.relay.tokenizers import TokenizerLoadError
-    from kvgate.gateway.settings import join_address, listen_address
+    from kvgate.gateway.settings import join_address, listen_address, local_url
 
     server = config.server
     sockets = []
@@ -242,16 +259,22 @@ def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: s
         except (TokenizerLoadError, ValueError) as exc:
             print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
             return 2
-        scheme = "https" if server.certfile and server.keyfile else "http"
+        tls = bool(server.certfile and server.keyfile)
+        host, port = sockets[0].getsockname()[:2]
         log.info(
-            "kvgate listening on %s://%s (%s, policy %s, %d backend(s)%s: %s)",
-            scheme,
-            join_address(*sockets[0].getsockname()[:2]),
+            "kvgate listening on %s://%s (%s, policy %s, %d backend(s)%s: %s; pid %d)",
+            "https" if tls else "http",
+            join_address(host, port),
             server.server,
             config.admission.policy,
             len(gateway.backends),
             origin,
             ", ".join(b.node_id for b in gateway.backends),
+            os.getpid(),
+        )
+        url = local_url(host, port, tls=tls)
+        log.info(
+            "dashboard: %s/dashboard; in a terminal: %s", url, _status_command(url, config_path)
         )
         metrics_sock = sockets[1] if len(sockets) > 1 else None
         if metrics_sock is not None:
@@ -263,17 +286,42 @@ def _serve(config: Any, reread: Callable[[], Any], as_worker: int = 0, origin: s
             sock.close()
 
 
+def _status_command(url: str, config_path: str | None) -> str:
+    """The `kvgate status` that reaches the gateway at `url` from this host: it reads the
+    same file and environment, so only what the flags changed is said again."""
+    from kvgate.config import load_config
+    from kvgate.gateway.settings import local_url
+
+    words = ["kvgate status"]
+    if config_path:
+        words += ["--config", config_path]
+    server = load_config(config_path).server
+    host, port = server.address
+    configured = local_url(host, port, tls=bool(server.certfile and server.keyfile))
+    if url != configured:
+        same_host = url.rpartition(":")[0] == configured.rpartition(":")[0]
+        words += ["--port", url.rpartition(":")[2]] if same_host else ["--url", url]
+    return " ".join(words)
+
+
 def _check_tls(certfile: str | None, keyfile: str | None) -> None:
-    """Load the certificate and key once before serving: a wrong path or a key that does
-    not match is a configuration error, said plainly, not a traceback from the server."""
+    """Load the certificate and key once before serving: a file that cannot be read (named)
+    or a key that does not match is a configuration error, said plainly, not a traceback
+    from the server."""
     from kvgate.config import ConfigError
 
     if not (certfile and keyfile):
         return
+    for key, path in (("server.certfile", certfile), ("server.keyfile", keyfile)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"TLS: {exc}") from None
+        raise ConfigError(f"TLS: {certfile} with {keyfile}: {exc}") from None
 
 
 class SimulatorError(RuntimeError):
@@ -299,20 +347,23 @@ class SimulatorProcess:
         # Its own session: Ctrl-C reaches only the gateway, which drains and then stops
         # the simulator; on Linux the child also dies with the gateway if that is killed.
         # Its output goes through the gateway's logging (one format for the whole stream).
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
-        )
-        sim = cls(process, [])
+        sim: SimulatorProcess | None = None
         try:
+            with _sigint_held():
+                process = subprocess.Popen(
+                    command,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    start_new_session=True,
+                    preexec_fn=_in_child,
+                )
+                sim = cls(process, [])
             sim._wait_ready(nodes, timeout_s)
         except BaseException:
-            sim.stop()
+            if sim is not None:
+                sim.stop()
             raise
         return sim
 
@@ -338,6 +389,32 @@ class SimulatorProcess:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         stop(self.process, timeout_s)
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold SIGINT back while a child is forked; a Ctrl-C meanwhile arrives just after.
+
+    Python runs handlers around a fork (logging releases its lock in one): a Ctrl-C raised
+    inside one leaves that lock held, and the exit that follows hangs on it.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _in_child() -> None:
+    """In the simulator's process before exec: SIGINT as usual again (the mask is
+    inherited), and, on Linux, death with the gateway."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if sys.platform == "linux":
+        die_with_parent()
 
 
 def _forward(pipe: IO[str], level: int, lines: list[str] | None = None) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: The log levels `server.log_level` takes (any case), most verbose first.
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 class ServerSettings(BaseModel):
@@ -25,8 +28,10 @@ class ServerSettings(BaseModel):
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, how long in-flight streams may finish."
     )
-    log_level: str = Field(
-        "info", description="Log level; the access log (a line per request) is `info`."
+    log_level: LogLevel = Field(
+        "info",
+        description="Log level: `debug`, `info`, `warning`, `error` or `critical`; the"
+        " access log (a line per request) is `info`.",
     )
     log_format: Literal["text", "json"] = Field(
         "text",
@@ -46,6 +51,11 @@ class ServerSettings(BaseModel):
         " (e.g. `0.0.0.0:9464` for Prometheus inside the cluster): the address clients use"
         " then has no `/metrics`.",
     )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("listen", "metrics_listen")
     @classmethod
@@ -82,6 +92,13 @@ def listen_address(text: str) -> tuple[str, int]:
 def join_address(host: str, port: int) -> str:
     """(host, port) as `HOST:PORT`, an IPv6 host in brackets: the inverse of `listen_address`."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def local_url(host: str, port: int, *, tls: bool = False) -> str:
+    """The base URL that reaches a gateway listening on (host, port) from the same machine:
+    a wildcard address (`0.0.0.0`, `::`) is reached through loopback."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"{'https' if tls else 'http'}://{join_address(host, port)}"
 
 
 #: How many read timeouts an engine may take to send its response headers. Before them it

@@ -74,6 +74,9 @@ class FakeEngine:
     chunks: int = 5
     interval: float = 0.0
     models: list[str] = field(default_factory=list)
+    # The context length `/v1/models` lists for every model, as vLLM does (None: not
+    # listed, as by engines that do not say). The fake engine enforces nothing with it.
+    max_model_len: int | None = None
     requests: list[EngineRequest] = field(default_factory=list)
     port: int = 0
     host: str = "127.0.0.1"  # any of 127.0.0.0/8: several engines may share one port
@@ -165,7 +168,11 @@ class FakeEngine:
             return await _send(writer, 404, b'{"detail": "Not Found"}')
         if req.path == "/v1/models":
             names = [self.model, *self.models]
-            data = [{"id": n, "object": "model", "owned_by": "fake"} for n in names]
+            data: list[dict[str, Any]] = [
+                {"id": n, "object": "model", "owned_by": "fake"} for n in names
+            ]
+            if self.max_model_len is not None:
+                data = [{**entry, "max_model_len": self.max_model_len} for entry in data]
             return await _send(writer, 200, orjson.dumps({"object": "list", "data": data}))
         if req.path in ("/v1/completions", "/v1/chat/completions"):
             return await self._completion(req, reader, writer)

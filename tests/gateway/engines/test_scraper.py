@@ -246,6 +246,30 @@ async def test_a_hanging_page_is_abandoned_at_its_bound_as_a_failure_that_is_not
         await _until(lambda: rig.rec.fresh(node), within=hang_after * 3)
 
 
+@pytest.mark.parametrize("rig", [{"stale_after": 0.4}], indirect=True)
+async def test_a_page_that_keeps_turning_slow_is_told_at_info_once(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a loaded host an idle engine's page turns slow and quick again every few seconds:
+    the first slow spell is an INFO line (and its end), the others in the next 10 minutes
+    are DEBUG."""
+    engine, node = rig.engines[0], rig.ids[0]
+    caplog.set_level(logging.DEBUG, logger="kvgate.gateway.engines.scraper")
+    async with rig.scraper:
+        for _ in range(3):
+            engine.delay = 0.2  # twice the 0.1 s line (a quarter of stale_after)
+            await _until(lambda: rig.scraper.stats()[node].slow)
+            engine.delay = 0.0
+            await _until(lambda: not rig.scraper.stats()[node].slow)
+    speed = [r for r in caplog.records if "metrics page" in r.getMessage()]
+    slow = [r for r in speed if "took" in r.getMessage()]
+    quick = [r for r in speed if "quick again" in r.getMessage()]
+    assert len(slow) >= 3 and len(quick) >= 3  # a busy test machine may add spells
+    assert [r.levelno for r in slow].count(logging.INFO) == 1 and slow[0].levelno == logging.INFO
+    assert "a busy engine" in slow[0].getMessage()
+    assert [r.levelno for r in quick].count(logging.INFO) == 1 and quick[0].levelno == logging.INFO
+
+
 @pytest.mark.parametrize("rig", [{"stale_after": 1.0}], indirect=True)
 async def test_a_slow_page_is_a_sample_stamped_when_it_was_asked(rig: Rig) -> None:
     """A page slower than the interval is waited for (never two polls at once), kept, and

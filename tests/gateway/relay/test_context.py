@@ -1,5 +1,6 @@
-"""A request longer than the engines' context is refused at once with the engine's own 400,
-and never sent; one that only the estimator's safety margin would push over is sent."""
+"""A request longer than the engines' context is refused at once, in vLLM's words as
+kvgate's own 400 (`context_length_exceeded`), and never sent; one that only the estimator's
+safety margin would push over is sent."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _relayed(gw: object) -> int:
     return sum(n for (_, _, backend), n in requests.items() if backend != "-")
 
 
-async def test_over_the_context_is_the_engines_400_without_sending(
+async def test_over_the_context_is_kvgates_400_in_the_engines_words_without_sending(
     sim_server: SimServer, gateway_factory
 ) -> None:
     gw = await gateway_factory([f"http://127.0.0.1:{sim_server.port}"])
@@ -57,12 +58,12 @@ async def test_over_the_context_is_the_engines_400_without_sending(
             " prompt contains 3000 input tokens, which exceeds this limit even without any"
             " output tokens. Please reduce the length of the input prompt."
             " (parameter=input_tokens, value=3000)",
-            "type": "BadRequestError",
+            "type": "invalid_request_error",
             "param": "input_tokens",
-            "code": 400,
+            "code": "context_length_exceeded",
         }
     }
-    assert long_ids.headers["x-kvgate-reason"] == "context_length"
+    assert long_ids.headers["x-kvgate-reason"] == "context_length_exceeded"
     assert "retry-after" not in long_ids.headers
     assert output.status_code == 400
     assert output.json()["error"]["message"] == (
@@ -104,5 +105,28 @@ async def test_no_limit_is_assumed_when_a_backend_does_not_list_one(
             "/v1/completions",
             json={"model": MODEL, "prompt": list(range(3000)), "max_tokens": 10},
         )
-    assert response.headers.get("x-kvgate-reason") != "context_length"
+    assert response.headers.get("x-kvgate-reason") != "context_length_exceeded"
     assert _relayed(gw) == 1
+
+
+async def test_a_long_prompt_without_max_tokens_is_served_as_the_engine_serves_it(
+    sim_server: SimServer, gateway_factory
+) -> None:
+    """The simulator refuses a prompt plus `max_tokens` over its context, as strict engines
+    do, and without `max_tokens` generates up to the rest of it, as vLLM's chat does: 1,629 prompt
+    tokens and no `max_tokens` are served with or without kvgate in front (kvgate once
+    sent its own `max_tokens` 1,024 and got a 400 naming it)."""
+    gw = await gateway_factory([f"http://127.0.0.1:{sim_server.port}"])
+    await gw.gateway.catalog.refresh()
+    body = {"model": MODEL, "prompt": list(range(10, 1639))}
+    async with httpx.AsyncClient(timeout=60) as client:
+        direct = await client.post(f"http://127.0.0.1:{sim_server.port}/v1/completions", json=body)
+        relayed = await client.post(gw.url + "/v1/completions", json=body)
+        chat = await client.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "abcd" * 1600}]},
+        )
+    assert direct.status_code == relayed.status_code == chat.status_code == 200, relayed.text
+    assert relayed.json()["usage"]["prompt_tokens"] == 1629
+    assert 0 < relayed.json()["usage"]["completion_tokens"] <= LIMIT - 1629
+    assert "x-kvgate-reason" not in relayed.headers

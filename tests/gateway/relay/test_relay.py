@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from gateway.helpers import RawClient
+from gateway.test_admission import RecordingPolicy
 from kvgate.core.settings import AdmissionSettings
 from kvgate.testing import FakeEngine
 
@@ -224,10 +225,11 @@ async def test_a_slow_reader_holds_the_engine_back(
     assert fake_engine.by_id("slow-read").completed_at is not None
 
 
-async def test_a_request_without_max_tokens_reaches_the_engine_with_the_reserved_cap(
+async def test_without_a_known_context_a_request_without_max_tokens_gets_the_planned_cap(
     fake_engine: FakeEngine, gateway_factory
 ) -> None:
-    """The reservation assumed `default_max_tokens`; the engine must not generate past it."""
+    """The engine lists no context length: the plan assumed `default_max_tokens`, and the
+    engine must not generate past it."""
     gw = await gateway_factory([fake_engine.url])
     async with httpx.AsyncClient(base_url=gw.url) as client:
         capped = await client.post(
@@ -245,3 +247,42 @@ async def test_a_request_without_max_tokens_reaches_the_engine_with_the_reserved
     sent = orjson.loads(fake_engine.by_id("no-cap").body)
     assert sent["max_tokens"] == AdmissionSettings().default_max_tokens
     assert sent["messages"] == [{"role": "user", "content": "hi"}]
+
+
+class _Expecting(RecordingPolicy):
+    """Records the output each admitted request was planned to produce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected: list[int] = []
+
+    def _decide(self, now, request, expected, promised):  # type: ignore[no-untyped-def]
+        self.expected.append(expected)
+        return super()._decide(now, request, expected, promised)
+
+
+async def test_without_max_tokens_the_body_goes_as_sent_and_the_cap_is_the_rest_of_the_context(
+    engine_factory, gateway_factory
+) -> None:
+    """The engine lists a 2,048-token context: a 1,629-token prompt without `max_tokens` is
+    relayed as the client sent it (vLLM's chat generates up to the other 419), planned with that
+    cap, and, once the model's lengths are learned, expected to run as long as they say."""
+    engine = await engine_factory(max_model_len=2048)  # 5 output tokens per answer
+    policy = _Expecting()
+    gw = await gateway_factory([engine.url], policy=policy)
+    await gw.gateway.catalog.refresh()
+    sent = orjson.dumps({"model": "fake-model", "prompt": list(range(10, 1639))})
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        for i in range(20):
+            headers["x-request-id"] = f"open-{i}"
+            response = await client.post("/v1/completions", content=sent, headers=headers)
+            assert response.status_code == 200, response.text
+    assert engine.by_id("open-0").body == sent
+    assert engine.by_id("open-19").body == sent
+    costs = [cost for _, cost, _ in policy.admitted]
+    assert {(c.prompt_tokens, c.max_output_tokens, c.open_output) for c in costs} == {
+        (1629, 2048 - 1629, True)
+    }
+    assert policy.expected[0] == 2048 - 1629  # nothing learned yet: the cap
+    assert policy.expected[-1] == 5  # learned from the model's finished requests

@@ -51,8 +51,9 @@ token or a count only through `on_first_token`/`on_tokens`, not from a ticket's 
 
 Limits, said plainly: a request the engine preempts loses its blocks while we count it as
 reflected (under-counting; preemption happens only at exhaustion, which the thrashing
-detector turns into "no new requests to this node"). Requests sent with no `max_tokens` are
-capped at `default_max_tokens`; the shell writes that cap into the upstream body. Engines
+detector turns into "no new requests to this node"). A request sent with no `max_tokens` is
+capped at the rest of the model's context (what the engine stops at), or, where that is
+unknown, at `default_max_tokens`, which the shell writes into the upstream body. Engines
 without a KV gauge (llama.cpp, TGI): nothing is ever reflected, so the node's usage is the
 sum of its holds against the capacity its backend entry configures (`kv_capacity_tokens`);
 with none, such a node is gated by its queue (`waiting > 0` means full) and thrashing.

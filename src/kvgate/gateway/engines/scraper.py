@@ -63,6 +63,10 @@ BACKOFF_FACTOR = 2.0
 # its sample at most ~0.8 s old when the next one arrives).
 BACKOFF_CAP_SHARE = 0.25
 _RECHECK_AFTER_S = 30.0  # a check that could not decide, or a narrowed page gone bad
+# A node's page turning slow (and quick again) is logged at INFO at most once in this long,
+# and at DEBUG in between: on a loaded host even an idle engine's page crosses the line
+# every few seconds (64 INFO lines in 10 minutes, measured), which says nothing new.
+SPEED_NOTE_EVERY_S = 600.0
 _STALE_AFTER_S: float = AdmissionSettings.model_fields["stale_after_s"].default
 
 
@@ -106,6 +110,11 @@ class NodeStats:
     #: From one poll's start to the next's, as backed off after the last poll.
     period_s: float = 0.0
     slow: bool = False  # polled back to back because its page is slow
+    # When its page last turned slow at INFO (None: never), whether the present slow spell
+    # was told at INFO, and the slow spells told at DEBUG since.
+    slow_told_at: float | None = field(default=None, repr=False)
+    slow_told: bool = field(default=False, repr=False)
+    slow_spells_untold: int = field(default=0, repr=False)
     _latency_observations: deque[float] = field(
         default_factory=lambda: deque(maxlen=4096), repr=False
     )
@@ -347,8 +356,9 @@ class Scraper:
             next_at = max(next_at + stats.period_s, ended)
 
     def _note_speed(self, backend: Backend, stats: NodeStats, duration: float) -> None:
-        """Log once when a node's page turns slow enough to be polled back to back, and
-        once when it is quick again (at half that time: no flapping at the edge)."""
+        """Log when a node's page turns slow enough to be polled back to back, and when it
+        is quick again (at half that time: no flapping at the edge): at INFO for the first
+        slow spell in `SPEED_NOTE_EVERY_S`, at DEBUG for the others."""
         threshold = max(self._interval, BACKOFF_CAP_SHARE * self._stale_after)
         if stats.slow:
             threshold /= 2
@@ -356,17 +366,29 @@ class Scraper:
         if slow == stats.slow or stats.up is False:
             return
         stats.slow = slow
-        if slow:
-            log.info(
-                "node %s: metrics page took %.0f ms (a busy engine); polled back to back,"
-                " its samples lag",
+        if not slow:
+            log.log(
+                logging.INFO if stats.slow_told else logging.DEBUG,
+                "node %s: metrics page quick again (%.0f ms)",
                 backend.node_id,
                 duration * 1000,
             )
-        else:
-            log.info(
-                "node %s: metrics page quick again (%.0f ms)", backend.node_id, duration * 1000
-            )
+            return
+        now = time.monotonic()
+        told_at = stats.slow_told_at
+        stats.slow_told = told_at is None or now - told_at >= SPEED_NOTE_EVERY_S
+        if not stats.slow_told:
+            stats.slow_spells_untold += 1
+            log.debug("node %s: metrics page took %.0f ms", backend.node_id, duration * 1000)
+            return
+        untold, stats.slow_spells_untold, stats.slow_told_at = stats.slow_spells_untold, 0, now
+        log.info(
+            "node %s: metrics page took %.0f ms (a busy engine); polled back to back,"
+            " its samples lag%s",
+            backend.node_id,
+            duration * 1000,
+            f" (slow {untold} more times since the last such line)" if untold else "",
+        )
 
     async def scrape_once(self, backend: Backend) -> NodeSample | None:
         """One poll of one backend: fetch, parse, tell the policy, update stats."""

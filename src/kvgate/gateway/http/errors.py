@@ -4,6 +4,12 @@ Every failure the gateway itself produces, whether bad input, shedding or an ups
 is rendered here as `{"error": {"message", "type", "param", "code"}}`, so that the official
 `openai` package raises its usual typed exception instead of choking on an HTML page or a
 traceback.
+
+One vocabulary: `code` is a string, and every such answer carries it again in the header
+`X-Kvgate-Reason` (and the access log in `reason`). The header is how a client tells an
+answer of kvgate's from an engine's: what an engine answers, errors included, is relayed as
+the engine sent it, without the header. The codes and what each means: the tables of
+docs/operating.md, which a test checks against the code.
 """
 
 from __future__ import annotations
@@ -35,21 +41,17 @@ _TYPES: dict[int, str] = {
 
 
 class GatewayError(Exception):
-    """An error the gateway answers itself, before anything was sent to the client.
-
-    `kind` replaces the OpenAI `type` of the status, for errors that must read exactly as
-    an engine's own (vLLM's `BadRequestError` with the integer `code` 400).
-    """
+    """An error the gateway answers itself, before anything was sent to the client: its
+    status, message, `code` (also its `X-Kvgate-Reason`), `param` and extra headers."""
 
     def __init__(
         self,
         status: int,
         message: str,
-        code: str | int,
+        code: str,
         *,
         param: str | None = None,
         headers: Sequence[tuple[bytes, bytes]] = (),
-        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -57,7 +59,6 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.headers = list(headers)
-        self.kind = kind
 
 
 class UpstreamError(Exception):
@@ -72,19 +73,13 @@ class UpstreamConnectError(UpstreamError):
     """Refused or reset before any response byte: safe to retry on another backend."""
 
 
-def error_body(
-    status: int,
-    message: str,
-    code: str | int | None,
-    param: str | None = None,
-    kind: str | None = None,
-) -> bytes:
+def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
     """The JSON body of an OpenAI-style error."""
     return orjson.dumps(
         {
             "error": {
                 "message": message,
-                "type": kind or _TYPES.get(status, "server_error"),
+                "type": _TYPES.get(status, "server_error"),
                 "param": param,
                 "code": code,
             }
@@ -119,9 +114,9 @@ async def send_json(
 
 
 async def send_error(send: Send, error: GatewayError, request_id: bytes | None = None) -> None:
-    """Answer with `error` (its status, headers and OpenAI body)."""
-    headers = list(error.headers)
+    """Answer with `error`: its status, headers, `X-Kvgate-Reason` and OpenAI body."""
+    headers = [*error.headers, (b"x-kvgate-reason", error.code.encode("latin-1", "replace"))]
     if request_id is not None:
         headers.append((b"x-request-id", request_id))
-    body = error_body(error.status, error.message, error.code, error.param, error.kind)
+    body = error_body(error.status, error.message, error.code, error.param)
     await send_json(send, error.status, body, headers)

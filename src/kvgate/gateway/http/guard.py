@@ -80,7 +80,8 @@ def raw_error(status: int, message: str, code: str) -> bytes:
     body = error_body(status, message, code)
     head = (
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-        b"connection: close\r\n" % (status, _REASONS.get(status, b"Error"), len(body))
+        b"x-kvgate-reason: %s\r\nconnection: close\r\n"
+        % (status, _REASONS.get(status, b"Error"), len(body), code.encode())
     )
     if status == 503:
         head += b"retry-after: 1\r\n"

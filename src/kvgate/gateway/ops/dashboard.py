@@ -3,8 +3,10 @@
 The page is plain HTML + JS with a vendored chart library (uPlot, MIT) so it runs with no
 build step and nothing fetched from a CDN: an on-call operator may be inside a network that
 reaches only the gateway. The page is fed by server-sent events carrying the same JSON as
-`/admin/state`, a few times per second; rates are derived in the browser from counters so
-the server keeps no per-client history.
+`/admin/state`, a few times per second, each with the state's time as its id; rates are
+derived in the browser from counters. The gateway keeps one history for every page
+(`history.ChartHistory`: the last minutes of what the charts draw), sent as a `history`
+event when a page connects, so that a tab opened now charts what came before it.
 
 The gateway merges `routes(state_provider)` into its own routing table; every value is a raw
 ASGI callable, so this module depends on nothing but the standard library and orjson.
@@ -25,6 +27,7 @@ from urllib.parse import parse_qs
 import orjson
 
 from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
+from kvgate.gateway.ops.history import ChartHistory, last_event_id
 
 StateProvider = Callable[[], dict[str, Any]]
 
@@ -60,17 +63,19 @@ def routes(
     state_provider: StateProvider,
     closing: Callable[[], bool] | None = None,
     max_stream_s: float = MAX_STREAM_S,
+    history: ChartHistory | None = None,
 ) -> dict[tuple[str, str], ASGIApp]:
     """Every route the dashboard needs, keyed by (method, exact path), for the gateway.
 
     `closing()` turning true (the gateway is draining) ends every event stream within one
     period, so an open dashboard tab never holds up a shutdown. Without it, `max_stream_s`
     bounds how long one stream lives (the browser reconnects on its own in a blink).
+    `history`, when given, is sent to each page as it connects.
     """
     table: dict[tuple[str, str], ASGIApp] = {
         ("GET", "/dashboard"): _static_app("dashboard.html"),
         ("GET", "/dashboard/"): _static_app("dashboard.html"),
-        ("GET", EVENTS_PATH): events_app(state_provider, closing, max_stream_s),
+        ("GET", EVENTS_PATH): events_app(state_provider, closing, max_stream_s, history),
     }
     for name in static_files():
         if name == "dashboard.html":
@@ -164,22 +169,30 @@ def encode_event(state: Any) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-def _snapshot_frame(state_provider: StateProvider) -> bytes:
-    """The next frame; a failing provider becomes an `error` event, never a dead stream."""
+def _snapshot_frame(state_provider: StateProvider) -> tuple[bytes, float | None]:
+    """The next frame and its state's time (its SSE id); a failing provider becomes an
+    `error` event, never a dead stream."""
     try:
-        return encode_event(state_provider())
+        state = state_provider()
+        frame = encode_event(state)
     except Exception as exc:  # the dashboard must survive a bug elsewhere
         log.exception("state provider failed while feeding /admin/events")
         message = orjson.dumps({"message": f"state unavailable: {type(exc).__name__}"})
-        return b"event: error\ndata: " + message + b"\n\n"
+        return b"event: error\ndata: " + message + b"\n\n", None
+    at = state.get("time") if isinstance(state, dict) else None
+    if not isinstance(at, int | float) or not math.isfinite(at):
+        return frame, None
+    return b"id: " + repr(float(at)).encode() + b"\n" + frame, float(at)
 
 
 def events_app(
     state_provider: StateProvider,
     closing: Callable[[], bool] | None = None,
     max_stream_s: float = MAX_STREAM_S,
+    history: ChartHistory | None = None,
 ) -> ASGIApp:
-    """`GET /admin/events`: push `state_provider()` as SSE until the client goes away.
+    """`GET /admin/events`: push `state_provider()` as SSE until the client goes away,
+    after `history`'s points (those after the `Last-Event-ID` of a page that reconnects).
 
     A background task waits on `receive()` for `http.disconnect`, so a closed tab stops the
     loop within one period instead of at the next failed write. The stream also ends when
@@ -207,6 +220,11 @@ def events_app(
             )
             retry = f"retry: {RECONNECT_MS}\n\n".encode()
             await send({"type": "http.response.body", "body": retry, "more_body": True})
+            frames.get()
+            if history is not None and frames.time is not None:
+                seen = last_event_id(scope.get("headers", ()))
+                past = history.event(frames.time, after=seen)
+                await send({"type": "http.response.body", "body": past, "more_body": True})
             await _push_loop(frames, send, gone, interval, stop)
         except OSError:
             pass  # the client vanished mid-write; nothing to tell anyone
@@ -251,12 +269,13 @@ class FrameCache:
         self.ttl_s = ttl_s
         self.built_at = -math.inf
         self.frame = b""
+        self.time: float | None = None  # the frame's state's time
         self.builds = 0
 
     def get(self) -> bytes:
         now = asyncio.get_running_loop().time()
         if now - self.built_at >= self.ttl_s:
-            self.frame = _snapshot_frame(self.state_provider)
+            self.frame, self.time = _snapshot_frame(self.state_provider)
             self.built_at = now
             self.builds += 1
         return self.frame

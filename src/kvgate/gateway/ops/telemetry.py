@@ -30,6 +30,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvgate.core.nodes import STATES
+from kvgate.gateway.ops.tenants import TenantTally
 
 access_logger = logging.getLogger("kvgate.access")
 
@@ -58,6 +59,7 @@ class GatewayMetrics:
         self.upstream_errors: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.cancellations: defaultdict[str, int] = defaultdict(int)
         self.admissions: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self.tenants = TenantTally()  # refusals and served tokens per tenant
         self.retries = 0
         # Streams whose client left mid-stream: the SSE data events relayed to those clients
         # before they left (they may not have read them all), and any received from the

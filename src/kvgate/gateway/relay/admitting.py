@@ -99,7 +99,7 @@ class Admitter:
             503,
             f"Upstream unavailable: {message}.",
             "upstream_unavailable",
-            headers=[(b"retry-after", b"1"), (b"x-kvgate-reason", b"upstream_unavailable")],
+            headers=[(b"retry-after", b"1")],
         )
 
     async def _admit(self, call: Call, request: AdmissionRequest, after_failure: bool) -> Ticket:
@@ -153,29 +153,18 @@ class Admitter:
 
 
 def rejection(decision: Reject, *, after_failure: bool) -> GatewayError:
-    """The policy's refusal as an OpenAI error with Retry-After (whole seconds, at least 1).
+    """The core's refusal as an OpenAI error whose code is the refusal's reason, with
+    Retry-After (whole seconds, at least 1).
 
     A refusal of the retry, after a failed attempt, is a 503, unless the request can
-    never be served as sent (400).
+    never be served as sent (400: nothing to retry, so no Retry-After).
     """
+    status = 503 if after_failure and decision.status != 400 else decision.status
+    if status == 400:
+        return GatewayError(400, decision.message, decision.reason, param="max_tokens")
     retry_s = max(0.0, decision.retry_after_s)
     headers = [
         (b"retry-after", str(max(1, math.ceil(retry_s))).encode()),
         (b"retry-after-ms", str(max(1, round(retry_s * 1000))).encode()),
-        (b"x-kvgate-reason", decision.reason.encode("latin-1", "replace")),
     ]
-    status = 503 if after_failure and decision.status != 400 else decision.status
-    code = _CODES.get((status, decision.reason)) or _CODES[status, ""]
-    if status == 400:  # it can never be served as sent: nothing to retry
-        return GatewayError(400, decision.message, code, param="max_tokens", headers=headers[2:])
-    return GatewayError(status, decision.message, code, headers=headers)
-
-
-_CODES = {
-    (429, ""): "cluster_saturated",
-    (429, "tenant_limit"): "tenant_limit_exceeded",
-    (429, "queue_full"): "queue_full",
-    (503, ""): "service_unavailable",
-    (400, ""): "context_length_exceeded",
-    (400, "tenant_limit"): "tenant_limit_exceeded",
-}
+    return GatewayError(status, decision.message, decision.reason, headers=headers)

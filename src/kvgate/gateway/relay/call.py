@@ -28,7 +28,8 @@ class ClientRequest:
     """What the client asked, as kvgate read it: built once, never changed.
 
     `body` is what goes upstream: the client's bytes, or, for a completion that sent no
-    `max_tokens`, its JSON with the output cap admission assumed made explicit. `data` is
+    `max_tokens` to a model whose context length is unknown, its JSON with the output cap
+    admission assumed made explicit. `data` is
     the parsed JSON of a completion and None for a pass-through request, whose body is
     relayed unread (its `model` is looked for, and None when it has none).
     """
@@ -45,9 +46,10 @@ class ClientRequest:
 
     @property
     def exact_output(self) -> bool:
-        """Runs to exactly `max_tokens`: end-of-sequence ignored (a vLLM/SGLang extension)."""
+        """Runs to exactly its cap (its `max_tokens`, or the engine's when it sent none):
+        end-of-sequence ignored (a vLLM/SGLang extension)."""
         data = self.data
-        return self.max_tokens is not None and data is not None and data.get("ignore_eos") is True
+        return data is not None and data.get("ignore_eos") is True
 
 
 @dataclass(slots=True)
@@ -57,6 +59,7 @@ class AccessRecord:
     request_id: str
     route: str
     started: float
+    tenant: str = ""  # its API key's tenant ("" without keys)
     backend: str = "-"
     status: int = 0
     streamed: bool = False

@@ -1,11 +1,12 @@
 """The engines' context limit, checked before admission: what the engine would refuse for
-its length is refused here at once, in the engine's own words, and never sent.
+its length is refused here at once, and never sent.
 
 The limit is the model's `max_model_len`, the largest among the backends serving it
 (`ModelCatalog.max_model_len`; unknown when one of them does not list it, and then nothing
-is checked). The refusals are exactly the ones vLLM makes, with its messages, `param`,
-`type` and integer `code` (read from vLLM 0.32's answers), so a client sees the same 400
-with or without kvgate in front:
+is checked). The refusals are the ones vLLM makes, with its messages and `param` (read
+from vLLM 0.32's answers), as kvgate's own errors: `code` and `X-Kvgate-Reason`
+`context_length_exceeded` (OpenAI's code for it), type `invalid_request_error`. A 400 an
+engine makes itself (where the limit is unknown) is relayed as the engine sent it:
 
 - `max_tokens` above the limit (`max_completion_tokens` where a chat request sends it,
   which vLLM then reads instead);
@@ -27,6 +28,9 @@ from typing import Any, Protocol
 
 from kvgate.core.request import RequestCost
 from kvgate.gateway.http.errors import GatewayError
+
+#: The code (and `X-Kvgate-Reason`) of a request that cannot fit the model's context.
+CONTEXT_LENGTH = "context_length_exceeded"
 
 
 class PromptCounter(Protocol):
@@ -81,10 +85,5 @@ def too_many_output_tokens(key: str, asked: int, limit: int) -> GatewayError:
 
 def _engine_error(message: str, param: str, value: int) -> GatewayError:
     return GatewayError(
-        400,
-        f"{message} (parameter={param}, value={value})",
-        400,
-        param=param,
-        kind="BadRequestError",
-        headers=[(b"x-kvgate-reason", b"context_length")],
+        400, f"{message} (parameter={param}, value={value})", CONTEXT_LENGTH, param=param
     )

@@ -12,11 +12,15 @@ when none is reachable) and costs it, and builds, once each:
 - the core's `AdmissionRequest`: its cost, priority, tenant, model and candidate nodes.
 
 A completion's JSON is parsed once (orjson) and only `model`, `stream`, `max_tokens` (or
-`max_completion_tokens`) and the prompt are checked; the rest is relayed as sent. The
-engine's own context refusals are made here, before admission (`context.py`). Admission
-plans for `admission.default_max_tokens` of output when a request sends no `max_tokens`,
-so the body sent upstream says so (no larger than the model's context). Any other `/v1/...`
-request passes through unread except for its `model`, costed at a token per 4 bytes.
+`max_completion_tokens`) and the prompt are checked; the rest is relayed as sent. It is
+costed within the model's context length when the engines list it, and what an engine
+would refuse for that length is refused here, before admission (`context.py`). A request
+that sends no `max_tokens` is relayed as sent when the context is known: the engine
+generates up to the rest of it at most, which is then its planned cap (how long it runs is
+planned by the lengths learned per model). Where the context is unknown, admission plans
+for `admission.default_max_tokens` of output and the body sent upstream says so. Any other
+`/v1/...` request passes through unread except for its `model`, costed at a token per 4
+bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import orjson
 
 from kvgate.core.cost import CostEstimator
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
-from kvgate.gateway.http.asgi import TENANT_SCOPE_KEY, Receive, Scope
+from kvgate.gateway.http.asgi import Receive, Scope
 from kvgate.gateway.http.body import read_body
 from kvgate.gateway.http.errors import GatewayError
 from kvgate.gateway.relay.call import AccessRecord, ClientRequest
@@ -101,25 +105,18 @@ class Intake:
         if "messages" not in data and "prompt" not in data:
             field = "messages" if record.route.endswith("/chat/completions") else "prompt"
             raise _bad(f"`{field}` is required.", field)
+        candidates = await self._nodes_for(model)
+        limit = self.catalog.max_model_len(model)
         estimator = self.estimator
         try:
-            cost = estimator.estimate(model, data)
+            cost = estimator.estimate(model, data, limit)
         except ValueError as exc:
             raise _bad(f"{exc}.", getattr(exc, "param", None)) from None
         record.estimated_prompt = cost.prompt_tokens
-        candidates = await self._nodes_for(model)
-        limit = self.catalog.max_model_len(model)
         check_context(limit, model, data, cost, estimator)
-        if limit is not None and cost.total > limit:
-            # The engine stops generating at its context length, so no request holds more.
-            # The prompt is over-estimated by design: leave room for it to be that much
-            # shorter, which leaves more room to generate.
-            shortest = int(cost.prompt_tokens / estimator.tuning.prompt_safety_factor)
-            output = min(cost.max_output_tokens, max(0, limit - shortest))
-            cost = RequestCost(cost.prompt_tokens, output, cost.prompt_floor)
-        if max_tokens is None:
-            body = self._with_default_max_tokens(data, limit)
-        tenant = scope.get(TENANT_SCOPE_KEY) or ""
+        if max_tokens is None and limit is None:
+            body = self._with_default_max_tokens(data)
+        tenant = record.tenant
         client = ClientRequest(
             head.request_id, priority, tenant, max_wait_s, body, model, stream, max_tokens, data
         )
@@ -147,7 +144,7 @@ class Intake:
         else:
             record.model = model
             candidates = await self._nodes_for(model)
-        tenant = scope.get(TENANT_SCOPE_KEY) or ""
+        tenant = record.tenant
         client = ClientRequest(head.request_id, priority, tenant, max_wait_s, body, model)
         # Embeddings and the like hold KV only for their input, roughly a token per 4 bytes.
         cost = RequestCost(prompt_tokens=len(body) // 4, max_output_tokens=0)
@@ -162,16 +159,11 @@ class Intake:
         )
         return client, request
 
-    def _with_default_max_tokens(self, data: dict[str, Any], limit: int | None) -> bytes:
-        """The body with the output cap admission assumed, made explicit (no larger than the
-        model's context, which an engine would refuse).
-
-        Without it the engine may generate up to its context limit, past what was planned.
-        Re-encoding happens only for requests that omit `max_tokens`.
-        """
+    def _with_default_max_tokens(self, data: dict[str, Any]) -> bytes:
+        """The body with the output cap admission assumed, made explicit, for a model whose
+        context length is unknown: without it the engine may generate up to a context
+        kvgate does not know, past what was planned. Re-encoding happens only then."""
         cap = self.estimator.settings.default_max_tokens
-        if limit is not None:
-            cap = min(cap, limit)
         return orjson.dumps({**data, "max_tokens": cap})
 
     async def _nodes_for(self, model: str) -> tuple[str, ...]:
@@ -183,7 +175,7 @@ class Intake:
                 503,
                 "No backend is reachable to serve this request.",
                 "no_backend",
-                headers=[(b"retry-after", b"1"), (b"x-kvgate-reason", b"no_backend")],
+                headers=[(b"retry-after", b"1")],
             )
         raise GatewayError(
             404, f"The model `{model}` does not exist.", "model_not_found", param="model"

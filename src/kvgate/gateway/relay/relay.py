@@ -35,7 +35,7 @@ from kvgate.core.cost import CostEstimator
 from kvgate.core.flow import FlowController
 from kvgate.core.request import AdmissionRequest
 from kvgate.gateway.http import disconnect
-from kvgate.gateway.http.asgi import Receive, Scope, Send
+from kvgate.gateway.http.asgi import TENANT_SCOPE_KEY, Receive, Scope, Send
 from kvgate.gateway.http.body import ClientGone
 from kvgate.gateway.http.errors import (
     GatewayError,
@@ -139,7 +139,8 @@ class Relay:
         self, scope: Scope, receive: Receive, send: Send, route: str, read: Read
     ) -> None:
         head = read_head(scope["headers"])
-        record = AccessRecord(head.request_id, route, time.monotonic())
+        tenant = scope.get(TENANT_SCOPE_KEY) or ""
+        record = AccessRecord(head.request_id, route, time.monotonic(), tenant)
         self.metrics.in_flight += 1
         try:
             if not self.accepting:
@@ -153,7 +154,7 @@ class Relay:
             await self._admit_and_relay(scope, receive, send, record, client, request)
         except GatewayError as err:
             record.status = err.status
-            record.reason = _reason(err)
+            record.reason = err.code
             if record.ending == "done":
                 record.ending = "rejected" if err.status in (429, 503) else "bad_request"
             record.first_byte_at = time.monotonic()
@@ -311,10 +312,17 @@ class Relay:
         m.observe_duration(record.route, total)
         if record.first_byte_at is not None:
             m.observe_ttfb(record.route, record.first_byte_at - record.started)
+        m.tenants.finished(
+            record.tenant,
+            refused=record.ending == "rejected",
+            prompt_tokens=record.prompt_tokens,
+            completion_tokens=record.completion_tokens,
+        )
         log_access(
             {
                 "id": record.request_id,
                 "route": record.route,
+                "tenant": record.tenant or None,
                 "model": record.model,
                 "backend": record.backend,
                 "status": record.status,
@@ -344,12 +352,3 @@ def _with_field(body: bytes, name: str, value: str) -> bytes:
     data = orjson.loads(body)
     data[name] = value
     return orjson.dumps(data)
-
-
-def _reason(err: GatewayError) -> str:
-    """Why the gateway refused, for the access log: the `x-kvgate-reason` it sends, else
-    the error's code."""
-    for name, value in err.headers:
-        if name == b"x-kvgate-reason":
-            return value.decode("latin-1")
-    return str(err.code)

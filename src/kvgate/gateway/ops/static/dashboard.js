@@ -3,7 +3,10 @@
  * Every state pushed on /admin/events is ingested at once (cheap: a few array appends);
  * drawing happens at most once per animation frame, so a burst of events or 64 nodes never
  * queues work. Rates are derived here from the gateway's cumulative counters, over a
- * trailing window, so the server keeps no per-client history. Every key is read
+ * trailing window. On connecting, the gateway first sends its `history` (one point a
+ * second of the last minutes, in the state's shape, with its clock's `now`): each point is
+ * ingested like a state, placed `now - time` seconds before this page's clock, so the
+ * charts start with what happened before the tab was opened. Every key is read
  * defensively: a field the gateway does not (yet) send shows as "–", never as an error.
  */
 (() => {
@@ -18,6 +21,7 @@
   const SLOW_WINDOW_S = 5.0;   // Retry-After and cancellations are rarer: smooth more
   const REASON_WINDOW_S = 10.0;
   const SPARK_POINTS = 120;    // per-node KV history kept for the sparkline
+  const NO_KEY = "(no key)"; // the tenant of a gateway without API keys
   const SEVERITY = { panic: 0, thrashing: 1, dead: 2, stale: 3, lagging: 4, high: 5, unknown: 6, ok: 7 };
 
   // ---------- small helpers ----------
@@ -142,6 +146,8 @@
   const nodeHist = new Map(); // id -> {rep: number[], pred: number[]}
   let lastState = null;
   let lastNow = null;
+  let lastServerT = null; // the gateway's time of the newest state or point ingested
+  let historyPoints = 0;
   let updates = 0;
   let renders = 0;
   let lastMessageAt = 0;
@@ -200,11 +206,18 @@
     };
   }
 
-  function ingest(raw) {
+  /** One state (or history point) into the charts' history, at page time `now`; `live`:
+   * a state pushed now (history points do not move the tables or the sparklines). */
+  function ingest(raw, now = Date.now() / 1000, live = true) {
     const state = normalize(raw);
-    const now = Date.now() / 1000;
     const serverT = num(state.time);
     const t = serverT ?? now;
+    if (serverT !== null) {
+      // A history point this page has already charted (a reconnect's overlap) is skipped;
+      // a live state never is (a restarted gateway's clock may start over).
+      if (!live && lastServerT !== null && serverT <= lastServerT) return;
+      lastServerT = serverT;
+    }
     const c = readCounters(state);
     // A restarted gateway starts its counters (and clock) over: start the rates over too.
     const prev = counterHist[counterHist.length - 1];
@@ -244,15 +257,28 @@
     pushHist(hist.retryMean, retryMean);
     pushHist(hist.cancelRate, rate(SLOW_WINDOW_S, (x) => x.cancels));
 
-    ingestNodes(state);
+    ingestNodes(state, live);
     trim(now);
+    if (!live) return;
     lastState = state;
     lastNow = now;
     lastMessageAt = performance.now();
     updates++;
   }
 
-  function ingestNodes(state) {
+  /** The gateway's `history` event: its points, oldest first, before the live states. */
+  function ingestHistory(raw) {
+    const h = obj(raw);
+    const serverNow = num(h?.now);
+    if (!h || serverNow === null || !Array.isArray(h.points)) return;
+    const pageNow = Date.now() / 1000;
+    for (const p of h.points) {
+      const at = num(obj(p)?.time);
+      if (at !== null) { ingest(p, pageNow - (serverNow - at), false); historyPoints++; }
+    }
+  }
+
+  function ingestNodes(state, live) {
     const nodes = obj(state.nodes) || {};
     let repSum = 0, repN = 0, repMax = null, predSum = 0, predN = 0, predMax = null;
     for (const id in nodes) {
@@ -262,13 +288,14 @@
       const fresh = n.fresh !== false && n.state !== "stale";
       if (rep !== null && fresh) { repSum += rep; repN++; repMax = Math.max(repMax ?? 0, rep); }
       if (pred !== null) { predSum += pred; predN++; predMax = Math.max(predMax ?? 0, pred); }
+      if (!live) continue; // the sparklines are the live states' (5 a second, ~25 s)
       let h = nodeHist.get(id);
       if (!h) { h = { rep: [], pred: [] }; nodeHist.set(id, h); }
       h.rep.push(fresh ? rep : null);
       h.pred.push(pred);
       if (h.rep.length > SPARK_POINTS) { h.rep.shift(); h.pred.shift(); }
     }
-    for (const id of [...nodeHist.keys()]) if (!(id in nodes)) nodeHist.delete(id);
+    if (live) for (const id of [...nodeHist.keys()]) if (!(id in nodes)) nodeHist.delete(id);
     pushHist(hist.kvRepMean, repN ? repSum / repN : null);
     pushHist(hist.kvRepMax, repMax);
     pushHist(hist.kvPredMean, predN ? predSum / predN : null);
@@ -279,16 +306,31 @@
   const charts = {};
   let windowS = 300;
 
+  /** The newest value of a chart's series `i` (null when it has none). */
+  function latest(u, i) {
+    const data = u.data[i] || [];
+    for (let k = data.length - 1; k >= 0; k--) if (isNum(data[k])) return data[k];
+    return null;
+  }
+
+  /** The time axis: the data's span, or, before any, the window ending now (not 1970). */
+  function timeRange(u, min, max) {
+    if (u.data[0].length && isNum(min) && isNum(max)) return [min, max];
+    const now = Date.now() / 1000;
+    return [now - windowS, now];
+  }
+
   function makeChart(key, series, opts = {}) {
     const el = $(key);
     const yScale = { auto: true };
     if (opts.yRange) yScale.range = opts.yRange;
+    const fmt = opts.fmt || fmtNum;
     const u = new uPlot({
       width: Math.max(200, el.clientWidth),
       height: 190,
       cursor: { drag: { x: false, y: false }, points: { show: false } },
       legend: { live: true },
-      scales: { x: { time: true }, y: yScale },
+      scales: { x: { time: true, range: timeRange }, y: yScale },
       axes: [
         { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID, width: 1 } },
         { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID, width: 1 }, size: 52,
@@ -299,7 +341,11 @@
         ...series.map((s) => ({
           label: s.label, stroke: s.color, width: s.width || 1.5, dash: s.dash,
           fill: s.fill, spanGaps: false, points: { show: false },
-          value: (u, v) => (v == null ? "–" : (opts.fmt || fmtNum)(v)),
+          // Hovered: the value under the cursor; otherwise the newest one.
+          value: (u, v, i, idx) => {
+            const shown = idx == null ? latest(u, i) : v;
+            return shown == null ? "–" : fmt(shown);
+          },
         })),
       ],
     }, [[], ...series.map(() => [])], el);
@@ -642,6 +688,31 @@
     if ($("replica-rows").innerHTML !== rowsHtml) $("replica-rows").innerHTML = rowsHtml;
   }
 
+  // ---------- tenants ----------
+  let tenantHtml = "";
+
+  /** The gateway's `tenants` table: the columns it lists ([key, heading], in order), one
+   * row per tenant; a new figure needs no change here. */
+  function renderTenants(state) {
+    const t = obj(state.raw.tenants);
+    const columns = Array.isArray(t?.columns)
+      ? t.columns.filter((c) => Array.isArray(c) && c.length === 2) : [];
+    const rows = Array.isArray(t?.rows) ? t.rows.filter((r) => obj(r)) : [];
+    const section = $("tenants");
+    const show = columns.length > 0 && rows.length > 0;
+    if (section.hidden !== !show) section.hidden = !show;
+    if (!show) return;
+    const head = "<th>tenant</th>" +
+      columns.map(([, heading]) => `<th class="num">${escapeHtml(heading)}</th>`).join("");
+    const body = rows.map((r) => `<tr><td>${escapeHtml(r.tenant || NO_KEY)}</td>` +
+      columns.map(([key]) => `<td class="num">${fmtNum(num(r[key]))}</td>`).join("") + "</tr>").join("");
+    if (head + body === tenantHtml) return;
+    tenantHtml = head + body;
+    $("tenant-head").innerHTML = head;
+    $("tenant-rows").innerHTML = body;
+    $("tenant-count").textContent = `(${rows.length})`;
+  }
+
   function escapeHtml(s) {
     return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
   }
@@ -658,6 +729,7 @@
     renderCharts();
     renderNodes(lastState, false);
     renderReplicas(lastState);
+    renderTenants(lastState);
     renderReasons();
     renders++;
     renderMs.push(performance.now() - t0);
@@ -692,6 +764,12 @@
       ingest(state);
       schedule();
     };
+    es.addEventListener("history", (ev) => {
+      let history;
+      try { history = JSON.parse(ev.data); } catch { return; }
+      ingestHistory(history);
+      schedule();
+    });
     es.addEventListener("error", (ev) => {
       if (ev.data) setConn("conn-down", "gateway error");
       else setConn(es.readyState === EventSource.CLOSED ? "conn-down" : "conn-wait", "reconnecting…");
@@ -718,6 +796,7 @@
       get renders() { return renders; },
       get state() { return lastState; },
       get lastUpdate() { return lastNow; },
+      get historyPoints() { return historyPoints; },
       charts,
       hist,
       renderMs,
