@@ -19,6 +19,7 @@ from kvgate.core.policies import build_policy
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.core.signals import NodeSample
+from kvgate.testing.books import ledger_totals
 
 STEP_S = 0.01  # seconds per decode step (what the samples report as iteration latency)
 
@@ -152,6 +153,5 @@ class Bench:
             and policy.in_flight_tokens == 0
             and self.flow.waiting == 0
             and all(policy.reserved_on(n) == 0 for n in self.nodes)
-            and self.flow.tenants.total_tokens == 0
-            and self.flow.tenants.total_requests == 0
+            and ledger_totals(self.flow.tenants) == (0, 0)
         )

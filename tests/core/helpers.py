@@ -15,6 +15,7 @@ from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings, QueueSettings, Tuning
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import TenantLedger
+from kvgate.testing.books import full_reserved_on, ledger_totals
 
 _TUNING = frozenset(f.name for f in dataclasses.fields(Tuning))
 _BASELINE = {"static_qps": "qps", "static_burst": "burst", "static_concurrency": "concurrency"}
@@ -111,7 +112,7 @@ def assert_books_empty(policy: BasePolicy) -> None:
     for node_id, node in snap["nodes"].items():
         assert node["reserved_tokens"] == 0
         assert node["in_flight"] == 0
-        assert policy.full_reserved_on(node_id) == 0
+        assert full_reserved_on(policy, node_id) == 0
         assert policy.unreflected_now(node_id) == 0
 
 
@@ -121,7 +122,7 @@ def assert_flow_empty(flow: FlowController) -> None:
     assert flow.waiting == 0 and flow.queue.tokens == 0
     assert not list(flow.queue.waiting())
     assert not flow._leases
-    assert flow.tenants.total_tokens == 0 and flow.tenants.total_requests == 0
+    assert ledger_totals(flow.tenants) == (0, 0)
     snap = flow.snapshot()
     assert snap["queue"]["waiting"] == 0 and snap["queue"]["tokens"] == 0
     for band in snap["queue"]["bands"].values():

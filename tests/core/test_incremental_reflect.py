@@ -19,6 +19,7 @@ from kvgate.core.policies.base import BasePolicy, _Book, _Hold
 from kvgate.core.policies.none import NonePolicy
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.signals import NodeSample
+from kvgate.testing.books import full_reserved_on
 
 from .helpers import admission_settings, request
 
@@ -50,7 +51,7 @@ class WalkingPolicy(NonePolicy):
 
 
 def _books(policy: BasePolicy, node: str) -> tuple[int, int, int]:
-    return (policy.reserved_on(node), policy.unreflected_now(node), policy.full_reserved_on(node))
+    return (policy.reserved_on(node), policy.unreflected_now(node), full_reserved_on(policy, node))
 
 
 def _drive(seed: int, margin: float, steps: int) -> int:

@@ -26,6 +26,7 @@ from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import QueueSettings
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import TenantLedger, TenantLimits
+from kvgate.testing.books import full_reserved_on, upper_tokens
 
 from .helpers import assert_books_empty, assert_flow_empty, make, request
 
@@ -147,9 +148,9 @@ def _check_holds(policy: BasePolicy, live: list[Ticket]) -> None:
     for node_id in {*NODES, *(t.node_id for t in live)}:
         on_node = [t for t in live if t.node_id == node_id]
         assert policy.in_flight_on(node_id) == len(on_node)
-        assert policy.full_reserved_on(node_id) == sum(full[t.key] for t in on_node)
+        assert full_reserved_on(policy, node_id) == sum(full[t.key] for t in on_node)
         assert len(on_node) * overhead <= policy.reserved_on(node_id)
-        assert policy.reserved_on(node_id) <= policy.full_reserved_on(node_id)
+        assert policy.reserved_on(node_id) <= full_reserved_on(policy, node_id)
         assert policy.unreflected_now(node_id) >= 0
 
 
@@ -526,7 +527,7 @@ def test_the_bound_never_undercounts_the_coming_peak(
         history.append((clock.now(), engine_used()))
         peak = external + sum(s["prompt"] + s["max"] for s in state.values() if not s["done"])
         node = policy.nodes["a"]
-        bound = policy.upper_tokens(node)
+        bound = upper_tokens(policy, node)
         now = policy.now_tokens(node)
         assert bound is not None and now is not None
         assert bound >= peak - 1e-6

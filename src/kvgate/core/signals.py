@@ -25,12 +25,6 @@ class NodeSample:
     sampled_at: float
     preemptions_total: float | None = None
 
-    @property
-    def kv_used_tokens(self) -> float | None:
-        if self.kv_usage is None or self.kv_capacity_tokens is None:
-            return None
-        return self.kv_usage * self.kv_capacity_tokens
-
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form, the one used by `/admin/state`, the dashboard and the cluster."""
         return {

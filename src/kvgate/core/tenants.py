@@ -252,14 +252,6 @@ class TenantLedger:
         usage = self._usage.get(tenant)
         return (usage.tokens, usage.requests) if usage else (0, 0)
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(u.tokens for u in self._usage.values())
-
-    @property
-    def total_requests(self) -> int:
-        return sum(u.requests for u in self._usage.values())
-
     def snapshot(self) -> dict[str, Any]:
         """JSON-able usage per tenant, for `/admin/state` and `/metrics`."""
         out: dict[str, Any] = {}

@@ -509,11 +509,6 @@ class BasePolicy:
         book = self._books.get(node_id)
         return len(book.holds) if book else 0
 
-    def full_reserved_on(self, node_id: str) -> int:
-        """P + M + ovh summed over the live tickets on `node_id`."""
-        book = self._books.get(node_id)
-        return book.full if book else 0
-
     def reserved_on(self, node_id: str) -> int:
         """What the node's last sample cannot contain of its holds at their caps."""
         book = self._books.get(node_id)
@@ -558,12 +553,6 @@ class BasePolicy:
         if baseline is not None and 0 < baseline < step:
             return baseline
         return step
-
-    def upper_tokens(self, node: NodeState) -> float | None:
-        """`bound`: reported used tokens plus every hold run to its cap; None if unknowable."""
-        if node.cap is None:
-            return None
-        return node.used + self.reserved_on(node.node_id)
 
     def now_tokens(self, node: NodeState) -> float | None:
         """`now`: reported used tokens plus what the sample cannot contain yet."""
