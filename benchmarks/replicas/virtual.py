@@ -13,7 +13,7 @@ Each configuration runs twice:
 
 - `independent`: every replica knows only its own requests (and the shared samples);
 - `shared`: replicas exchange their views through a store every 50 ms (the sync period),
-  one atomic exchange 0.5 ms away each way (kvgate.core.peers: every replica plans every
+  one atomic exchange 0.5 ms away each way (kvgate.core.replicas.peers: every replica plans every
   request's peak, and adds requests only within its claim on a node's slack).
 
 Writes the virtual-time part of `results.md` (peak KV, preemptions, goodput against one

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvgate.core.envelope import Envelope
+from kvgate.core.plan.envelope import Envelope
 from kvgate.testing.books import envelope_upper_bound
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from kvgate.core.admission import Admit, Reject
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import FlowController, Waiter
-from kvgate.core.peers import Demand, share_of
 from kvgate.core.policies import build_policy
+from kvgate.core.replicas.peers import Demand, share_of
 from kvgate.core.request import AdmissionRequest, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample

@@ -164,9 +164,9 @@ class VirtualConfig:
     order: Literal["fair", "fcfs"] = "fair"
     # The adaptive policy's feedback on measured usage (off: ceilings alone).
     feedback: bool = True
-    # Replicas share their state through a store (kvgate.core.peers): every `sync_interval_s`
-    # each publishes its view and reads the others' in one atomic exchange at the store,
-    # `store_latency_s / 2` each way. None: replicas know only their own requests.
+    # Replicas share their state through a store (kvgate.core.replicas): every
+    # `sync_interval_s` each publishes its view and reads the others' in one atomic exchange
+    # at the store, `store_latency_s / 2` each way. None: replicas know only their own requests.
     sync_interval_s: float | None = None
     store_latency_s: float = 0.001
     scrape_interval_s: float = 0.05

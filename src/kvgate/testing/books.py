@@ -3,8 +3,8 @@ figure, but a test checks to prove that the books add up (and return to zero).""
 
 from __future__ import annotations
 
-from kvgate.core.envelope import Envelope
 from kvgate.core.nodes import NodeState
+from kvgate.core.plan.envelope import Envelope
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.tenants import TenantLedger
 

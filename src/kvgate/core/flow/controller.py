@@ -52,12 +52,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvgate.core import peers
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.flow.fairness import Fairness, TokenFairness
 from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.rates import DecayingRate
+from kvgate.core.replicas import peers
 from kvgate.core.request import AdmissionRequest, Priority
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, jittered
 from kvgate.core.settings import QueueSettings
@@ -105,7 +105,7 @@ class FlowController:
         # while nothing changed since needs only to be tried itself against them.
         self._promised: dict[str, float] = {}
         self._walked: tuple[int, float] = (-1, float("-inf"))
-        self.replica = replica  # its name among the gateway's replicas (kvgate.core.peers)
+        self.replica = replica  # its name among the gateway's replicas (kvgate.core.replicas.peers)
         self._peer_demands: list[peers.Demand] = []  # the others' queues, as of the last sync
         self._arrivals = DecayingRate(ARRIVALS_HALFLIFE_S)  # tokens submitted per second
         self._peers_at = 0.0
@@ -286,7 +286,7 @@ class FlowController:
     def remove_node(self, node_id: str) -> None:
         self.policy.remove_node(node_id)
 
-    # --- replicas (kvgate.core.peers) ---------------------------------------------------------
+    # --- replicas (kvgate.core.replicas.peers) -------------------------------------------
 
     def local_view(self) -> dict[str, Any]:
         """What this replica publishes now: its holds per node, its claims on each node's

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvgate.core.clock import Clock
-from kvgate.core.lengths import OutputLengths
+from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.policies.adaptive import AdaptivePolicy
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.policies.none import NonePolicy

@@ -4,7 +4,7 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
 1. **Ceilings on the envelope's peak, per node.** A request may go to node n only if n is
    fresh or lagging (`core.nodes`: its page is slow but it serves), not thrashing, not at
    panic on what it holds now, and the peak of n's envelope with the request
-   (`kvgate.core.envelope`, built in `policies.base`) stays under `ceiling(q) *
+   (`kvgate.core.plan.envelope`, built in `policies.base`) stays under `ceiling(q) *
    capacity(n)`: the high watermark for sheddable work (it fills the cache only so far,
    leaving the rest for interactive work to start at once), the panic watermark for
    standard and critical work. A request's hold is taken at once, so no burst, however
@@ -55,9 +55,9 @@ from typing import Any
 
 from kvgate.core.admission import Reject, StartEstimate
 from kvgate.core.clock import Clock
-from kvgate.core.lengths import OutputLengths
-from kvgate.core.limits import MarginController
 from kvgate.core.nodes import LEVEL_PANIC, NodeState
+from kvgate.core.plan.lengths import OutputLengths
+from kvgate.core.plan.margin import MarginController
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest, Priority
 from kvgate.core.settings import AdmissionSettings

@@ -4,7 +4,7 @@ Holds: what the policy counts for each admitted request
 -------------------------------------------------------
 A request's KV footprint grows from its prompt (after prefill) to prompt + output. For each
 live ticket the policy keeps a *hold*: the prompt `P` (estimated), the output cap `M`, the
-expected output `E` (learned, see `kvgate.core.lengths`; `M` for requests that ignore
+expected output `E` (learned, see `kvgate.core.plan.lengths`; `M` for requests that ignore
 end-of-sequence), the output seen so far (`on_tokens`) and `ovh`
 (`reservation_overhead_tokens`, KV block rounding). A sample tells the engine's *used* KV
 tokens; it contains a request's footprint once the request was prefilled before the sample
@@ -23,7 +23,7 @@ and a node's usage is known in two forms, both O(1) from running sums:
 
 `now` drives the node's watermark level (a node at panic on it takes nothing new). `bound`
 is the fast path of admission: a newcomer that fits under a ceiling on `bound` fits for
-sure. Otherwise the node's *envelope* decides (`kvgate.core.envelope`): base `now`, and each
+sure. Otherwise the node's *envelope* decides (`kvgate.core.plan.envelope`): base `now`, and each
 hold running `R = E - output_so_far` more steps (`M - output_so_far` once it outlived `E`),
 holding `P + output_so_far + ovh`; a newcomer fits when the envelope's peak with it stays
 under the ceiling. Reserving `M` for a request's whole life leaves KV idle that nobody will
@@ -70,11 +70,11 @@ from typing import Any
 
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, StartEstimate, Ticket
 from kvgate.core.clock import Clock
-from kvgate.core.envelope import Envelope
-from kvgate.core.lengths import OutputLengths
 from kvgate.core.nodes import NodeState, next_level
-from kvgate.core.peers import PeerState
+from kvgate.core.plan.envelope import Envelope
+from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.rates import DecayingRate, Ewma
+from kvgate.core.replicas.peers import PeerState
 from kvgate.core.request import AdmissionRequest
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered, retry_after
 from kvgate.core.settings import AdmissionSettings
@@ -243,7 +243,7 @@ class BasePolicy:
         self._rr = 0
         self._mark_spacing = self.tuning.reflect_margin_s / 3
         self._paces: dict[str, Ewma] = {}  # seconds per token of each node's streams
-        # Other replicas (kvgate.core.peers): their requests and claims; this replica's
+        # Other replicas (kvgate.core.replicas.peers): their requests and claims; this replica's
         # published claim on each node's slack and what it may still add (both spent by
         # every start until the next sync).
         self.peers = PeerState()
@@ -571,7 +571,7 @@ class BasePolicy:
 
     def envelope(self, node: NodeState) -> Envelope:
         """The node's envelope (see the module docstring), cached until its book or the
-        peers change: this replica's holds, other replicas' (kvgate.core.peers), and what
+        peers change: this replica's holds, other replicas' (kvgate.core.replicas.peers), and what
         ended since the last sample (still in `used` but already free: a load that ends
         now, not a lasting part of the base)."""
         node_id = node.node_id
@@ -634,7 +634,7 @@ class BasePolicy:
         """Take the other replicas' state (their holds and claims) from an exchange that
         published this replica's last `claim()`: until the next one it may add to a node
         what is left of its claim, and only what the others' claims leave of the slack;
-        isolated, the node's room is split statically instead (see `kvgate.core.peers`)."""
+        isolated, the node's room is split statically instead (see `kvgate.core.replicas.peers`)."""
         self.peers = state
         self._peers_version += 1
         self.generation += 1

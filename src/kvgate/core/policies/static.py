@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from kvgate.core.admission import Reject
 from kvgate.core.clock import Clock
-from kvgate.core.lengths import OutputLengths
+from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered

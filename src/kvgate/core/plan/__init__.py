@@ -1,0 +1,1 @@
+"""The per-node plan: what each engine will hold, from the requests placed on it."""
