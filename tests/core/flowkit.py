@@ -152,6 +152,6 @@ class Bench:
             policy.in_flight_requests == 0
             and policy.in_flight_tokens == 0
             and self.flow.waiting == 0
-            and all(policy.reserved_on(n) == 0 for n in self.nodes)
+            and all(policy.holds.reserved_on(n) == 0 for n in self.nodes)
             and ledger_totals(self.flow.tenants) == (0, 0)
         )

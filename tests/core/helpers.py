@@ -105,7 +105,7 @@ def assert_books_empty(policy: BasePolicy) -> None:
     """Every hold and in-flight counter is back to exactly zero."""
     assert policy.in_flight_requests == 0
     assert policy.in_flight_tokens == 0
-    assert not policy._holds and not policy._books
+    assert not policy.holds.live and not policy.holds.books
     snap = policy.snapshot()
     assert snap["in_flight_requests"] == 0
     assert snap["controller"]["in_flight_tokens"] == 0
@@ -113,7 +113,7 @@ def assert_books_empty(policy: BasePolicy) -> None:
         assert node["reserved_tokens"] == 0
         assert node["in_flight"] == 0
         assert full_reserved_on(policy, node_id) == 0
-        assert policy.unreflected_now(node_id) == 0
+        assert policy.holds.unreflected_now(node_id) == 0
 
 
 def assert_flow_empty(flow: FlowController) -> None:

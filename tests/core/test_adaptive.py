@@ -343,7 +343,7 @@ def test_tokens_generated_after_the_sample_are_not_assumed_reflected() -> None:
     policy.observe("a", sample(clock, usage=0.1, capacity=10_000, at=sent_at))
     node = policy.nodes["a"]
     assert upper_tokens(policy, node) >= 1000 + 1000 - 1e-6  # its peak is never under-counted
-    assert policy.now_tokens(node) >= 1000 + 200 - 1e-6  # nor what it holds now
+    assert policy.forecast.now_tokens(node) >= 1000 + 200 - 1e-6  # nor what it holds now
 
 
 def test_stream_events_past_max_tokens_never_lift_what_it_holds_past_its_bound() -> None:
@@ -358,7 +358,7 @@ def test_stream_events_past_max_tokens_never_lift_what_it_holds_past_its_bound()
     policy.on_tokens(first.ticket, 13)  # 10 tokens and 3 framing events
     node = policy.nodes["a"]
     upper = upper_tokens(policy, node)
-    now = policy.now_tokens(node)
+    now = policy.forecast.now_tokens(node)
     assert upper is not None and now is not None and now <= upper
     filler = admit(policy, "f", cost(int(PANIC * 10_000 - upper) - 10, 10), Priority.CRITICAL)
     assert isinstance(filler, Admit)  # exactly up to the ceiling on the bound

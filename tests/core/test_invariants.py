@@ -147,23 +147,23 @@ def _check_holds(policy: BasePolicy, live: list[Ticket]) -> None:
     assert policy.in_flight_tokens == sum(full.values())
     for node_id in {*NODES, *(t.node_id for t in live)}:
         on_node = [t for t in live if t.node_id == node_id]
-        assert policy.in_flight_on(node_id) == len(on_node)
+        assert policy.holds.in_flight_on(node_id) == len(on_node)
         assert full_reserved_on(policy, node_id) == sum(full[t.key] for t in on_node)
-        assert len(on_node) * overhead <= policy.reserved_on(node_id)
-        assert policy.reserved_on(node_id) <= full_reserved_on(policy, node_id)
-        assert policy.unreflected_now(node_id) >= 0
+        assert len(on_node) * overhead <= policy.holds.reserved_on(node_id)
+        assert policy.holds.reserved_on(node_id) <= full_reserved_on(policy, node_id)
+        assert policy.holds.unreflected_now(node_id) >= 0
 
 
 def _fresh_peak(policy: BasePolicy, node: NodeState) -> float:
     """The node's planned peak built from its books as they are now, the cache untouched."""
-    saved = policy._envelopes.pop(node.node_id, None)
+    saved = policy.forecast._envelopes.pop(node.node_id, None)
     try:
-        return policy.envelope(node).peak()
+        return policy.forecast.envelope(node).peak()
     finally:
         if saved is None:
-            policy._envelopes.pop(node.node_id, None)
+            policy.forecast._envelopes.pop(node.node_id, None)
         else:
-            policy._envelopes[node.node_id] = saved
+            policy.forecast._envelopes[node.node_id] = saved
 
 
 def _check_peak(policy: BasePolicy, ticket: Ticket) -> None:
@@ -528,7 +528,7 @@ def test_the_bound_never_undercounts_the_coming_peak(
         peak = external + sum(s["prompt"] + s["max"] for s in state.values() if not s["done"])
         node = policy.nodes["a"]
         bound = upper_tokens(policy, node)
-        now = policy.now_tokens(node)
+        now = policy.forecast.now_tokens(node)
         assert bound is not None and now is not None
         assert bound >= peak - 1e-6
         assert now >= engine_used() - 1e-6

@@ -143,7 +143,7 @@ def test_isolated_replicas_keep_to_their_part_of_the_node_and_of_tenant_limits()
             flows[1].cancel(decision)
     assert tenant_started == 2
     sync(flows)  # views flow again: the static split ends
-    assert flows[0].policy.peers.isolated is False
+    assert flows[0].policy.claims.peers.isolated is False
 
 
 def test_a_peer_view_refusal_is_never_a_503_for_lack_of_capacity() -> None:

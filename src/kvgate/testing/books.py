@@ -17,7 +17,7 @@ def ledger_totals(ledger: TenantLedger) -> tuple[int, int]:
 
 def full_reserved_on(policy: BasePolicy, node_id: str) -> int:
     """P + M + ovh summed over the live tickets on `node_id`."""
-    book = policy._books.get(node_id)
+    book = policy.holds.books.get(node_id)
     return book.full if book else 0
 
 
@@ -26,7 +26,7 @@ def upper_tokens(policy: BasePolicy, node: NodeState) -> float | None:
     its capacity is unknown)."""
     if node.cap is None:
         return None
-    return node.used + policy.reserved_on(node.node_id)
+    return node.used + policy.holds.reserved_on(node.node_id)
 
 
 def envelope_upper_bound(envelope: Envelope) -> float:

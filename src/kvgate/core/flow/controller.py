@@ -299,11 +299,11 @@ class FlowController:
         demands = [replace(d, head_age_s=d.head_age_s + since) for d in self._peer_demands]
         demands.append(peers.demand_of({"replica": self.replica, "queue": queue}))
         me = self.replica
-        claims = self.policy.claim(lambda _node, slack: peers.share_of(me, demands, slack))
+        claims = self.policy.claims.claim(lambda _node, slack: peers.share_of(me, demands, slack))
         tenant_queue = self._tenant_demand(now)
         return {
             "replica": me,
-            "nodes": self.policy.local_holds(),
+            "nodes": self.policy.claims.local_holds(now),
             "claims": claims,
             "queue": queue,
             "tenants": {t: list(u) for t, u in self.tenants.local_usage().items()},
@@ -417,13 +417,13 @@ class FlowController:
         snap = self.policy.snapshot()
         snap["queue"] = self.queue_snapshot()
         snap["tenants"] = self.tenants.snapshot()
-        state = self.policy.peers
+        state = self.policy.claims.peers
         snap["cluster"] = {
             "replica": self.replica,
             "members": state.members,
             "isolated": state.isolated,
             "peer_requests": {n: len(p.loads) for n, p in state.nodes.items()},
-            "allowance_tokens": {n: self.policy.allowance(n) for n in self.policy.nodes},
+            "allowance_tokens": {n: self.policy.claims.allowance(n) for n in self.policy.nodes},
             "claimed_by_others": {n: p.claimed for n, p in state.nodes.items()},
         }
         return snap
