@@ -151,7 +151,7 @@ async def synced(flow: FlowController, url: str, name: str):  # type: ignore[no-
         RedisStore(url, client_name=name), flow, flow, MonotonicClock(),
         nodes=lambda: NODES, member_id=name,
     )  # fmt: skip
-    flow.replica = name
+    flow.exchange.replica = name
     task = asyncio.create_task(sync.run())
     try:
         yield sync

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bench_scripts
 
-from kvgate.cluster.memory import MemoryStore
+from kvgate.cluster.store import MemoryStore
 from kvgate.cluster.sync import SYNC_PERIOD_S, ClusterSync
 from kvgate.core.admission import Admit, Decision
 from kvgate.core.clock import ManualClock

@@ -300,7 +300,7 @@ class _Books:
         assert not ticket.released and ticket.key in self.flow._leases
         if waiter is not None:  # it waited no longer than its bound
             assert 0 <= ticket.waited_s < waiter.deadline - waiter.enqueued_at + 1e-9
-        if self.flow.policy.name == "adaptive" and self.flow.settings.fail_mode == "closed":
+        if self.flow.policy.name == "adaptive" and self.flow.policy.settings.fail_mode == "closed":
             _check_peak(self.flow.policy, ticket)
         self.tickets.append(ticket)
 

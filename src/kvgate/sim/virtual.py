@@ -38,13 +38,14 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import ArrivalOrder, FlowController, TokenFairness, Waiter
 from kvgate.core.policies import build_policy
+from kvgate.core.replicas.view import PeerView
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.core.signals import NodeSample
@@ -354,7 +355,7 @@ class VirtualCluster:
         )
         self._candidates = tuple(self.node_ids)
         # Replica -> (published at, view): the shared store's contents.
-        self._store: dict[int, tuple[float, dict[str, Any]]] = {}
+        self._store: dict[int, tuple[float, PeerView]] = {}
         self._last_totals = (0, 0, 0)
         self._workload: Iterator[RequestSpec] = iter(())
 
@@ -743,18 +744,16 @@ class VirtualCluster:
         self._push(now + cfg.store_latency_s / 2, _STORE, (g, now, view))
         self._push(now + cfg.sync_interval_s, _SYNC, g)
 
-    def _on_store(self, now: float, payload: tuple[int, float, dict[str, Any]]) -> None:
+    def _on_store(self, now: float, payload: tuple[int, float, PeerView]) -> None:
         """The store's atomic exchange: g's view in, every other replica's latest out."""
         g, published_at, view = payload
         self._store[g] = (published_at, view)
         others = [entry for other, entry in self._store.items() if other != g]
         self._push(now + self.config.store_latency_s / 2, _REPLY, (g, others))
 
-    def _on_reply(
-        self, now: float, payload: tuple[int, list[tuple[float, dict[str, Any]]]]
-    ) -> None:
+    def _on_reply(self, now: float, payload: tuple[int, list[tuple[float, PeerView]]]) -> None:
         g, others = payload
-        views = [{**view, "view_age_s": now - at} for at, view in others]
+        views = [replace(view, age_s=now - at) for at, view in others]
         self.policies[g].set_peer_views(views, self.config.gateways)
 
     # ------------------------------------------------------------------ time series

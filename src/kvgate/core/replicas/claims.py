@@ -16,6 +16,7 @@ from kvgate.core.nodes import NodeState
 from kvgate.core.plan.forecast import Forecast
 from kvgate.core.plan.holds import Holds
 from kvgate.core.replicas.peers import PeerState
+from kvgate.core.replicas.view import PeerHold
 from kvgate.core.settings import AdmissionSettings
 
 
@@ -57,6 +58,10 @@ class Claims:
         sync; None when it is alone (no peers, not isolated)."""
         return self.left.get(node_id)
 
+    def allowances(self) -> dict[str, float | None]:
+        """`allowance` of every node."""
+        return {node_id: self.left.get(node_id) for node_id in self._nodes}
+
     def spend(self, node_id: str, footprint: int) -> None:
         """A request that will hold `footprint` tokens at its end started on the node."""
         self.left[node_id] -= footprint
@@ -92,19 +97,19 @@ class Claims:
             free = self.slack(node_id) - (0.0 if peers is None else peers.claimed)
             self.left[node_id] = max(0.0, min(self.claimed.get(node_id, 0.0), free))
 
-    def local_holds(self, now: float) -> dict[str, list[list[float]]]:
-        """This replica's requests per node as `[unreflected, held, remaining, age]` (age:
+    def local_holds(self, now: float) -> dict[str, tuple[PeerHold, ...]]:
+        """This replica's requests per node, as its view tells them to the others (age:
         seconds since the request was sent to the engine)."""
         overhead = self._holds.overhead
-        out: dict[str, list[list[float]]] = {}
-        for node_id, book in self._holds.books.items():
-            out[node_id] = [
-                [
+        return {
+            node_id: tuple(
+                PeerHold(
                     h.prompt + h.tok_cur + overhead - h.reflected,
                     h.prompt + h.tok_cur + overhead,
                     h.remaining(),
                     round(now - h.ticket.admitted_at, 3),
-                ]
+                )
                 for h in book.holds.values()
-            ]
-        return out
+            )
+            for node_id, book in self._holds.books.items()
+        }
