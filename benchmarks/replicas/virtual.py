@@ -34,7 +34,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from kvgate.cluster.sync import SYNC_PERIOD_S
-from kvgate.core.settings import AdmissionSettings
 from kvgate.sim.presets import get_preset
 from kvgate.sim.virtual import VirtualCluster, VirtualConfig
 from kvgate.sim.workload import Phase, WorkloadSpec
@@ -72,7 +71,7 @@ def run(engine: str, replicas: int, shared: bool, seed: int) -> dict[str, float]
         duration_s=sum(p.duration_s for p in workload.phases),
         nodes=4,
         gateways=replicas,
-        admission=AdmissionSettings(policy="adaptive"),
+        policy="adaptive",
         drain_s=60.0,
         seed=seed,
         sync_interval_s=SYNC_PERIOD_S if shared else None,

@@ -75,7 +75,7 @@ ROUND_TRIPS = ("evalsha", "eval", "script|load")  # what clients send; not the s
 
 def core(replica: str) -> FlowController:
     clock = MonotonicClock()
-    policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
+    policy = build_policy(AdmissionSettings(), clock)
     flow = FlowController(policy, replica=replica)
     for node in NODES:
         flow.add_node(node)

@@ -39,7 +39,7 @@ OUTPUT_TOKENS = 50
 async def test_a_live_run_through_kvgate_reports_its_queue(gateway_factory: Any) -> None:
     engine = await FakeEngine(chunks=OUTPUT_TOKENS, interval=0.01).start()
     try:
-        gw = await gateway_factory([engine.url], overrides={"admission.policy": "adaptive"})
+        gw = await gateway_factory([engine.url], policy="adaptive")
         async with httpx.AsyncClient(base_url=gw.url) as client:
             assert await until_ready(client), "the gateway never had a fresh sample"
         arrivals = [

@@ -35,7 +35,7 @@ class Cluster:
         self.flows: list[FlowController] = []
         self.syncs: list[ClusterSync] = []
         for i in range(n):
-            policy = build_policy(AdmissionSettings(policy="adaptive"), self.clock, rng_seed=i)
+            policy = build_policy(AdmissionSettings(), self.clock, rng_seed=i)
             flow = FlowController(policy, tenants=TenantLedger(limits=limits), replica=f"r{i}")
             flow.add_node("a")
             sync = ClusterSync(

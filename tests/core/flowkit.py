@@ -37,9 +37,7 @@ class Bench:
     nodes: tuple[str, ...] = ("a",)
     queue: QueueSettings = field(default_factory=QueueSettings)
     fcfs: bool = False
-    settings: AdmissionSettings = field(
-        default_factory=lambda: AdmissionSettings(policy="adaptive")
-    )
+    settings: AdmissionSettings = field(default_factory=AdmissionSettings)
 
     def __post_init__(self) -> None:
         self.clock = ManualClock(100.0)

@@ -9,8 +9,8 @@ from typing import Any
 from kvgate.core.admission import Decision
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import FlowController
-from kvgate.core.policies import build_policy
 from kvgate.core.policies.base import BasePolicy
+from kvgate.core.policies.baselines import BaselineOptions, build_named, policy_name
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings, QueueSettings, Tuning
 from kvgate.core.signals import NodeSample
@@ -21,22 +21,24 @@ _TUNING = frozenset(f.name for f in dataclasses.fields(Tuning))
 _BASELINE = {"static_qps": "qps", "static_burst": "burst", "static_concurrency": "concurrency"}
 
 
-def admission_settings(policy: str = "adaptive", **overrides: Any) -> AdmissionSettings:
-    """Settings from flat keyword overrides: `Tuning` fields go through `tuned()`, the
-    baselines' `static_*` parameters into `baseline`, the rest are settings."""
+def admission_settings(**overrides: Any) -> AdmissionSettings:
+    """Settings from flat keyword overrides: `Tuning` fields go through `tuned()`, the rest
+    are settings."""
     tuning = {k: overrides.pop(k) for k in list(overrides) if k in _TUNING}
-    baseline = {_BASELINE[k]: overrides.pop(k) for k in list(overrides) if k in _BASELINE}
-    if baseline:
-        overrides["baseline"] = baseline
-    settings = AdmissionSettings(policy=policy, **overrides)  # type: ignore[arg-type]
+    settings = AdmissionSettings(**overrides)
     return settings.tuned(**tuning) if tuning else settings
 
 
 def make(
     policy: str = "adaptive", seed: int = 1, **overrides: Any
 ) -> tuple[BasePolicy, ManualClock]:
+    """The policy called `policy`; the baselines' `static_*` quotas among `overrides` go to
+    its `BaselineOptions`, the rest to `admission_settings`."""
     clock = ManualClock(100.0)
-    built = build_policy(admission_settings(policy, **overrides), clock, rng_seed=seed)
+    quotas = {_BASELINE[k]: overrides.pop(k) for k in list(overrides) if k in _BASELINE}
+    settings = admission_settings(**overrides)
+    options = BaselineOptions(**quotas)
+    built = build_named(policy_name(policy), settings, clock, rng_seed=seed, options=options)
     assert isinstance(built, BasePolicy)
     return built, clock
 

@@ -16,9 +16,8 @@ from kvgate.core.admission import Admit, Outcome, Ticket
 from kvgate.core.clock import Clock, ManualClock
 from kvgate.core.plan.forecast import Forecast
 from kvgate.core.plan.holds import Book, Hold, Holds
-from kvgate.core.policies import _REGISTRY, build_policy
 from kvgate.core.policies.base import BasePolicy
-from kvgate.core.policies.none import NonePolicy
+from kvgate.core.policies.baselines import POLICY_NAMES, NonePolicy, build_named
 from kvgate.core.replicas.claims import Claims
 from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
@@ -76,7 +75,7 @@ def _drive(seed: int, margin: float, steps: int) -> int:
     """Run one random stream through both policies; returns how many samples changed books."""
     rng = random.Random(seed)
     settings = admission_settings(
-        "none", reflect_margin_s=margin, reservation_overhead_tokens=rng.choice([0, 16])
+        reflect_margin_s=margin, reservation_overhead_tokens=rng.choice([0, 16])
     )
     clocks = (ManualClock(10.0), ManualClock(10.0))
     policies = (
@@ -153,7 +152,7 @@ def test_incremental_reflection_matches_walking_every_ticket(seed: int, margin: 
 
 def _none_policy() -> tuple[ManualClock, NonePolicy]:
     clock = ManualClock(0.0)
-    return clock, NonePolicy(admission_settings("none"), clock, rng_seed=1)
+    return clock, NonePolicy(admission_settings(), clock, rng_seed=1)
 
 
 def _admit_counted(policy: NonePolicy, request_id: str, tokens: int) -> Ticket:
@@ -176,12 +175,12 @@ def test_settled_holds_are_not_looked_at_again() -> None:
     assert len(policy.holds.books["a"].wakeups) == 1
 
 
-@pytest.mark.parametrize("name", sorted(_REGISTRY))
+@pytest.mark.parametrize("name", sorted(POLICY_NAMES))
 def test_every_policy_reflects_what_a_sample_shows(name: str) -> None:
     """Every policy (their own helper methods included) lowers a reservation the same way."""
     clock = ManualClock(0.0)
-    settings = admission_settings(name, reservation_overhead_tokens=16)
-    policy = build_policy(settings, clock, rng_seed=1)
+    settings = admission_settings(reservation_overhead_tokens=16)
+    policy = build_named(name, settings, clock, rng_seed=1)
     assert isinstance(policy, BasePolicy)
     policy.observe("a", NodeSample(0.1, 100_000, 0, 0, 0.02, sampled_at=clock.now()))
     decision = policy.admit(request("r", RequestCost(300, 200), Priority.CRITICAL))

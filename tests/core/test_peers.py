@@ -21,7 +21,7 @@ def replicas(
 ) -> list[FlowController]:
     flows = []
     for i in range(n):
-        policy = build_policy(AdmissionSettings(policy="adaptive"), clock, rng_seed=i)
+        policy = build_policy(AdmissionSettings(), clock, rng_seed=i)
         ledger = TenantLedger(limits=tenants or {})
         flow = FlowController(policy, tenants=ledger, replica=f"r{i}")
         flow.add_node("a")

@@ -19,6 +19,7 @@ from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import FlowController, Waiter
 from kvgate.core.policies import build_policy
+from kvgate.core.policies.baselines import build_named
 from kvgate.core.request import DEFAULT_TENANT, AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
@@ -80,7 +81,7 @@ def test_flow_and_tenant_books_both_return_to_zero(steps, policy: str) -> None:
     clock = ManualClock(100.0)
     ledger = TenantLedger(LIMITS, DEFAULT_LIMITS)
     flow = FlowController(
-        build_policy(AdmissionSettings(policy=policy), clock, rng_seed=1), tenants=ledger
+        build_named(policy, AdmissionSettings(), clock, rng_seed=1), tenants=ledger
     )
     for node in NODES:
         flow.add_node(node)

@@ -9,13 +9,12 @@
 - `workload` + `virtual`: virtual-time mode, a discrete-event cluster of engine models
   behind kvgate admission policies, for long and large experiments::
 
-      from kvgate.core.settings import AdmissionSettings
       from kvgate.sim.presets import GPU_8B
       from kvgate.sim.virtual import VirtualConfig, run_virtual
       from kvgate.sim.workload import WorkloadSpec
 
       result = run_virtual(VirtualConfig(
           engine=GPU_8B, workload=WorkloadSpec(rate_rps=300), duration_s=120, nodes=16,
-          gateways=2, admission=AdmissionSettings(policy="adaptive"), seed=1))
+          gateways=2, policy="adaptive", seed=1))
       print(result.summary())
 """

@@ -5,7 +5,7 @@ function of its `VirtualConfig`) advances a `ManualClock` from event to event:
 
 - **Engines** step back to back while they have work: at each step boundary the previous
   step is finished (tokens, finishes, frees) and the next one begins.
-- **Gateway replicas** each hold their own `AdmissionPolicy` (`build_policy`), so each
+- **Gateway replicas** each hold their own policy (`VirtualConfig.policy`), so each
   knows only its own reservations, like real replicas. Each scrapes every engine every
   `scrape_interval_s` (replicas spread over the interval); the page is taken at the send
   time and reaches the policy `scrape_lag_s` later, stamped with the send time as
@@ -44,7 +44,8 @@ from typing import Any, Literal, Protocol
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import ArrivalOrder, FlowController, TokenFairness, Waiter
-from kvgate.core.policies import build_policy
+from kvgate.core.policies import AdaptivePolicy
+from kvgate.core.policies.baselines import BaselineOptions, PolicyName, build_named
 from kvgate.core.replicas.view import PeerView
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings, QueueSettings
@@ -158,7 +159,11 @@ class VirtualConfig:
     duration_s: float
     nodes: int = 16
     gateways: int = 1
-    admission: AdmissionSettings = field(default_factory=lambda: AdmissionSettings(policy="none"))
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    # The placement every replica runs, by name (`kvgate.core.policies.baselines`), and the
+    # static baselines' quotas.
+    policy: PolicyName = "none"
+    baseline: BaselineOptions = field(default_factory=BaselineOptions)
     # The gateway's queue (`NO_QUEUE`: every request is decided at once).
     queue: QueueSettings = field(default_factory=QueueSettings)
     # `fair`: bands, tenant fairness and backfill; `fcfs`: strict arrival order.
@@ -360,8 +365,14 @@ class VirtualCluster:
         self._workload: Iterator[RequestSpec] = iter(())
 
     def _gateway(self, config: VirtualConfig, g: int) -> FlowController:
-        policy = build_policy(config.admission, self.clock, rng_seed=config.seed * 7919 + g)
-        if hasattr(policy, "feedback"):
+        policy = build_named(
+            config.policy,
+            config.admission,
+            self.clock,
+            rng_seed=config.seed * 7919 + g,
+            options=config.baseline,
+        )
+        if isinstance(policy, AdaptivePolicy):
             policy.feedback = config.feedback
         name = f"gw-{g}"
         if config.order == "fcfs":
