@@ -38,7 +38,7 @@ from kvgate.core.admission import Admit, Decision, Outcome
 from kvgate.core.flow import FlowController, Waiter
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
-from kvgate.sim.virtual import SHED, UNAVAILABLE, VirtualResult
+from kvgate.sim.runs import SHED, UNAVAILABLE, VirtualResult
 
 CONFIGS: dict[str, bool] = {"margin": True, "ceilings": False}  # name -> feedback on
 

@@ -35,7 +35,8 @@ import matplotlib.pyplot as plt
 
 from kvgate.cluster.sync import SYNC_PERIOD_S
 from kvgate.sim.presets import get_preset
-from kvgate.sim.virtual import VirtualCluster, VirtualConfig
+from kvgate.sim.runs import VirtualConfig
+from kvgate.sim.virtual import VirtualCluster
 from kvgate.sim.workload import Phase, WorkloadSpec
 
 HERE = Path(__file__).resolve().parent

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from kvgate.sim.presets import GPU_8B
-from kvgate.sim.virtual import VirtualConfig, VirtualResult, read_timeout_client, run_virtual
+from kvgate.sim.runs import VirtualConfig, VirtualResult, read_timeout_client
+from kvgate.sim.virtual import run_virtual
 from kvgate.sim.workload import WorkloadSpec, estimate_capacity_rps
 
 HERE = Path(__file__).resolve().parent

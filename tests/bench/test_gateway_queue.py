@@ -22,7 +22,7 @@ from kvgate.bench.metrics import OK, Attempt, EngineTotals, RunResult, Slo, User
 from kvgate.bench.metrics import queue_figures as figures
 from kvgate.bench.report import ReportMeta, write_report
 from kvgate.bench.workload import Arrival
-from kvgate.sim.virtual import ClientModel
+from kvgate.sim.runs import ClientModel
 from kvgate.testing import FakeEngine
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.1, long_ttft_s=5.0)

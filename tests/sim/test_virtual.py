@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvgate.sim.presets import CPU_TINY
-from kvgate.sim.virtual import VirtualConfig, VirtualResult, read_timeout_client, run_virtual
+from kvgate.sim.runs import VirtualConfig, VirtualResult, read_timeout_client
+from kvgate.sim.virtual import run_virtual
 from kvgate.sim.workload import WorkloadSpec, estimate_capacity_rps, generate
 
 WORKLOAD = WorkloadSpec(prompt_mean=300, max_tokens_mean=200, ignore_eos_fraction=0.3)

@@ -33,7 +33,7 @@ from kvgate.bench.suite import (
     run_grid,
     tuned_overrides,
 )
-from kvgate.sim.virtual import RetryMode
+from kvgate.sim.runs import RetryMode
 
 REPO = Path(__file__).resolve().parents[3]
 RESULTS = REPO / "benchmarks" / "overload" / "results"

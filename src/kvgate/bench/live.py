@@ -50,7 +50,7 @@ from kvgate.bench.metrics import (
     UserRequest,
 )
 from kvgate.bench.workload import Arrival
-from kvgate.sim.virtual import ClientModel
+from kvgate.sim.runs import ClientModel
 
 # Gauges and counters read from each engine's metrics page (summed over label sets).
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")

@@ -24,7 +24,8 @@ from kvgate.core.policies.baselines import BaselineOptions, policy_name
 from kvgate.core.request import Priority
 from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.sim.presets import get_preset
-from kvgate.sim.virtual import NO_QUEUE, VirtualCluster, VirtualConfig, VirtualResult
+from kvgate.sim.runs import NO_QUEUE, VirtualConfig, VirtualResult
+from kvgate.sim.virtual import VirtualCluster
 from kvgate.sim.workload import RequestSpec, WorkloadSpec
 
 SCRAPE_S = 0.05  # as the gateway scrapes

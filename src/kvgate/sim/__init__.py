@@ -6,11 +6,13 @@
   on one H100-class GPU).
 - `metrics`: the vLLM-named Prometheus page (plus `sim:` counters).
 - `server` + `cli`: live mode, `kvgate sim --nodes N`: OpenAI-compatible HTTP engines.
-- `workload` + `virtual`: virtual-time mode, a discrete-event cluster of engine models
-  behind kvgate admission policies, for long and large experiments::
+- `workload` + `virtual` + `runs`: virtual-time mode, a discrete-event cluster of engine
+  models behind kvgate admission policies (`virtual`), for long and large experiments; a
+  run's configuration and what it records (`runs`)::
 
       from kvgate.sim.presets import GPU_8B
-      from kvgate.sim.virtual import VirtualConfig, run_virtual
+      from kvgate.sim.runs import VirtualConfig
+      from kvgate.sim.virtual import run_virtual
       from kvgate.sim.workload import WorkloadSpec
 
       result = run_virtual(VirtualConfig(
