@@ -453,7 +453,7 @@ def test_the_bound_never_undercounts_the_coming_peak(
     The engine here counts a request's true prompt (at most the estimate) once prefilled,
     plus its generated tokens; its gauge lags by `lag` (less than `reflect_margin_s`) and
     a page may be delivered late. Prefix sharing and preemption are outside this model
-    (see `policies.base`).
+    (see `kvgate.core.plan.holds`).
     """
     lag = 0.04
     capacity = 100_000

@@ -43,6 +43,11 @@ request larger than its tenant's whole limit is refused at once.
 
 **Books.** A waiter holds nothing on any node. Admission takes the tenant's lease and the
 policy's hold together; `release()` returns both, exactly once.
+
+**Replicas.** The sync task's calls (`local_view`, `set_peer_views`, `set_isolated`) go to
+the controller's `ReplicaExchange` (`kvgate.core.replicas.exchange`), which keeps this
+replica within its claims on every node's room and every tenant's limits. The policy is
+asked through `AdmissionPolicy` (`kvgate.core.admission`) alone.
 """
 
 from __future__ import annotations

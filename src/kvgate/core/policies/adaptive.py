@@ -4,23 +4,23 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
 1. **Ceilings on the envelope's peak, per node.** A request may go to node n only if n is
    fresh or lagging (`core.nodes`: its page is slow but it serves), not thrashing, not at
    panic on what it holds now, and the peak of n's envelope with the request
-   (`kvgate.core.plan.envelope`, built in `policies.base`) stays under `ceiling(q) *
-   capacity(n)`: the high watermark for sheddable work (it fills the cache only so far,
-   leaving the rest for interactive work to start at once), the panic watermark for
-   standard and critical work. A request's hold is taken at once, so no burst, however
-   dense, pushes a node's peak past its ceiling. Among the nodes that fit, the one whose
-   engine has the least prefill still queued wins (the prompts sent there that have not
-   produced a first token: a chat sent behind a 100k-token prefill waits for it), and then
-   the one with the most headroom left (power of two choices from `p2c_min_nodes`
-   candidates on, falling back to a full scan when neither fits). Nodes are never
-   averaged: one node at 99 % and one at 10 % are two different answers.
+   (`kvgate.core.plan.envelope`, built by `kvgate.core.plan.forecast`) stays under
+   `ceiling(q) * capacity(n)`: the high watermark for sheddable work (it fills the cache
+   only so far, leaving the rest for interactive work to start at once), the panic
+   watermark for standard and critical work. A request's hold is taken at once, so no
+   burst, however dense, pushes a node's peak past its ceiling. Among the nodes that fit,
+   the one whose engine has the least prefill still queued wins (the prompts sent there
+   that have not produced a first token: a chat sent behind a 100k-token prefill waits for
+   it), and then the one with the most headroom left (power of two choices from
+   `p2c_min_nodes` candidates on, falling back to a full scan when neither fits). Nodes are
+   never averaged: one node at 99 % and one at 10 % are two different answers.
 
 2. **Room promised to a waiter is respected** (`promised`): on a node whose room is
    promised from time T to a request already waiting (the head of the queue), a newcomer is
    placed only if it is expected to end by T. Small requests fill the gap before a large
    one's turn without delaying it (backfill).
 
-3. **Feedback keeps the margin honest** (`limits.MarginController`, one per node). The
+3. **Feedback keeps the margin honest** (`plan.margin.MarginController`, one per node). The
    envelope assumes it knows every request on the node and how long each will run. When a
    sample shows the engine holding more than the peak planned for it just before (prompts
    larger than estimated, requests that run longer than learned, traffic that bypasses the
