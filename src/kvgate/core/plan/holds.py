@@ -82,6 +82,7 @@ class Hold:
     """
 
     __slots__ = (
+        "book",
         "cut",
         "expected",
         "full",
@@ -100,11 +101,19 @@ class Hold:
     )
 
     def __init__(
-        self, key: str, ticket: Ticket, node_id: str, prompt: int, max_out: int, overhead: int
+        self,
+        key: str,
+        ticket: Ticket,
+        node_id: str,
+        book: Book,
+        prompt: int,
+        max_out: int,
+        overhead: int,
     ) -> None:
         self.key = key
         self.ticket = ticket
         self.node_id = node_id
+        self.book = book  # its node's: it lives as long as any hold on the node
         self.prompt = prompt
         self.max_out = max_out
         self.expected = ticket.expected_output
@@ -207,12 +216,16 @@ class Holds:
     def open(self, ticket: Ticket) -> Hold:
         """Hold the admitted ticket's prompt (and, at its cap, its output) on its node."""
         cost = ticket.request.cost
-        node_id, key, overhead = ticket.node_id, ticket.key, self.overhead
-        hold = Hold(key, ticket, node_id, cost.prompt_tokens, cost.max_output_tokens, overhead)
-        self.live[key] = hold
+        node_id = ticket.node_id
+        key = ticket.key
+        overhead = self.overhead
         book = self.books.get(node_id)
         if book is None:
             book = self.books[node_id] = Book()
+        hold = Hold(
+            key, ticket, node_id, book, cost.prompt_tokens, cost.max_output_tokens, overhead
+        )
+        self.live[key] = hold
         book.holds[key] = hold
         book.full += hold.full
         book.upper += hold.full
@@ -230,13 +243,13 @@ class Holds:
     def prefilled(self, hold: Hold) -> None:
         if not hold.prefilled:
             hold.prefilled = True
-            self.books[hold.node_id].prefill -= hold.prompt
+            hold.book.prefill -= hold.prompt
 
-    def grow(self, hold: Hold, book: Book, output_tokens: int, now: float) -> float | None:
+    def grow(self, hold: Hold, output_tokens: int, now: float) -> float | None:
         """The request has produced `output_tokens` (more than it had) by `now`. Returns the
         seconds per token it took since its last checkpoint when a new one is taken (the
         node's pace, `kvgate.core.plan.pace`), else None."""
-        book.now += output_tokens - hold.tok_cur
+        hold.book.now += output_tokens - hold.tok_cur
         hold.tok_cur = output_tokens
         marks = hold.marks
         if marks and now - marks[-1][0] < self.mark_spacing:
@@ -258,7 +271,7 @@ class Holds:
         if hold is None:
             return None
         hold.live = False
-        book = self.books[hold.node_id]
+        book = hold.book
         del book.holds[key]
         book.overlap -= hold.overlap
         book.full -= hold.full
@@ -408,7 +421,7 @@ class Holds:
         if queued is not None and queued <= wake:
             return  # already queued no later than needed; that look re-queues it
         hold.wake_at = wake
-        book = self.books[hold.node_id]
+        book = hold.book
         queue = book.wakeups
         fifo = queue.fifo
         if not fifo or fifo[-1][0] <= wake:

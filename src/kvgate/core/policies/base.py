@@ -139,9 +139,8 @@ class BasePolicy:
         if output_tokens <= hold.tok_cur:
             return
         ticket.output_tokens = output_tokens
-        book = holds.books[node_id]
-        self.forecast.progressed(hold, book, output_tokens)
-        pace = holds.grow(hold, book, output_tokens, now)
+        self.forecast.progressed(hold, output_tokens)
+        pace = holds.grow(hold, output_tokens, now)
         if pace is not None:
             self.pace.record(node_id, now, pace)
 
@@ -153,7 +152,7 @@ class BasePolicy:
         if hold is None:
             return
         node_id = hold.node_id
-        self.forecast.released(node_id)
+        self.forecast.released(hold)
         self.generation += 1
         now = self.clock.now()
         node = self.nodes.get(node_id)
