@@ -1,5 +1,5 @@
 """What kvgate's tests and benchmarks share: a fake engine, a simulated one in a known state,
-and the helpers around them.
+the helpers around them, and the sums over the core's books only tests ask for (`books`).
 
 It ships in the package so that benchmark scripts and other projects' tests can start the
 same engine the suite uses (`from kvgate.testing import FakeEngine`); nothing in the
