@@ -80,11 +80,12 @@ def test_a_request_past_its_expected_length_rebuilds_the_envelope() -> None:
     rig.start("x", 100, 50)  # cap 50: expected == cap, it only grows
     cached = rig.forecast.envelope(rig.node)
     hold = rig.holds.live["x"]
-    rig.forecast.progressed(hold, 10)
+    book = rig.holds.books["a"]
+    rig.forecast.progressed(hold, book, 10)
     assert rig.forecast.envelope(rig.node) is cached and cached.base == 1000 + 100 + 10
     hold.expected = 20  # from now on it runs to its cap: a longer future
-    rig.holds.grow(hold, 10, rig.clock.now())
-    rig.forecast.progressed(hold, 30)
+    rig.holds.grow(hold, book, 10, rig.clock.now())
+    rig.forecast.progressed(hold, book, 30)
     assert rig.forecast.envelope(rig.node) is not cached
 
 

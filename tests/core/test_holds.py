@@ -47,10 +47,10 @@ def test_growth_is_counted_now_and_a_first_token_ends_the_prefill() -> None:
     hold.ticket.first_token_at = 0.05
     h.first_token(hold, 0.05)
     assert h.prefill_backlog("a") == 0
-    assert h.grow(hold, 40, 0.2) is None  # the first checkpoint: no pace yet
+    assert h.grow(hold, h.books["a"], 40, 0.2) is None  # the first checkpoint: no pace yet
     assert h.unreflected_now("a") == 300 + 40 + OVH
-    assert h.grow(hold, 50, 0.21) is None  # closer than a third of the margin
-    pace = h.grow(hold, 90, 0.3)
+    assert h.grow(hold, h.books["a"], 50, 0.21) is None  # closer than a third of the margin
+    pace = h.grow(hold, h.books["a"], 90, 0.3)
     assert pace is not None and abs(pace - 0.1 / 50) < 1e-12  # (0.3 - 0.2) / (90 - 40)
 
 
@@ -59,7 +59,7 @@ def test_a_sample_reflects_what_it_can_contain_and_never_less_later() -> None:
     hold = h.open(ticket("t", 300, 200, 0.0))
     hold.ticket.first_token_at = 1.0
     h.first_token(hold, 1.0)
-    h.grow(hold, 20, 1.0)
+    h.grow(hold, h.books["a"], 20, 1.0)
     h.reflect(h.books["a"], sample(1.0 + MARGIN / 2))  # too soon after the first token
     assert hold.reflected == 0
     h.reflect(h.books["a"], sample(1.0 + MARGIN))
@@ -85,7 +85,7 @@ def test_the_overlap_is_what_a_later_sample_most_likely_holds_twice() -> None:
     h.open(ticket("after", 100, 200, 3.0))  # sent after the sample: not in it
     sent.ticket.first_token_at = 1.5
     h.first_token(sent, 1.5)
-    h.grow(sent, 10, 1.6)
+    h.grow(sent, h.books["a"], 10, 1.6)
     assert h.overlap("a", sample(2.0)) == 300 + 10
     h.reflect(h.books["a"], sample(2.0))  # reflected now: nothing held twice any more
     h.books["a"].overlap_for = None
@@ -98,7 +98,7 @@ def test_a_release_takes_back_exactly_what_the_hold_counted() -> None:
     h.open(ticket("t2", 100, 50, 0.0))
     first.ticket.first_token_at = 0.0
     h.first_token(first, 0.0)
-    h.grow(first, 30, 0.0)
+    h.grow(first, h.books["a"], 30, 0.0)
     h.reflect(h.books["a"], sample(1.0))
     released = h.release("t1")
     assert released is first and not first.live
@@ -115,7 +115,7 @@ def test_settled_holds_leave_the_wakeup_queue() -> None:
         hold = h.open(ticket(f"t{i}", 100, 100, clock.now()))
         hold.ticket.first_token_at = 0.0
         h.first_token(hold, 0.0)
-        h.grow(hold, 100, 0.0)  # its whole output, at once
+        h.grow(hold, h.books["a"], 100, 0.0)  # its whole output, at once
     assert len(h.books["a"].wakeups) == 10
     h.reflect(h.books["a"], sample(1.0))
     assert not h.books["a"].wakeups  # fully reflected: never looked at again

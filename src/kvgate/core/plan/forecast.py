@@ -58,7 +58,7 @@ class Forecast:
     def opened(self, hold: Hold) -> None:
         """A request just started on its node (its hold is in the book already)."""
         node_id = hold.node_id
-        book = hold.book
+        book = self._holds.books[node_id]
         cached = self._envelopes.get(node_id)
         if cached is None:
             book.version += 1
@@ -70,7 +70,7 @@ class Forecast:
             cached[1].add(hold.prompt + self._overhead, hold.remaining())
             self._envelopes[node_id] = ((book.version, self.peers_version), cached[1])
 
-    def progressed(self, hold: Hold, output_tokens: int) -> None:
+    def progressed(self, hold: Hold, book: Book, output_tokens: int) -> None:
         """Keep the node's cached envelope safe as a request grows to `output_tokens`.
 
         An envelope of the same requests taken before they progressed, with its base raised
@@ -79,7 +79,6 @@ class Forecast:
         request passes its expected length: from then on it is planned to its cap, a longer
         future the cached envelope does not have, so it is rebuilt."""
         cached = self._envelopes.get(hold.node_id)
-        book = hold.book
         if cached is None or cached[0] != (book.version, self.peers_version):
             return
         if hold.tok_cur < hold.expected <= output_tokens and hold.expected < hold.max_out:
@@ -87,13 +86,13 @@ class Forecast:
         else:
             cached[1].base += output_tokens - hold.tok_cur
 
-    def released(self, hold: Hold) -> None:
-        """The hold was released (its node's book is gone if it was the last)."""
-        book = hold.book
-        if book.holds:
-            book.version += 1
+    def released(self, node_id: str) -> None:
+        """A hold on the node was released (its book is gone if it was the last)."""
+        book = self._holds.books.get(node_id)
+        if book is None:
+            self._envelopes.pop(node_id, None)  # a new book counts its versions anew
         else:
-            self._envelopes.pop(hold.node_id, None)  # a new book counts its versions anew
+            book.version += 1
 
     def observed(self, node_id: str, book: Book | None) -> None:
         """The node has a new sample: its envelope's base is the sample's `used`."""

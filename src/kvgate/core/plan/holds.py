@@ -82,7 +82,6 @@ class Hold:
     """
 
     __slots__ = (
-        "book",
         "cut",
         "expected",
         "full",
@@ -101,19 +100,11 @@ class Hold:
     )
 
     def __init__(
-        self,
-        key: str,
-        ticket: Ticket,
-        node_id: str,
-        book: Book,
-        prompt: int,
-        max_out: int,
-        overhead: int,
+        self, key: str, ticket: Ticket, node_id: str, prompt: int, max_out: int, overhead: int
     ) -> None:
         self.key = key
         self.ticket = ticket
         self.node_id = node_id
-        self.book = book  # its node's: it lives as long as any hold on the node
         self.prompt = prompt
         self.max_out = max_out
         self.expected = ticket.expected_output
@@ -219,13 +210,11 @@ class Holds:
         node_id = ticket.node_id
         key = ticket.key
         overhead = self.overhead
+        hold = Hold(key, ticket, node_id, cost.prompt_tokens, cost.max_output_tokens, overhead)
+        self.live[key] = hold
         book = self.books.get(node_id)
         if book is None:
             book = self.books[node_id] = Book()
-        hold = Hold(
-            key, ticket, node_id, book, cost.prompt_tokens, cost.max_output_tokens, overhead
-        )
-        self.live[key] = hold
         book.holds[key] = hold
         book.full += hold.full
         book.upper += hold.full
@@ -243,13 +232,13 @@ class Holds:
     def prefilled(self, hold: Hold) -> None:
         if not hold.prefilled:
             hold.prefilled = True
-            hold.book.prefill -= hold.prompt
+            self.books[hold.node_id].prefill -= hold.prompt
 
-    def grow(self, hold: Hold, output_tokens: int, now: float) -> float | None:
+    def grow(self, hold: Hold, book: Book, output_tokens: int, now: float) -> float | None:
         """The request has produced `output_tokens` (more than it had) by `now`. Returns the
         seconds per token it took since its last checkpoint when a new one is taken (the
         node's pace, `kvgate.core.plan.pace`), else None."""
-        hold.book.now += output_tokens - hold.tok_cur
+        book.now += output_tokens - hold.tok_cur
         hold.tok_cur = output_tokens
         marks = hold.marks
         if marks and now - marks[-1][0] < self.mark_spacing:
@@ -271,7 +260,7 @@ class Holds:
         if hold is None:
             return None
         hold.live = False
-        book = hold.book
+        book = self.books[hold.node_id]
         del book.holds[key]
         book.overlap -= hold.overlap
         book.full -= hold.full
@@ -421,7 +410,7 @@ class Holds:
         if queued is not None and queued <= wake:
             return  # already queued no later than needed; that look re-queues it
         hold.wake_at = wake
-        book = hold.book
+        book = self.books[hold.node_id]
         queue = book.wakeups
         fifo = queue.fifo
         if not fifo or fifo[-1][0] <= wake:

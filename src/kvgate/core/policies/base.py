@@ -139,8 +139,9 @@ class BasePolicy:
         if output_tokens <= hold.tok_cur:
             return
         ticket.output_tokens = output_tokens
-        self.forecast.progressed(hold, output_tokens)
-        pace = holds.grow(hold, output_tokens, now)
+        book = holds.books[node_id]
+        self.forecast.progressed(hold, book, output_tokens)
+        pace = holds.grow(hold, book, output_tokens, now)
         if pace is not None:
             self.pace.record(node_id, now, pace)
 
@@ -152,7 +153,7 @@ class BasePolicy:
         if hold is None:
             return
         node_id = hold.node_id
-        self.forecast.released(hold)
+        self.forecast.released(node_id)
         self.generation += 1
         now = self.clock.now()
         node = self.nodes.get(node_id)
