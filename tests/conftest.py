@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 
-from kvgate.sim.engine import Engine
+from kvgate.core.clock import MonotonicClock
+from kvgate.core.policies.baselines import BaselineOptions, build_named
+from kvgate.sim.model.engine import Engine
 from kvgate.sim.presets import CPU_TINY
 from kvgate.sim.server import SimServer
 from kvgate.testing import FakeEngine, eventually, free_port
@@ -109,6 +111,8 @@ class RunningGateway:
 async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
     """`await gateway_factory([engine.url, ...], policy=..., server="hypercorn", **{"a.b": v})`.
 
+    `policy` is a policy, or the name of one (`kvgate.core.policies.baselines`, built on the
+    gateway's clock with the quotas `baseline`): `none` unless a test says otherwise.
     Dotted keyword overrides go to `load_config` (e.g. `**{"upstream.read_timeout_s": 0.2}`);
     `connection_limits` (kvgate.gateway.http.guard.ConnectionLimits) shortens the guard's.
     After the test, every gateway must be back to zero requests in flight, zero tickets and
@@ -123,7 +127,8 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
     async def make(
         backends: list[str],
         *,
-        policy: Any = None,
+        policy: Any = "none",
+        baseline: BaselineOptions | None = None,
         server: str = "uvicorn",
         overrides: dict[str, Any] | None = None,
         connection_limits: Any = None,
@@ -133,11 +138,13 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Any]]:
             "backends": [{"url": u} for u in backends],
             "server.server": server,
             "server.log_level": "warning",
-            "admission.policy": "none",
             "scrape.interval_s": 0.1,
             **(overrides or {}),
         }
         config = load_config(None, **settings)
+        if isinstance(policy, str):
+            clock = kwargs.setdefault("clock", MonotonicClock())
+            policy = build_named(policy, config.admission, clock, options=baseline)
         gateway = Gateway(config, policy=policy, **kwargs)
         sock = bind_socket("127.0.0.1", 0)
         port = sock.getsockname()[1]

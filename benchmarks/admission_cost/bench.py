@@ -21,10 +21,10 @@ from pathlib import Path
 
 from kvgate.core.admission import Admit, Outcome, Reject
 from kvgate.core.clock import ManualClock
-from kvgate.core.policies import build_policy
 from kvgate.core.policies.base import BasePolicy
+from kvgate.core.policies.baselines import BaselineOptions, PolicyName, build_named
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
-from kvgate.core.settings import AdmissionSettings, PolicyName
+from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 
 NODES = tuple(f"node-{i:02d}" for i in range(64))
@@ -35,8 +35,8 @@ POLICIES: list[PolicyName] = ["none", "static-qps", "static-concurrency", "seed"
 def _policy(name: PolicyName, **limits: float) -> tuple[BasePolicy, ManualClock]:
     clock = ManualClock(1000.0)
     knobs = {"qps": 1e9, "burst": 10**9, "concurrency": 10**9} | limits
-    settings = AdmissionSettings(policy=name, baseline=knobs)  # type: ignore[arg-type]
-    policy = build_policy(settings, clock, rng_seed=1)
+    options = BaselineOptions(**knobs)  # type: ignore[arg-type]
+    policy = build_named(name, AdmissionSettings(), clock, rng_seed=1, options=options)
     assert isinstance(policy, BasePolicy)
     return policy, clock
 

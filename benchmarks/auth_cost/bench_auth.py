@@ -21,7 +21,7 @@ from pathlib import Path
 from kvgate.core.admission import Admit, Outcome
 from kvgate.core.clock import MonotonicClock
 from kvgate.core.flow import FlowController
-from kvgate.core.policies import build_policy
+from kvgate.core.policies.baselines import build_named
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.tenants import TenantLedger, TenantLimits
@@ -64,7 +64,7 @@ def front_door_us(keys: int, iterations: int) -> float:
 def admission_us(with_tenants: bool, iterations: int) -> float:
     """The policy's admit/release alone, or the flow controller's submit/release of a
     tenant's request (its lease taken and given back) around the same policy."""
-    policy = build_policy(AdmissionSettings(policy="none"), MonotonicClock())
+    policy = build_named("none", AdmissionSettings(), MonotonicClock())
     policy.add_node("n0")
     request = AdmissionRequest(
         "r", RequestCost(200, 100), Priority.STANDARD, tenant="t0", candidates=("n0",)

@@ -107,7 +107,8 @@ async def run(trials: int) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     env["KVGATE_SERVER__LOG_LEVEL"] = "warning"  # no access lines
     backend = f"http://127.0.0.1:{engine.port}"
-    cmd = ["-m", "kvgate", "serve", "--port", str(port), "--policy", "none", "--backend", backend]
+    cmd = ["-m", "kvgate.bench.serve", "--baseline", "none", "--port", str(port)]
+    cmd += ["--backend", backend]
     gateway = await asyncio.create_subprocess_exec(
         sys.executable, *cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

@@ -4,7 +4,7 @@ Runs the `adaptive` policy, behind the gateway's queue, on the virtual-time clus
 `kvgate.bench.virtual` (the paged-KV engine simulator, scraped every 50 ms with 10 ms
 delivery lag, clients with timeouts, retries and Retry-After) two ways:
 
-* `margin`    - the default: `limits.MarginController` lowers a node's ceilings for
+* `margin`    - the default: `plan.margin.MarginController` lowers a node's ceilings for
   non-critical work while its measured usage overshoots the panic watermark;
 * `ceilings`  - no feedback at all: only the per-priority ceilings on the planned peak;
 
@@ -38,7 +38,7 @@ from kvgate.core.admission import Admit, Decision, Outcome
 from kvgate.core.flow import FlowController, Waiter
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
-from kvgate.sim.virtual import SHED, UNAVAILABLE, VirtualResult
+from kvgate.sim.runs import SHED, UNAVAILABLE, VirtualResult
 
 CONFIGS: dict[str, bool] = {"margin": True, "ceilings": False}  # name -> feedback on
 

@@ -22,8 +22,8 @@ import sys
 from kvgate.bench import profiles, virtual
 from kvgate.bench.suite import RunSpec
 from kvgate.sim import presets
-from kvgate.sim.engine import StepLatency
-from kvgate.sim.virtual import VirtualConfig
+from kvgate.sim.model.engine import StepLatency
+from kvgate.sim.runs import VirtualConfig
 
 
 def register(factor: float) -> None:

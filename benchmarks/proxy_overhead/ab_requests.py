@@ -36,9 +36,9 @@ import bench  # noqa: E402  (the fake engine, the client, the CPU counter)
 def gateway(src: str, engine_port: int) -> Iterator[tuple[int, int]]:
     """`kvgate serve` imported from `src`; yields (port, pid)."""
     port = bench.free_port()
-    env = bench.stack_env(engine_port, "none")
+    env = bench.stack_env(engine_port)
     env["PYTHONPATH"] = src
-    command = [sys.executable, "-m", "kvgate", "serve", "--port", str(port)]
+    command = bench.none_command(port, src, env)
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

@@ -5,9 +5,8 @@ Side by side, in one run, on one fast fake engine:
 - `direct`: the client talks to the engine (the TTFT baseline; no proxy CPU).
 - `nginx`: `proxy_buffering off`, HTTP/1.1 keep-alive upstream, access log off.
 - `kvgate-uvicorn-native`: `kvgate serve` (uvloop + httptools; its relay client is kvgate's
-  keep-alive HTTP/1.1 pool on httptools, `-native` in every stack's name), its default
-  policy (`adaptive`) unless `--policy`, access log on (written to a file), the scraper
-  polling the engine.
+  keep-alive HTTP/1.1 pool on httptools, `-native` in every stack's name), its policy
+  (`adaptive`), access log on (written to a file), the scraper polling the engine.
 - `kvgate-hypercorn-native`: the same app under hypercorn (the HTTP/2 server), HTTP/1.1.
 - `kvgate-granian-native`: the same app under granian's ASGI interface (if installed).
 - `floor-uvicorn-h1pool`: uvicorn and kvgate's upstream client relaying blindly
@@ -380,15 +379,33 @@ http {{
     return conf
 
 
-def stack_env(engine_port: int, policy: str) -> dict[str, str]:
+def stack_env(engine_port: int) -> dict[str, str]:
     """The environment of a `kvgate serve` in front of the fake engine (no KVGATE_* leaks in)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     env.update(
         KVGATE_BACKENDS=json.dumps([{"url": f"http://127.0.0.1:{engine_port}"}]),
-        KVGATE_ADMISSION__POLICY=policy,
         KVGATE_SERVER__LOG_LEVEL="warning",
     )
     return env
+
+
+def none_command(port: int, src: str, env: dict[str, str]) -> list[str]:
+    """A gateway with the `none` baseline (the relay's cost without admission's), imported
+    from the tree `src` ("": this one): the benchmark's own gateway where that tree has it,
+    else `kvgate serve` with the `admission.policy` setting of older trees (set in `env`)."""
+    tree = Path(src) if src else Path(__file__).resolve().parents[2] / "src"
+    if (tree / "kvgate" / "bench" / "serve.py").exists():
+        return [
+            sys.executable,
+            "-m",
+            "kvgate.bench.serve",
+            "--baseline",
+            "none",
+            "--port",
+            str(port),
+        ]
+    env["KVGATE_ADMISSION__POLICY"] = "none"
+    return [sys.executable, "-m", "kvgate", "serve", "--port", str(port)]
 
 
 def floor_command(port: int, engine_port: int, env: dict[str, str]) -> list[str]:
@@ -417,7 +434,6 @@ def start_stack(
     name: str,
     engine_port: int,
     workdir: Path,
-    policy: str,
     before_src: str = "",
     pin: bool = False,
 ) -> Iterator[tuple[int, int | None]]:
@@ -430,7 +446,7 @@ def start_stack(
         yield engine_port, None
         return
     port = free_port()
-    env = stack_env(engine_port, policy)
+    env = stack_env(engine_port)
     log = open(workdir / f"{name}.log", "wb")
     if name.endswith("-before"):  # the same stack from another source tree (--before-src)
         env["PYTHONPATH"] = before_src
@@ -498,7 +514,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def measure(name: str, engine_port: int, args: argparse.Namespace, workdir: Path) -> StackResult:
     result = StackResult(name)
-    stack = start_stack(name, engine_port, workdir, args.policy, args.before_src or "", args.pin)
+    stack = start_stack(name, engine_port, workdir, args.before_src or "", args.pin)
     with stack as (port, pid):
         asyncio.run(nonstream_phase(port, 200, result.refused))  # warm-up: connections, caches
         before = cpu_seconds(pid) if pid else 0.0
@@ -680,7 +696,7 @@ def render(results: list[StackResult], args: argparse.Namespace) -> str:
         f"for {args.duration:g} s, starting {_STARTS[args.starts]}; fast streams: "
         f"{args.fast_streams} x {args.fast_tokens} tokens at {args.fast_token_ms:g} ms/token "
         f"for {args.fast_duration:g} s; "
-        f"kvgate policy `{args.policy}`, access log on; {pinned}"
+        f"kvgate policy `adaptive`, access log on; {pinned}"
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')};"
         f" median of {args.rounds} interleaved rounds; {args.load}"
     )
@@ -699,7 +715,6 @@ def main() -> int:
     bench.add_argument("--tokens", type=int, default=50)
     bench.add_argument("--token-ms", type=float, default=20.0)
     bench.add_argument("--duration", type=float, default=8.0)
-    bench.add_argument("--policy", default="adaptive", help="kvgate's admission policy")
     bench.add_argument("--fast-streams", type=int, default=20, help="0: no fast-stream phase")
     bench.add_argument("--fast-tokens", type=int, default=500)
     bench.add_argument("--fast-token-ms", type=float, default=0.05)

@@ -50,7 +50,7 @@ import bench  # noqa: E402  (the fake engine, the clients and the port helpers)
 
 
 def _command(stack: str, port: int, engine_port: int) -> tuple[list[str], dict[str, str]]:
-    env = bench.stack_env(engine_port, "none")
+    env = bench.stack_env(engine_port)
     env.update(
         # The slowest scrape the config allows: under callgrind a 50 ms period would make
         # the scraper's share larger than the requests' and its subtraction the noise.
@@ -62,7 +62,7 @@ def _command(stack: str, port: int, engine_port: int) -> tuple[list[str], dict[s
     _, _, src = stack.partition("=")
     if src:
         env["PYTHONPATH"] = src
-    return [sys.executable, "-m", "kvgate", "serve", "--port", str(port)], env
+    return bench.none_command(port, src, env), env
 
 
 def _total(dump: str) -> int:

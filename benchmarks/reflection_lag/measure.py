@@ -2,7 +2,7 @@
 
 The admission core credits a sample with a request's prompt only if the sample was taken
 at least `reflect_margin_s` after the request's first token reached the gateway (see
-`kvgate.core.policies.base`). This measures, on the real vLLM CPU engine, the time from
+`kvgate.core.plan.holds`). This measures, on the real vLLM CPU engine, the time from
 the first streamed token to the first `/metrics` poll (stamped when the poll was *sent*)
 whose `vllm:kv_cache_usage_perc` contains the prompt. A positive lag is what the margin
 must cover; a negative one means the gauge already showed the prompt before the token.

@@ -13,7 +13,7 @@ Each configuration runs twice:
 
 - `independent`: every replica knows only its own requests (and the shared samples);
 - `shared`: replicas exchange their views through a store every 50 ms (the sync period),
-  one atomic exchange 0.5 ms away each way (kvgate.core.peers: every replica plans every
+  one atomic exchange 0.5 ms away each way (kvgate.core.replicas.peers: every replica plans every
   request's peak, and adds requests only within its claim on a node's slack).
 
 Writes the virtual-time part of `results.md` (peak KV, preemptions, goodput against one
@@ -34,9 +34,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from kvgate.cluster.sync import SYNC_PERIOD_S
-from kvgate.core.settings import AdmissionSettings
 from kvgate.sim.presets import get_preset
-from kvgate.sim.virtual import VirtualCluster, VirtualConfig
+from kvgate.sim.runs import VirtualConfig
+from kvgate.sim.virtual import VirtualCluster
 from kvgate.sim.workload import Phase, WorkloadSpec
 
 HERE = Path(__file__).resolve().parent
@@ -72,7 +72,7 @@ def run(engine: str, replicas: int, shared: bool, seed: int) -> dict[str, float]
         duration_s=sum(p.duration_s for p in workload.phases),
         nodes=4,
         gateways=replicas,
-        admission=AdmissionSettings(policy="adaptive"),
+        policy="adaptive",
         drain_s=60.0,
         seed=seed,
         sync_interval_s=SYNC_PERIOD_S if shared else None,

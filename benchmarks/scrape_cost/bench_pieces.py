@@ -73,7 +73,7 @@ async def main(port: int) -> list[tuple[str, tuple[float, float]]]:
     adapter = adapter_for("vllm")
     rows.append(("VllmAdapter.parse", _cpu(lambda: adapter.parse(page, 0.0))))
     clock = MonotonicClock()
-    policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
+    policy = build_policy(AdmissionSettings(), clock)
     sample = adapter.parse(page, clock.now())
     rows.append(("adaptive policy.observe", _cpu(lambda: policy.observe("n", sample))))
     return rows

@@ -79,7 +79,7 @@ async def run(
     n: int, port: int, seconds: float, server_pid: int, http: Literal["lean", "aiohttp"]
 ) -> dict[str, float | str]:
     clock = MonotonicClock()
-    policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
+    policy = build_policy(AdmissionSettings(), clock)
     backends = [
         Backend.from_settings(
             BackendSettings(
@@ -133,7 +133,7 @@ async def sequential(
     """CPU per scrape with no concurrency: one node, `count` back-to-back polls through
     `Scraper.scrape_once` on one keep-alive connection. Best and median of 5 rounds."""
     clock = MonotonicClock()
-    policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
+    policy = build_policy(AdmissionSettings(), clock)
     backend = Backend.from_settings(BackendSettings(url=f"http://127.0.0.1:{port}", name="seq"))
     async with aiohttp.ClientSession() as session:
         settings = ScrapeSettings(interval_s=1.0)

@@ -9,7 +9,7 @@ keeps up, to set against the real engine's figures measured on a quiet machine
 
 from __future__ import annotations
 
-from kvgate.sim.engine import Engine
+from kvgate.sim.model.engine import Engine
 from kvgate.sim.presets import CPU_TINY
 
 WORKLOADS = {

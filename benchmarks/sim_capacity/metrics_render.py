@@ -23,9 +23,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.sim.engine import Engine
-from kvgate.sim.histogram import Histogram
 from kvgate.sim.metrics import MetricsPage
+from kvgate.sim.model.engine import Engine
+from kvgate.sim.model.histogram import Histogram
 from kvgate.testing import overloaded_engine
 
 LABELS = ["engine", "model_name"]

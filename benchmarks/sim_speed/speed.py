@@ -30,9 +30,9 @@ import pstats
 import time
 from pathlib import Path
 
-from kvgate.core.settings import AdmissionSettings
 from kvgate.sim.presets import GPU_8B
-from kvgate.sim.virtual import VirtualConfig, VirtualResult, read_timeout_client, run_virtual
+from kvgate.sim.runs import VirtualConfig, VirtualResult, read_timeout_client
+from kvgate.sim.virtual import run_virtual
 from kvgate.sim.workload import WorkloadSpec, estimate_capacity_rps
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +49,7 @@ def scenario(
         workload=dataclasses.replace(WORKLOAD, rate_rps=rate),
         duration_s=seconds,
         nodes=nodes,
-        admission=AdmissionSettings(policy=policy),  # type: ignore[arg-type]
+        policy=policy,  # type: ignore[arg-type]
         scrape_interval_s=1e9 if name == "engines" else scrape_s,
         client=read_timeout_client(timeout_s=30.0),
         seed=1,

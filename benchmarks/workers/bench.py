@@ -154,7 +154,7 @@ def start_stack(
     stack: str, engine_port: int, workdir: Path
 ) -> Iterator[tuple[list[int], list[int], str | None, list[int]]]:
     """Yields (ports, gateway root pids, store URL or None, redis pids of this benchmark's)."""
-    env = proxy.stack_env(engine_port, "adaptive")
+    env = proxy.stack_env(engine_port)
     redis: RedisServer | None = None
     extra: list[str] = []
     if stack.endswith("+ store") or stack.endswith("one port"):

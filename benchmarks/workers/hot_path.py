@@ -75,7 +75,7 @@ ROUND_TRIPS = ("evalsha", "eval", "script|load")  # what clients send; not the s
 
 def core(replica: str) -> FlowController:
     clock = MonotonicClock()
-    policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
+    policy = build_policy(AdmissionSettings(), clock)
     flow = FlowController(policy, replica=replica)
     for node in NODES:
         flow.add_node(node)
@@ -151,7 +151,7 @@ async def synced(flow: FlowController, url: str, name: str):  # type: ignore[no-
         RedisStore(url, client_name=name), flow, flow, MonotonicClock(),
         nodes=lambda: NODES, member_id=name,
     )  # fmt: skip
-    flow.replica = name
+    flow.exchange.replica = name
     task = asyncio.create_task(sync.run())
     try:
         yield sync

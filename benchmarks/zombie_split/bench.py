@@ -36,8 +36,8 @@ import aiohttp
 import numpy as np
 import orjson
 
-from kvgate.bench.live_driver import LOGS, _real_vllm, _wait_idle, kvgate_cmd, start, wait_healthy
-from kvgate.bench.live_poll import parse_metrics
+from kvgate.bench.live.driver import LOGS, _real_vllm, _wait_idle, kvgate_cmd, start, wait_healthy
+from kvgate.bench.live.poll import parse_metrics
 from kvgate.procs.ports import free_port
 
 HERE = Path(__file__).resolve().parent

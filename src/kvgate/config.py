@@ -86,6 +86,10 @@ RETIRED: dict[str, str] = {
     "admission.failures_to_stale": "a node is dead after 10 hard scrape failures in a row"
     " (a constant); `admission.stale_after_s` sets how soon a silent node is out",
     "admission.retry_after_max_s": "Retry-After is the predicted wait, at most 30 s (a constant)",
+    "admission.policy": "kvgate admits with its adaptive policy only; the baselines it is"
+    " compared with are the benchmark's (`kvgate bench --policies`)",
+    "admission.baseline": "the baselines' quotas are the benchmark's own options"
+    " (`python -m kvgate.bench.serve --help`)",
     "auth.default_tenant_limits": 'give these limits as the entry "*" of auth.tenants'
     ' (every tenant not listed): auth: {tenants: {"*": {max_in_flight_tokens: ...}}}',
     "limits.client_timeout_s": "a client must send its whole request within 30 s (a constant)",

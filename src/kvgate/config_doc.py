@@ -44,8 +44,6 @@ def with_reference(text: str) -> str:
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
         value: Any = field.default_factory()  # type: ignore[call-arg]
-        if isinstance(value, BaseModel):
-            return f"`{value.model_dump()!r}`"
     else:
         value = field.default
     if value is PydanticUndefined:
@@ -58,12 +56,10 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         annotation = field.annotation
-        # A section is its keys, one row each; a small mapping that describes itself (its
-        # field has a description) is one key, documented as a whole.
+        # A section is its keys, one row each.
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            if field.description is None:
-                rows.extend(_rows(annotation, f"{key}."))
-                continue
+            rows.extend(_rows(annotation, f"{key}."))
+            continue
         args = getattr(annotation, "__args__", ())
         if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
             rows.append(f"| `{key}` | `[]` | {field.description or ''} |")

@@ -17,13 +17,13 @@ import pytest
 from gateway.helpers import until_ready
 
 from kvgate.bench.gateway_queue import WaitHistogram, queue_summary, wait_histogram
-from kvgate.bench.live import LiveOptions, run_live
-from kvgate.bench.live_client import LiveTarget
+from kvgate.bench.live.client import LiveTarget
+from kvgate.bench.live.run import LiveOptions, run_live
 from kvgate.bench.metrics import OK, Attempt, EngineTotals, RunResult, Slo, UserRequest
 from kvgate.bench.metrics import queue_figures as figures
 from kvgate.bench.report import ReportMeta, write_report
 from kvgate.bench.workload import Arrival
-from kvgate.sim.virtual import ClientModel
+from kvgate.sim.runs import ClientModel
 from kvgate.testing import FakeEngine
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.1, long_ttft_s=5.0)
@@ -40,7 +40,7 @@ OUTPUT_TOKENS = 50
 async def test_a_live_run_through_kvgate_reports_its_queue(gateway_factory: Any) -> None:
     engine = await FakeEngine(chunks=OUTPUT_TOKENS, interval=0.01).start()
     try:
-        gw = await gateway_factory([engine.url], overrides={"admission.policy": "adaptive"})
+        gw = await gateway_factory([engine.url], policy="adaptive")
         async with httpx.AsyncClient(base_url=gw.url) as client:
             assert await until_ready(client), "the gateway never had a fresh sample"
         arrivals = [

@@ -15,8 +15,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from kvgate.bench.live import zombie_account
-from kvgate.bench.live_client import ClientRun, StreamRead, one_attempt
+from kvgate.bench.live.client import ClientRun, StreamRead, one_attempt
+from kvgate.bench.live.run import zombie_account
 from kvgate.bench.metrics import ERROR, OK, TIMEOUT, Attempt
 
 

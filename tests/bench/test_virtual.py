@@ -13,7 +13,7 @@ from kvgate.bench.report import ReportMeta, write_report
 from kvgate.bench.suite import RunSpec
 from kvgate.bench.virtual import run_virtual
 from kvgate.bench.workload import Arrival, Shape
-from kvgate.sim.virtual import ClientModel
+from kvgate.sim.runs import ClientModel
 
 SHAPE = Shape(kv_capacity_tokens=4096, chat_rate=0, long_rate=0, burst_every_s=0, burst_per_node=0)
 

@@ -2,7 +2,7 @@
 it, and a participant and a sink that record what the sync task gives them.
 
 Every server is started by the test on a free port of 127.0.0.1 and stopped after it;
-tests that need no store use `kvgate.cluster.memory.MemoryStore`.
+tests that need no store use `kvgate.cluster.store.MemoryStore`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
+from kvgate.core.replicas.view import PeerView
 from kvgate.core.signals import NodeSample
 from kvgate.procs.redis_server import RedisServer, find_redis_server
 
@@ -42,16 +42,16 @@ class RecordingParticipant:
     """Stands in for the core's admission object: its view is `view`; it keeps what the
     sync task hands it."""
 
-    view: dict[str, Any] = field(default_factory=dict)
-    peer_views: list[dict[str, Any]] | None = None
+    view: PeerView = field(default_factory=lambda: PeerView("local"))
+    peer_views: list[PeerView] | None = None
     members: int | None = None
     isolated: int | None = None
     calls: list[str] = field(default_factory=list)
 
-    def local_view(self) -> dict[str, Any]:
+    def local_view(self) -> PeerView:
         return self.view
 
-    def set_peer_views(self, views: Sequence[dict[str, Any]], members: int) -> None:
+    def set_peer_views(self, views: Sequence[PeerView], members: int) -> None:
         self.peer_views = list(views)
         self.members = members
         self.isolated = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bench_scripts
 
-from kvgate.cluster.memory import MemoryStore
+from kvgate.cluster.store import MemoryStore
 from kvgate.cluster.sync import SYNC_PERIOD_S, ClusterSync
 from kvgate.core.admission import Admit, Decision
 from kvgate.core.clock import ManualClock
@@ -35,7 +35,7 @@ class Cluster:
         self.flows: list[FlowController] = []
         self.syncs: list[ClusterSync] = []
         for i in range(n):
-            policy = build_policy(AdmissionSettings(policy="adaptive"), self.clock, rng_seed=i)
+            policy = build_policy(AdmissionSettings(), self.clock, rng_seed=i)
             flow = FlowController(policy, tenants=TenantLedger(limits=limits), replica=f"r{i}")
             flow.add_node("a")
             sync = ClusterSync(

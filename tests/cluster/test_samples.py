@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.cluster.clocklink import ClockLink
-from kvgate.cluster.samples import PUBLISH_FOR_S, Record, SampleLedger, SharingSink
+from kvgate.cluster.samples import PUBLISH_FOR_S, ClockLink, Record, SampleLedger, SharingSink
 from kvgate.core.clock import ManualClock
 from kvgate.core.signals import NodeSample
 

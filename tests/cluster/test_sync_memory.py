@@ -3,16 +3,17 @@ isolation and recovery, shards and shared samples, tick by tick."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
-from kvgate.cluster import envelope
-from kvgate.cluster.memory import MemoryStore
+from kvgate.cluster import publication
 from kvgate.cluster.samples import SHARED_FRESH_S
 from kvgate.cluster.shards import owner
+from kvgate.cluster.store import MemoryStore
 from kvgate.cluster.sync import MEMBER_TTL_S, SYNC_PERIOD_S, ClusterSync
 from kvgate.core.clock import ManualClock
+from kvgate.core.replicas.view import PeerView
 from kvgate.core.signals import NodeSample
 
 from .conftest import RecordingParticipant, RecordingSink
@@ -30,7 +31,8 @@ class Replica:
 def cluster(n: int, *, store: MemoryStore, clock: ManualClock) -> list[Replica]:
     out = []
     for i in range(n):
-        core = RecordingParticipant(view={"replica": i, "holds": {"engine-0": 100 * i}})
+        view = PeerView(f"{i}", claims={"engine-0": 100.0 * i})
+        core = RecordingParticipant(view=view)
         policy = RecordingSink()
         sync = ClusterSync(
             store, core, policy, clock, nodes=lambda: NODES, member_id=f"r{i}", expected_members=n
@@ -55,7 +57,7 @@ async def test_every_replica_sees_the_others_views_and_the_member_count() -> Non
         assert r.sync.state == "synced"
         assert r.core.members == 3
         assert r.core.peer_views is not None
-        assert sorted(v["replica"] for v in r.core.peer_views) == [j for j in range(3) if j != i]
+        assert sorted(v.replica for v in r.core.peer_views) == [f"{j}" for j in range(3) if j != i]
 
 
 async def test_a_replica_that_stops_beating_is_gone_after_its_ttl() -> None:
@@ -70,8 +72,8 @@ async def test_a_replica_that_stops_beating_is_gone_after_its_ttl() -> None:
     assert a.core.members == 2 and b.core.members == 2
     # b's view, with its age on the store's clock (one period at most: b ticked first)
     [seen] = a.core.peer_views
-    assert 0 <= seen.pop("view_age_s") <= SYNC_PERIOD_S
-    assert seen == b.core.view
+    assert 0 <= seen.age_s <= SYNC_PERIOD_S
+    assert replace(seen, age_s=0.0) == b.core.view
 
 
 async def test_a_replica_that_leaves_is_gone_at_the_next_tick() -> None:
@@ -148,7 +150,7 @@ async def test_a_peer_view_that_cannot_be_read_counts_as_a_member_without_a_view
     store.exchange_now("garbage", b"\x00not json", MEMBER_TTL_S)
     await a.sync.tick()
     assert a.core.members == 3 and a.core.peer_views == []
-    assert envelope.decode(b'{"v": 1, "core": {}, "samples": {}, "meta": {}}') is not None
+    assert publication.decode(b'{"v": 1, "core": {}, "samples": {}, "meta": {}}') is not None
 
 
 async def test_snapshot_names_members_shards_and_store_health() -> None:

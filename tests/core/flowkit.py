@@ -19,6 +19,7 @@ from kvgate.core.policies import build_policy
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.core.signals import NodeSample
+from kvgate.testing.books import ledger_totals
 
 STEP_S = 0.01  # seconds per decode step (what the samples report as iteration latency)
 
@@ -36,9 +37,7 @@ class Bench:
     nodes: tuple[str, ...] = ("a",)
     queue: QueueSettings = field(default_factory=QueueSettings)
     fcfs: bool = False
-    settings: AdmissionSettings = field(
-        default_factory=lambda: AdmissionSettings(policy="adaptive")
-    )
+    settings: AdmissionSettings = field(default_factory=AdmissionSettings)
 
     def __post_init__(self) -> None:
         self.clock = ManualClock(100.0)
@@ -151,7 +150,6 @@ class Bench:
             policy.in_flight_requests == 0
             and policy.in_flight_tokens == 0
             and self.flow.waiting == 0
-            and all(policy.reserved_on(n) == 0 for n in self.nodes)
-            and self.flow.tenants.total_tokens == 0
-            and self.flow.tenants.total_requests == 0
+            and all(policy.holds.reserved_on(n) == 0 for n in self.nodes)
+            and ledger_totals(self.flow.tenants) == (0, 0)
         )

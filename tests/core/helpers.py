@@ -9,33 +9,36 @@ from typing import Any
 from kvgate.core.admission import Decision
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import FlowController
-from kvgate.core.policies import build_policy
 from kvgate.core.policies.base import BasePolicy
+from kvgate.core.policies.baselines import BaselineOptions, build_named, policy_name
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings, QueueSettings, Tuning
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import TenantLedger
+from kvgate.testing.books import full_reserved_on, ledger_totals
 
 _TUNING = frozenset(f.name for f in dataclasses.fields(Tuning))
 _BASELINE = {"static_qps": "qps", "static_burst": "burst", "static_concurrency": "concurrency"}
 
 
-def admission_settings(policy: str = "adaptive", **overrides: Any) -> AdmissionSettings:
-    """Settings from flat keyword overrides: `Tuning` fields go through `tuned()`, the
-    baselines' `static_*` parameters into `baseline`, the rest are settings."""
+def admission_settings(**overrides: Any) -> AdmissionSettings:
+    """Settings from flat keyword overrides: `Tuning` fields go through `tuned()`, the rest
+    are settings."""
     tuning = {k: overrides.pop(k) for k in list(overrides) if k in _TUNING}
-    baseline = {_BASELINE[k]: overrides.pop(k) for k in list(overrides) if k in _BASELINE}
-    if baseline:
-        overrides["baseline"] = baseline
-    settings = AdmissionSettings(policy=policy, **overrides)  # type: ignore[arg-type]
+    settings = AdmissionSettings(**overrides)
     return settings.tuned(**tuning) if tuning else settings
 
 
 def make(
     policy: str = "adaptive", seed: int = 1, **overrides: Any
 ) -> tuple[BasePolicy, ManualClock]:
+    """The policy called `policy`; the baselines' `static_*` quotas among `overrides` go to
+    its `BaselineOptions`, the rest to `admission_settings`."""
     clock = ManualClock(100.0)
-    built = build_policy(admission_settings(policy, **overrides), clock, rng_seed=seed)
+    quotas = {_BASELINE[k]: overrides.pop(k) for k in list(overrides) if k in _BASELINE}
+    settings = admission_settings(**overrides)
+    options = BaselineOptions(**quotas)
+    built = build_named(policy_name(policy), settings, clock, rng_seed=seed, options=options)
     assert isinstance(built, BasePolicy)
     return built, clock
 
@@ -104,15 +107,15 @@ def assert_books_empty(policy: BasePolicy) -> None:
     """Every hold and in-flight counter is back to exactly zero."""
     assert policy.in_flight_requests == 0
     assert policy.in_flight_tokens == 0
-    assert not policy._holds and not policy._books
+    assert not policy.holds.live and not policy.holds.books
     snap = policy.snapshot()
     assert snap["in_flight_requests"] == 0
     assert snap["controller"]["in_flight_tokens"] == 0
     for node_id, node in snap["nodes"].items():
         assert node["reserved_tokens"] == 0
         assert node["in_flight"] == 0
-        assert policy.full_reserved_on(node_id) == 0
-        assert policy.unreflected_now(node_id) == 0
+        assert full_reserved_on(policy, node_id) == 0
+        assert policy.holds.unreflected_now(node_id) == 0
 
 
 def assert_flow_empty(flow: FlowController) -> None:
@@ -121,7 +124,7 @@ def assert_flow_empty(flow: FlowController) -> None:
     assert flow.waiting == 0 and flow.queue.tokens == 0
     assert not list(flow.queue.waiting())
     assert not flow._leases
-    assert flow.tenants.total_tokens == 0 and flow.tenants.total_requests == 0
+    assert ledger_totals(flow.tenants) == (0, 0)
     snap = flow.snapshot()
     assert snap["queue"]["waiting"] == 0 and snap["queue"]["tokens"] == 0
     for band in snap["queue"]["bands"].values():

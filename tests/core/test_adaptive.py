@@ -7,6 +7,7 @@ import random
 
 from kvgate.core.admission import Admit, Outcome, Reject, Ticket
 from kvgate.core.request import Priority
+from kvgate.testing.books import upper_tokens
 
 from .helpers import admit, assert_books_empty, cost, make, sample
 
@@ -58,7 +59,7 @@ def test_burst_then_samples_catch_up_without_double_counting() -> None:
     policy.observe("a", sample(clock, usage=(2000 + 10) / 10_000, capacity=10_000))
     node = policy.snapshot()["nodes"]["a"]
     assert node["reserved_tokens"] == 1000 - 10 + 16
-    assert policy.upper_tokens(policy.nodes["a"]) == 2010 + 1006
+    assert upper_tokens(policy, policy.nodes["a"]) == 2010 + 1006
     # What it holds now: the sample plus the block rounding, nothing counted twice.
     assert abs(node["predicted_usage"] - (2010 + 16) / 10_000) < 1e-9
     policy.release(ticket, Outcome.DONE)
@@ -107,7 +108,7 @@ def test_routes_to_most_headroom_and_fills_both() -> None:
     # b first until it is as full as a, then both alternately.
     assert placed[:9] == ["b"] * 9
     assert "a" in placed[9:]
-    bounds = [policy.upper_tokens(policy.nodes[n]) for n in ("a", "b")]
+    bounds = [upper_tokens(policy, policy.nodes[n]) for n in ("a", "b")]
     assert abs(bounds[0] - bounds[1]) <= 216  # within one request of each other
 
 
@@ -259,7 +260,7 @@ def test_an_overshoot_lowers_the_ceilings_of_non_critical_work_never_critical() 
         decision = admit(policy, f"c{len(held)}", cost(5000, 5000), Priority.CRITICAL)
         assert isinstance(decision, Admit)
         held.append(decision.ticket)
-        if (PANIC - margin) * 100_000 < policy.upper_tokens(node) + 1000 <= PANIC * 100_000:
+        if (PANIC - margin) * 100_000 < upper_tokens(policy, node) + 1000 <= PANIC * 100_000:
             break
     standard = admit(policy, "s", cost(500, 500), Priority.STANDARD)
     assert isinstance(standard, Reject) and standard.waitable
@@ -341,8 +342,8 @@ def test_tokens_generated_after_the_sample_are_not_assumed_reflected() -> None:
     policy.on_tokens(ticket, 200)
     policy.observe("a", sample(clock, usage=0.1, capacity=10_000, at=sent_at))
     node = policy.nodes["a"]
-    assert policy.upper_tokens(node) >= 1000 + 1000 - 1e-6  # its peak is never under-counted
-    assert policy.now_tokens(node) >= 1000 + 200 - 1e-6  # nor what it holds now
+    assert upper_tokens(policy, node) >= 1000 + 1000 - 1e-6  # its peak is never under-counted
+    assert policy.forecast.now_tokens(node) >= 1000 + 200 - 1e-6  # nor what it holds now
 
 
 def test_stream_events_past_max_tokens_never_lift_what_it_holds_past_its_bound() -> None:
@@ -356,8 +357,8 @@ def test_stream_events_past_max_tokens_never_lift_what_it_holds_past_its_bound()
     policy.on_first_token(first.ticket)
     policy.on_tokens(first.ticket, 13)  # 10 tokens and 3 framing events
     node = policy.nodes["a"]
-    upper = policy.upper_tokens(node)
-    now = policy.now_tokens(node)
+    upper = upper_tokens(policy, node)
+    now = policy.forecast.now_tokens(node)
     assert upper is not None and now is not None and now <= upper
     filler = admit(policy, "f", cost(int(PANIC * 10_000 - upper) - 10, 10), Priority.CRITICAL)
     assert isinstance(filler, Admit)  # exactly up to the ceiling on the bound
@@ -481,7 +482,7 @@ def test_engine_without_kv_gauge_uses_its_configured_capacity_and_holds() -> Non
     policy.observe("llama", sample(clock, usage=None, capacity=10_000))
     assert len(tickets) == 9  # 9 x 1000 <= 0.92 x 10000
     node = policy.nodes["llama"]
-    assert policy.upper_tokens(node) == 9000  # nothing reflected
+    assert upper_tokens(policy, node) == 9000  # nothing reflected
     assert policy.snapshot()["nodes"]["llama"]["predicted_usage"] == 0.45  # the prompts
     for ticket in tickets:
         policy.release(ticket, Outcome.DONE)

@@ -1,14 +1,56 @@
-"""The comparison baselines behave as labelled (the `seed` one with its flaws on purpose)."""
+"""The comparison baselines behave as labelled (the `seed` one with its flaws on purpose),
+and only the simulator, the benchmark and the tests can build one."""
 
 from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
+import pytest
+
+import kvgate
 from kvgate.core.admission import Admit, Outcome, Reject
+from kvgate.core.policies.baselines import BaselineOptions, build_named
 from kvgate.core.request import Priority
+from kvgate.core.settings import AdmissionSettings
 
 from .helpers import admit, assert_books_empty, cost, make, sample
+from .test_purity import imports
+
+BASELINES = "kvgate.core.policies.baselines"
+
+
+def test_production_never_builds_a_baseline() -> None:
+    """The gateway, the cluster, the configuration and the rest of the core import no
+    baseline: only `kvgate.sim`, `kvgate.bench` and `kvgate.testing` may."""
+    root = Path(kvgate.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("sim", "bench", "testing") or rel.parts[:3] == (
+            "core",
+            "policies",
+            "baselines",
+        ):
+            continue
+        package = ".".join(("kvgate", *rel.parent.parts))
+        found += [
+            f"{rel}:{line}"
+            for line, name in imports(path.read_text(), package)
+            if name == BASELINES or name.startswith(BASELINES + ".")
+        ]
+    assert not found, found
+    # (the check sees such an import, relative or absolute, at any depth)
+    probe = "def later():\n    from .baselines import NonePolicy\n"
+    assert [n for _, n in imports(probe, "kvgate.core.policies")] == [BASELINES + ".NonePolicy"]
+
+
+def test_a_benchmark_names_its_policy_and_quotas() -> None:
+    with pytest.raises(ValueError, match="no policy is called 'fastest'"):
+        build_named("fastest", AdmissionSettings(), None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="qps must be positive"):
+        BaselineOptions(qps=0)
 
 
 def test_static_qps_is_a_token_bucket() -> None:

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from kvgate.core.envelope import Envelope
+from kvgate.core.plan.envelope import Envelope
+from kvgate.testing.books import envelope_upper_bound
 
 
 def simulated_peak(base: int, loads: list[tuple[int, int]], held: int, steps: int) -> int:
@@ -85,4 +86,4 @@ def test_the_upper_bound_is_an_upper_bound() -> None:
     for _ in range(200):
         loads = [(rng.randint(0, 20), rng.randint(1, 50)) for _ in range(rng.randint(0, 10))]
         env = Envelope(sum(h for _, h in loads), loads)
-        assert env.peak() <= env.upper_bound()
+        assert env.peak() <= envelope_upper_bound(env)

@@ -13,29 +13,33 @@ import random
 import pytest
 
 from kvgate.core.admission import Admit, Outcome, Ticket
-from kvgate.core.clock import ManualClock
-from kvgate.core.policies import _REGISTRY, build_policy
-from kvgate.core.policies.base import BasePolicy, _Book, _Hold
-from kvgate.core.policies.none import NonePolicy
+from kvgate.core.clock import Clock, ManualClock
+from kvgate.core.plan.forecast import Forecast
+from kvgate.core.plan.holds import Book, Hold, Holds
+from kvgate.core.policies.base import BasePolicy
+from kvgate.core.policies.baselines import POLICY_NAMES, NonePolicy, build_named
+from kvgate.core.replicas.claims import Claims
 from kvgate.core.request import Priority, RequestCost
+from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
+from kvgate.testing.books import full_reserved_on
 
 from .helpers import admission_settings, request
 
 NODES = ("a", "b", "c")
 
 
-class WalkingPolicy(NonePolicy):
+class WalkingHolds(Holds):
     """Reflection by walking every live hold of the node, at every sample."""
 
-    def _schedule(self, hold: _Hold, touched_at: float | None = None) -> None:
+    def schedule(self, hold: Hold, touched_at: float | None = None) -> None:
         return
 
-    def _reflect(self, book: _Book, sample: NodeSample) -> None:
+    def reflect(self, book: Book, sample: NodeSample) -> None:
         if sample.kv_usage is None:
             return
-        cutoff = sample.sampled_at - self.settings.tuning.reflect_margin_s
-        overhead = self.settings.tuning.reservation_overhead_tokens
+        cutoff = sample.sampled_at - self.reflect_margin_s
+        overhead = self.overhead
         for hold in book.holds.values():
             first = hold.ticket.first_token_at
             if first is None or first > cutoff:
@@ -49,15 +53,29 @@ class WalkingPolicy(NonePolicy):
                 book.now -= delta
 
 
+class WalkingPolicy(NonePolicy):
+    """The `none` policy with `WalkingHolds` in place of its holds."""
+
+    def __init__(self, settings: AdmissionSettings, clock: Clock, *, rng_seed: int) -> None:
+        super().__init__(settings, clock, rng_seed=rng_seed)
+        self.holds = WalkingHolds(self.tuning)
+        self.forecast = Forecast(settings, clock, self.holds, self.pace)
+        self.claims = Claims(settings, self.nodes, self.holds, self.forecast)
+
+
 def _books(policy: BasePolicy, node: str) -> tuple[int, int, int]:
-    return (policy.reserved_on(node), policy.unreflected_now(node), policy.full_reserved_on(node))
+    return (
+        policy.holds.reserved_on(node),
+        policy.holds.unreflected_now(node),
+        full_reserved_on(policy, node),
+    )
 
 
 def _drive(seed: int, margin: float, steps: int) -> int:
     """Run one random stream through both policies; returns how many samples changed books."""
     rng = random.Random(seed)
     settings = admission_settings(
-        "none", reflect_margin_s=margin, reservation_overhead_tokens=rng.choice([0, 16])
+        reflect_margin_s=margin, reservation_overhead_tokens=rng.choice([0, 16])
     )
     clocks = (ManualClock(10.0), ManualClock(10.0))
     policies = (
@@ -115,7 +133,8 @@ def _drive(seed: int, margin: float, steps: int) -> int:
         for ours, theirs in live:
             assert ours.key == theirs.key
             assert (
-                policies[0]._holds[ours.key].reflected == policies[1]._holds[theirs.key].reflected
+                policies[0].holds.live[ours.key].reflected
+                == policies[1].holds.live[theirs.key].reflected
             )
     for p in policies:
         for pair in live:
@@ -133,7 +152,7 @@ def test_incremental_reflection_matches_walking_every_ticket(seed: int, margin: 
 
 def _none_policy() -> tuple[ManualClock, NonePolicy]:
     clock = ManualClock(0.0)
-    return clock, NonePolicy(admission_settings("none"), clock, rng_seed=1)
+    return clock, NonePolicy(admission_settings(), clock, rng_seed=1)
 
 
 def _admit_counted(policy: NonePolicy, request_id: str, tokens: int) -> Ticket:
@@ -150,32 +169,32 @@ def test_settled_holds_are_not_looked_at_again() -> None:
     tickets = [_admit_counted(policy, f"r{i}", 10) for i in range(200)]
     clock.advance(1.0)
     policy.observe("a", NodeSample(0.5, 100_000, 200, 0, 0.02, sampled_at=clock.now()))
-    assert policy.reserved_on("a") == 200 * (216 - 110)
-    assert not policy._books["a"].wakeups  # everything is settled
+    assert policy.holds.reserved_on("a") == 200 * (216 - 110)
+    assert not policy.holds.books["a"].wakeups  # everything is settled
     policy.on_tokens(tickets[0], 20)
-    assert len(policy._books["a"].wakeups) == 1
+    assert len(policy.holds.books["a"].wakeups) == 1
 
 
-@pytest.mark.parametrize("name", sorted(_REGISTRY))
+@pytest.mark.parametrize("name", sorted(POLICY_NAMES))
 def test_every_policy_reflects_what_a_sample_shows(name: str) -> None:
     """Every policy (their own helper methods included) lowers a reservation the same way."""
     clock = ManualClock(0.0)
-    settings = admission_settings(name, reservation_overhead_tokens=16)
-    policy = build_policy(settings, clock, rng_seed=1)
+    settings = admission_settings(reservation_overhead_tokens=16)
+    policy = build_named(name, settings, clock, rng_seed=1)
     assert isinstance(policy, BasePolicy)
     policy.observe("a", NodeSample(0.1, 100_000, 0, 0, 0.02, sampled_at=clock.now()))
     decision = policy.admit(request("r", RequestCost(300, 200), Priority.CRITICAL))
     assert isinstance(decision, Admit)
-    assert policy.reserved_on("a") == 516
+    assert policy.holds.reserved_on("a") == 516
     policy.on_first_token(decision.ticket)
     clock.advance(0.3)
     policy.on_tokens(decision.ticket, 50)
     clock.advance(0.3)
     policy.observe("a", NodeSample(0.1, 100_000, 1, 0, 0.02, sampled_at=clock.now()))
-    assert policy.reserved_on("a") == 516 - 300 - 50
-    assert policy.unreflected_now("a") == 16  # the block rounding: all else is in the sample
+    assert policy.holds.reserved_on("a") == 516 - 300 - 50
+    assert policy.holds.unreflected_now("a") == 16  # the block rounding: all else is in the sample
     policy.release(decision.ticket, Outcome.DONE)
-    assert policy.reserved_on("a") == 0 and policy.unreflected_now("a") == 0
+    assert policy.holds.reserved_on("a") == 0 and policy.holds.unreflected_now("a") == 0
 
 
 def test_queue_stays_bounded_on_a_node_without_kv_gauge() -> None:
@@ -188,5 +207,5 @@ def test_queue_stays_bounded_on_a_node_without_kv_gauge() -> None:
             policy.release(live.pop(0), Outcome.DONE)
         clock.advance(0.01)
         policy.observe("a", NodeSample(None, None, 10, 0, 0.02, sampled_at=clock.now()))
-    assert len(policy._books["a"].wakeups) <= 2 * 10 + 64 + 1
-    assert policy.reserved_on("a") == 10 * 216
+    assert len(policy.holds.books["a"].wakeups) <= 2 * 10 + 64 + 1
+    assert policy.holds.reserved_on("a") == 10 * 216

@@ -26,6 +26,7 @@ from kvgate.core.request import Priority, RequestCost
 from kvgate.core.settings import QueueSettings
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import TenantLedger, TenantLimits
+from kvgate.testing.books import full_reserved_on, upper_tokens
 
 from .helpers import assert_books_empty, assert_flow_empty, make, request
 
@@ -146,23 +147,23 @@ def _check_holds(policy: BasePolicy, live: list[Ticket]) -> None:
     assert policy.in_flight_tokens == sum(full.values())
     for node_id in {*NODES, *(t.node_id for t in live)}:
         on_node = [t for t in live if t.node_id == node_id]
-        assert policy.in_flight_on(node_id) == len(on_node)
-        assert policy.full_reserved_on(node_id) == sum(full[t.key] for t in on_node)
-        assert len(on_node) * overhead <= policy.reserved_on(node_id)
-        assert policy.reserved_on(node_id) <= policy.full_reserved_on(node_id)
-        assert policy.unreflected_now(node_id) >= 0
+        assert policy.holds.in_flight_on(node_id) == len(on_node)
+        assert full_reserved_on(policy, node_id) == sum(full[t.key] for t in on_node)
+        assert len(on_node) * overhead <= policy.holds.reserved_on(node_id)
+        assert policy.holds.reserved_on(node_id) <= full_reserved_on(policy, node_id)
+        assert policy.holds.unreflected_now(node_id) >= 0
 
 
 def _fresh_peak(policy: BasePolicy, node: NodeState) -> float:
     """The node's planned peak built from its books as they are now, the cache untouched."""
-    saved = policy._envelopes.pop(node.node_id, None)
+    saved = policy.forecast._envelopes.pop(node.node_id, None)
     try:
-        return policy.envelope(node).peak()
+        return policy.forecast.envelope(node).peak()
     finally:
         if saved is None:
-            policy._envelopes.pop(node.node_id, None)
+            policy.forecast._envelopes.pop(node.node_id, None)
         else:
-            policy._envelopes[node.node_id] = saved
+            policy.forecast._envelopes[node.node_id] = saved
 
 
 def _check_peak(policy: BasePolicy, ticket: Ticket) -> None:
@@ -299,7 +300,7 @@ class _Books:
         assert not ticket.released and ticket.key in self.flow._leases
         if waiter is not None:  # it waited no longer than its bound
             assert 0 <= ticket.waited_s < waiter.deadline - waiter.enqueued_at + 1e-9
-        if self.flow.policy.name == "adaptive" and self.flow.settings.fail_mode == "closed":
+        if self.flow.policy.name == "adaptive" and self.flow.policy.settings.fail_mode == "closed":
             _check_peak(self.flow.policy, ticket)
         self.tickets.append(ticket)
 
@@ -452,7 +453,7 @@ def test_the_bound_never_undercounts_the_coming_peak(
     The engine here counts a request's true prompt (at most the estimate) once prefilled,
     plus its generated tokens; its gauge lags by `lag` (less than `reflect_margin_s`) and
     a page may be delivered late. Prefix sharing and preemption are outside this model
-    (see `policies.base`).
+    (see `kvgate.core.plan.holds`).
     """
     lag = 0.04
     capacity = 100_000
@@ -526,8 +527,8 @@ def test_the_bound_never_undercounts_the_coming_peak(
         history.append((clock.now(), engine_used()))
         peak = external + sum(s["prompt"] + s["max"] for s in state.values() if not s["done"])
         node = policy.nodes["a"]
-        bound = policy.upper_tokens(node)
-        now = policy.now_tokens(node)
+        bound = upper_tokens(policy, node)
+        now = policy.forecast.now_tokens(node)
         assert bound is not None and now is not None
         assert bound >= peak - 1e-6
         assert now >= engine_used() - 1e-6

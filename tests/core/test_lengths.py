@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.core.lengths import MIN_SAMPLES, WINDOW, OutputLengths
+from kvgate.core.plan.lengths import MIN_SAMPLES, WINDOW, OutputLengths
 
 
 def test_max_tokens_until_enough_requests_have_finished() -> None:

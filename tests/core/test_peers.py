@@ -6,8 +6,8 @@ from __future__ import annotations
 from kvgate.core.admission import Admit, Reject
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import FlowController, Waiter
-from kvgate.core.peers import Demand, share_of
 from kvgate.core.policies import build_policy
+from kvgate.core.replicas.peers import Demand, share_of
 from kvgate.core.request import AdmissionRequest, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
@@ -21,7 +21,7 @@ def replicas(
 ) -> list[FlowController]:
     flows = []
     for i in range(n):
-        policy = build_policy(AdmissionSettings(policy="adaptive"), clock, rng_seed=i)
+        policy = build_policy(AdmissionSettings(), clock, rng_seed=i)
         ledger = TenantLedger(limits=tenants or {})
         flow = FlowController(policy, tenants=ledger, replica=f"r{i}")
         flow.add_node("a")
@@ -143,7 +143,7 @@ def test_isolated_replicas_keep_to_their_part_of_the_node_and_of_tenant_limits()
             flows[1].cancel(decision)
     assert tenant_started == 2
     sync(flows)  # views flow again: the static split ends
-    assert flows[0].policy.peers.isolated is False
+    assert flows[0].policy.claims.peers.isolated is False
 
 
 def test_a_peer_view_refusal_is_never_a_503_for_lack_of_capacity() -> None:

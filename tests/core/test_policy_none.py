@@ -6,6 +6,7 @@ import pytest
 
 from kvgate.core.admission import Admit, Outcome, Reject
 from kvgate.core.request import Priority
+from kvgate.testing.books import upper_tokens
 
 from .helpers import admit, assert_books_empty, cost, make, sample
 
@@ -44,7 +45,7 @@ def test_none_snapshot_shape() -> None:
     assert node["fresh"] and node["state"] == "ok" and node["in_flight"] == 1
     assert node["reserved_tokens"] == 216
     assert abs(node["predicted_usage"] - (5000 + 116) / 10_000) < 1e-9  # its prompt, now
-    assert policy.upper_tokens(policy.nodes["a"]) == 5000 + 216  # and at its cap
+    assert upper_tokens(policy, policy.nodes["a"]) == 5000 + 216  # and at its cap
     assert set(snap) == {
         "policy",
         "time",

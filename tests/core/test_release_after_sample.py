@@ -24,7 +24,7 @@ CAPACITY = 4096  # the panic ceiling (0.92) is 3,768 tokens
 
 def test_a_request_freed_before_the_last_sample_is_not_freed_twice() -> None:
     clock = ManualClock(10.0)
-    flow = FlowController(build_policy(AdmissionSettings(policy="adaptive"), clock, rng_seed=0))
+    flow = FlowController(build_policy(AdmissionSettings(), clock, rng_seed=0))
     flow.add_node("a")
 
     def sample(used: int) -> None:

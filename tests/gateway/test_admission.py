@@ -13,7 +13,7 @@ import httpx
 from gateway.helpers import RawClient, openai_error
 from kvgate.core.admission import Decision, Outcome, Reject, StartEstimate, Ticket
 from kvgate.core.clock import MonotonicClock
-from kvgate.core.policies import NonePolicy
+from kvgate.core.policies.baselines import NonePolicy
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.testing import FakeEngine, eventually
@@ -23,7 +23,7 @@ class RecordingPolicy(NonePolicy):
     """The real `none` policy, recording every call the gateway makes."""
 
     def __init__(self, shed: set[Priority] | None = None) -> None:
-        super().__init__(AdmissionSettings(policy="none"), MonotonicClock(), rng_seed=1)
+        super().__init__(AdmissionSettings(), MonotonicClock(), rng_seed=1)
         self.shed = shed or set()
         self.admitted: list[tuple[str, RequestCost, Priority]] = []
         self.releases: Counter[Ticket] = Counter()  # tickets hash by identity

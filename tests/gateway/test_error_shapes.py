@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from gateway.helpers import openai_error
+from kvgate.core.policies.baselines import BaselineOptions
 from kvgate.sim.server import SimServer
 from kvgate.testing import FakeEngine
 
@@ -31,9 +32,9 @@ async def test_every_error_kvgate_writes_names_its_code_in_x_kvgate_reason(
     lonely = await gateway_factory([refused_url])
     limited = await gateway_factory(
         [fake_engine.url],
-        overrides={"admission.policy": "static-qps", "admission.baseline.qps": 0.001,
-                   "admission.baseline.burst": 1},
-    )  # fmt: skip
+        policy="static-qps",
+        baseline=BaselineOptions(qps=0.001, burst=1),
+    )
     await gw.gateway.catalog.refresh()
     caplog.set_level(logging.INFO, logger="kvgate.access")
     chat = {"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}]}

@@ -52,7 +52,7 @@ async def test_a_burst_at_start_is_told_when_the_running_work_ends(
 ) -> None:
     # The engine's KV gauge shows the requests it runs, as a real engine's does.
     engine = await engine_factory(kv_usage=BASE_USAGE, kv_from_requests=True)
-    gw = await gateway_factory([engine.url], overrides={"admission.policy": "adaptive"})
+    gw = await gateway_factory([engine.url], policy="adaptive")
     counts = gw.gateway.admission.counts
     limits = httpx.Limits(max_connections=BURST + PATIENT)
     async with httpx.AsyncClient(base_url=gw.url, timeout=30, limits=limits) as client:

@@ -54,7 +54,7 @@ async def test_json_logs_metrics_address_and_backend_flag(
         "backends: [http://10.255.0.1:8000, http://10.255.0.2:8000]\n"
     )
     metrics = f"127.0.0.1:{free_port()}"
-    args = ("--config", "kvgate.yaml", "--backend", fake_engine.url, "--policy", "none")
+    args = ("--config", "kvgate.yaml", "--backend", fake_engine.url)
     args += ("--log-format", "json", "--metrics-listen", metrics)
     async with kvgate_serve(*args, cwd=tmp_path) as served:
         async with httpx.AsyncClient(base_url=served.url) as client:
@@ -77,7 +77,7 @@ async def test_json_logs_metrics_address_and_backend_flag(
         status_out = (await asyncio.wait_for(status.communicate(), 60))[0].decode()
     assert served.returncode == 0, served.stderr.decode()
     assert dashboard.status_code == 200
-    assert status.returncode == 0 and "policy none" in status_out, status_out
+    assert status.returncode == 0 and "policy adaptive" in status_out, status_out
     assert (ok.status_code, unknown.status_code) == (200, 404)
     assert hidden.status_code == 404 and only_metrics.status_code == 404
     assert scraped.status_code == 200 and b"kvgate_requests_total" in scraped.content
@@ -144,7 +144,7 @@ async def test_an_ipv6_listen_with_the_port_flag(fake_engine: FakeEngine, tmp_pa
     (tmp_path / "kvgate.yaml").write_text(
         f"server: {{listen: '[::1]:1'}}\nbackends: [{fake_engine.url}]\n"
     )
-    async with kvgate_serve("--config", "kvgate.yaml", "--policy", "none", cwd=tmp_path) as served:
+    async with kvgate_serve("--config", "kvgate.yaml", cwd=tmp_path) as served:
         port = served.url.rpartition(":")[2]
         async with httpx.AsyncClient(base_url=f"http://[::1]:{port}") as client:
             assert await until_ready(client)

@@ -49,7 +49,7 @@ async def test_drain_timeout_cancels_upstream_and_tells_the_client(
 
 @pytest.mark.timeout(60)
 async def test_kvgate_serve_relays_and_exits_cleanly_on_sigterm(fake_engine: FakeEngine) -> None:
-    async with kvgate_serve("--backend", fake_engine.url, "--policy", "none") as served:
+    async with kvgate_serve("--backend", fake_engine.url) as served:
         async with httpx.AsyncClient(base_url=served.url) as client:
             assert await until_ready(client), "kvgate serve never became ready"
             response = await client.post(

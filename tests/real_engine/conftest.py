@@ -140,9 +140,12 @@ def start_gateway(tmp_path: Path, idle_engine: eng.ServerProcess) -> Iterator[Ga
         pytest.importorskip("kvgate.gateway.cli", reason="kvgate serve is not built yet")
         port = eng.free_port()
         env = {f"KVGATE_{key.upper()}": value for key, value in settings.items()}
-        argv = [
-            sys.executable, "-m", "kvgate", "serve", "--backend", idle_engine.url,
-            "--port", str(port), "--policy", policy, "--log-level", "warning",
+        # kvgate's own policy is `kvgate serve`; a baseline runs in the benchmark's gateway.
+        argv = [sys.executable, "-m", "kvgate", "serve"]
+        if policy != "adaptive":
+            argv = [sys.executable, "-m", "kvgate.bench.serve", "--baseline", policy]
+        argv += [
+            "--backend", idle_engine.url, "--port", str(port), "--log-level", "warning",
         ]  # fmt: skip
         log_path = tmp_path / f"kvgate-{policy}-{len(started)}.log"
         server = eng.spawn("kvgate", argv, port, log_path, env)

@@ -40,12 +40,11 @@ async def _gateway(gateway_factory, nodes: list[ChaosNode], **overrides: Any):
             {"url": n.url, "metrics_url": n.metrics_url, "name": f"node{i}"}
             for i, n in enumerate(nodes)
         ],
-        "admission.policy": "adaptive",
         "scrape.interval_s": 0.1,
         "admission.stale_after_s": 0.5,
         **overrides,
     }
-    gw = await gateway_factory([], overrides=settings)
+    gw = await gateway_factory([], policy="adaptive", overrides=settings)
     assert await eventually(lambda: _fresh(gw) == {"node0", "node1"}, 5.0)
     return gw
 

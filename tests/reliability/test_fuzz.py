@@ -20,9 +20,12 @@ from hypothesis import strategies as st
 
 from kvgate.adapters.push import PushValidationError, parse_push
 from kvgate.config import load_config
+from kvgate.core.clock import MonotonicClock
+from kvgate.core.policies.baselines import build_named
 from kvgate.gateway.app import Gateway
 from kvgate.gateway.http.errors import GatewayError
 from kvgate.gateway.relay.intake import parse_completion
+from kvgate.testing.books import ledger_totals
 
 LIMIT = 4096
 KEY = "fuzz-key-0123456789abcdef"
@@ -121,14 +124,14 @@ def gateway_loop():
         None,
         **{
             "backends": [{"url": "http://127.0.0.1:9", "name": "refused"}],
-            "admission.policy": "none",
             "limits.max_body_bytes": 4096,
             "auth.keys": [{"key": KEY, "tenant": "fuzz", "max_priority": "critical"}],
             "auth.tenants": {"fuzz": {"max_in_flight_tokens": 10 * LIMIT}},
             "server.admin_token": ADMIN,
         },
     )
-    gateway = Gateway(config)
+    clock = MonotonicClock()
+    gateway = Gateway(config, policy=build_named("none", config.admission, clock), clock=clock)
     running = gateway.running()
     loop.run_until_complete(running.__aenter__())
     try:
@@ -169,7 +172,7 @@ def test_the_app_never_answers_500(gateway_loop, body, path, auth, priority, req
     assert gateway.metrics.in_flight == 0
     snap = gateway.admission.snapshot()
     assert snap["in_flight_requests"] == 0 and snap["queue"]["waiting"] == 0
-    assert gateway.security.ledger.total_tokens == 0
+    assert ledger_totals(gateway.security.ledger)[0] == 0
 
 
 # ---- pushed engine samples ----------------------------------------------------------------

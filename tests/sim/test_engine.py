@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.sim.engine import Engine, EngineConfig, EngineError, StepLatency
+from kvgate.sim.model.engine import Engine, EngineConfig, EngineError, StepLatency
 from kvgate.sim.presets import CPU_TINY
 
 LAT = StepLatency(fixed_s=0.01, per_prefill_token_s=0.001, per_seq_s=0.001, per_context_token_s=0)

@@ -1,6 +1,6 @@
 """The fast engine against a naive, per-sequence transcription of vLLM's scheduler.
 
-`kvgate.sim.engine` keeps decoding sequences in aggregate form and preempts in O(victims);
+`kvgate.sim.model.engine` keeps decoding sequences in aggregate form and preempts in O(victims);
 this reference walks every sequence every step, exactly in vLLM's order (running list
 first, preempting from its tail until the current sequence's new blocks fit, then waiting
 requests only if nobody was preempted). Random operation sequences must give identical
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvgate.sim.engine import Engine, EngineConfig, StepLatency
+from kvgate.sim.model.engine import Engine, EngineConfig, StepLatency
 
 LAT = StepLatency(fixed_s=0.01, per_prefill_token_s=1e-4, per_seq_s=1e-3, per_context_token_s=1e-6)
 

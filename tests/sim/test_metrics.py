@@ -6,8 +6,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.sim.engine import Engine
 from kvgate.sim.metrics import MetricsPage, only_samples
+from kvgate.sim.model.engine import Engine
 from kvgate.sim.presets import CPU_TINY
 from kvgate.testing import overloaded_engine
 

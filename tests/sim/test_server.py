@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.sim.engine import Engine
+from kvgate.sim.model.engine import Engine
 from kvgate.sim.presets import CPU_TINY
 from kvgate.sim.server import SimServer
 

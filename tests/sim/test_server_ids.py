@@ -18,7 +18,7 @@ import httpx
 import orjson
 import pytest
 
-from kvgate.sim.engine import Engine, EngineConfig
+from kvgate.sim.model.engine import Engine, EngineConfig
 from kvgate.sim.presets import CPU_TINY
 from kvgate.sim.server import SimServer
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvgate.core.settings import AdmissionSettings
 from kvgate.sim.presets import CPU_TINY
-from kvgate.sim.virtual import VirtualConfig, VirtualResult, read_timeout_client, run_virtual
+from kvgate.sim.runs import VirtualConfig, VirtualResult, read_timeout_client
+from kvgate.sim.virtual import run_virtual
 from kvgate.sim.workload import WorkloadSpec, estimate_capacity_rps, generate
 
 WORKLOAD = WorkloadSpec(prompt_mean=300, max_tokens_mean=200, ignore_eos_fraction=0.3)
@@ -20,7 +20,7 @@ def config(policy: str, seed: int = 1, **kw: object) -> VirtualConfig:
         duration_s=10.0,
         nodes=2,
         gateways=2,
-        admission=AdmissionSettings(policy=policy),  # type: ignore[arg-type]
+        policy=policy,  # type: ignore[arg-type]
         # A streaming client's read timeout per token, one backed-off retry, five 429s.
         client=read_timeout_client(timeout_s=5.0, max_retries=1),
         seed=seed,

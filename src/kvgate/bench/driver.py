@@ -31,7 +31,7 @@ from kvgate.bench.suite import (
     run_grid,
     tuned_overrides,
 )
-from kvgate.sim.virtual import RetryMode
+from kvgate.sim.runs import RetryMode
 
 REPO = Path(__file__).resolve().parents[3]
 RESULTS = REPO / "benchmarks" / "overload" / "results"
@@ -272,7 +272,7 @@ def _notes(runs: list[RunResult]) -> list[str]:
 
 
 def main_live(opts: BenchOptions) -> Path:
-    from kvgate.bench.live_driver import live_runner
+    from kvgate.bench.live.driver import live_runner
 
     prof = _profile(opts)
     cap_nodes = opts.nodes

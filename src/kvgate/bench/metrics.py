@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from kvgate.sim.virtual import ERROR as ERROR
-from kvgate.sim.virtual import OK as OK
-from kvgate.sim.virtual import OUTCOMES as OUTCOMES
-from kvgate.sim.virtual import SHED as SHED
-from kvgate.sim.virtual import TIMEOUT as TIMEOUT
-from kvgate.sim.virtual import UNAVAILABLE as UNAVAILABLE
-from kvgate.sim.virtual import Attempt as Attempt
+from kvgate.sim.runs import ERROR as ERROR
+from kvgate.sim.runs import OK as OK
+from kvgate.sim.runs import OUTCOMES as OUTCOMES
+from kvgate.sim.runs import SHED as SHED
+from kvgate.sim.runs import TIMEOUT as TIMEOUT
+from kvgate.sim.runs import UNAVAILABLE as UNAVAILABLE
+from kvgate.sim.runs import Attempt as Attempt
 
 
 # How an attempt ended, and the per-try record itself, are the simulator's: the virtual runs

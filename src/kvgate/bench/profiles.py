@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvgate.bench.metrics import Slo
 from kvgate.bench.workload import Shape
-from kvgate.sim.virtual import ClientModel
+from kvgate.sim.runs import ClientModel
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvgate.bench.metrics import RunResult, Slo, summarize
 from kvgate.bench.workload import Shape, offered_tokens_per_s
-from kvgate.sim.virtual import ClientModel
+from kvgate.sim.runs import ClientModel
 
 
 @dataclass(frozen=True)

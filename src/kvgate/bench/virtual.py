@@ -20,10 +20,12 @@ from collections.abc import Sequence
 from kvgate.bench.metrics import EngineTotals, RunResult, UserRequest
 from kvgate.bench.suite import RunSpec
 from kvgate.bench.workload import Arrival, burst_times, generate
+from kvgate.core.policies.baselines import BaselineOptions, policy_name
 from kvgate.core.request import Priority
 from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.sim.presets import get_preset
-from kvgate.sim.virtual import NO_QUEUE, VirtualCluster, VirtualConfig, VirtualResult
+from kvgate.sim.runs import NO_QUEUE, VirtualConfig, VirtualResult
+from kvgate.sim.virtual import VirtualCluster
 from kvgate.sim.workload import RequestSpec, WorkloadSpec
 
 SCRAPE_S = 0.05  # as the gateway scrapes
@@ -35,7 +37,9 @@ TOKEN_UPDATE_S = 0.25
 def virtual_config(spec: RunSpec) -> VirtualConfig:
     """The simulator configuration of one benchmark run (its arrivals come separately)."""
     engine = dataclasses.replace(get_preset(spec.preset), abort_on_disconnect=spec.cancel)
-    settings = AdmissionSettings(policy=spec.policy, **spec.policy_overrides)
+    overrides = dict(spec.policy_overrides)
+    baseline = BaselineOptions(**overrides.pop("baseline", {}))
+    settings = AdmissionSettings(**overrides)
     queue = QueueSettings() if spec.queue else NO_QUEUE
     return VirtualConfig(
         engine=engine,
@@ -44,6 +48,8 @@ def virtual_config(spec: RunSpec) -> VirtualConfig:
         nodes=spec.nodes,
         gateways=1,
         admission=settings,
+        policy=policy_name(spec.policy),
+        baseline=baseline,
         queue=queue,
         order="fcfs" if spec.order == "fcfs" else "fair",
         feedback=spec.feedback,

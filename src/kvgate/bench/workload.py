@@ -5,7 +5,7 @@ requests (prompt 25-50% of one node's KV cache), plus periodic bursts of long re
 Everything scales with one number, `load`: 1.0 is the cluster's measured sustainable
 capacity (see `kvgate.bench.suite`), so 3.0 offers three times what the cluster can serve.
 Arrivals are drawn from the seed alone, never from a policy's behaviour, so every policy
-faces exactly the same users. How the users' clients behave is `kvgate.sim.virtual.ClientModel`,
+faces exactly the same users. How the users' clients behave is `kvgate.sim.runs.ClientModel`,
 the same in virtual and live runs.
 """
 

@@ -7,16 +7,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from kvgate.cluster.participant import ClusterParticipant, SignalSink
 from kvgate.cluster.redis_store import RedisStore
-from kvgate.cluster.sync import ClusterSync, new_member_id
+from kvgate.cluster.sync import ClusterParticipant, ClusterSync, new_member_id
 from kvgate.core.clock import Clock
+from kvgate.core.replicas.exchange import ReplicaExchange
+from kvgate.core.signals import SignalSink
 
 
 class Admission(ClusterParticipant, SignalSink, Protocol):
     """The core object a replica shares: views out and in, samples in."""
 
-    replica: str
+    @property
+    def exchange(self) -> ReplicaExchange:
+        """Its side of the exchange, which carries its name among the replicas."""
+        ...
 
 
 def join(
@@ -30,7 +34,7 @@ def join(
     """The sync task of one replica (not started: the caller owns `run()`). The admission
     core takes the member id as its replica name, the one its views carry."""
     member_id = new_member_id()
-    admission.replica = member_id
+    admission.exchange.replica = member_id
     return ClusterSync(
         RedisStore(url, client_name=f"kvgate-{member_id}"),
         admission,

@@ -1,27 +1,39 @@
-"""Engine samples shared between replicas: the ones to publish, and the peers' to feed.
+"""Engine samples shared between replicas: the ones to publish, the peers' to feed, and the
+store's clock that carries their times across.
 
 Each engine is scraped by one replica (see `kvgate.cluster.shards`); the others learn its
 state from the store. A replica publishes, per engine it polled itself lately, a *record*:
 its last good sample, how many scrapes failed since, and when it last tried, every time in
-the store's clock (`kvgate.cluster.clocklink`). A reader feeds a record into its own policy
+the store's clock (`ClockLink`, below). A reader feeds a record into its own policy
 the way its scraper would: a newer sample through `observe` (its time mapped back to the
 local clock), new failures through `observe_failure`, so the core cannot tell a shared
 sample from one of its own scrapes.
 
 Records come from other processes, possibly of another version: a record that does not
 parse is skipped, never trusted.
+
+**The store's clock.** A sample's `sampled_at` is on the monotonic clock of the process
+that scraped it, which means nothing to another process, let alone another host. Every sync
+tick brings back the store's own time (Redis `TIME`) and is bracketed by two readings of the
+local clock, so `offset = store_time - midpoint` maps local time to store time with an error
+of at most half the round trip. A sample travels in store time and is mapped back by each
+reader (`ClockLink`).
+
+The link keeps the best (shortest round trip) of its recent estimates, and errs on the
+safe side: both directions subtract the uncertainty, so a sample can only look older than
+it is, never younger (an older sample reflects fewer requests, so the core over-counts,
+never under-counts). On loopback the round trip is a few hundred microseconds.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kvgate.cluster.clocklink import ClockLink
-from kvgate.cluster.participant import SignalSink
 from kvgate.core.clock import Clock
-from kvgate.core.signals import NodeSample
+from kvgate.core.signals import NodeSample, SignalSink
 
 #: An owner whose view was published longer ago than this stopped ticking (dead,
 #: isolated, stalled): its engines are scraped locally again. Well inside the core's
@@ -33,6 +45,41 @@ PUBLISH_FOR_S = 1.0
 _MAX_FAILURES_FED = 32
 
 _SAMPLE_FIELDS = tuple(f.name for f in fields(NodeSample))
+# Recent exchanges the clock link keeps, to take the one with the shortest round trip.
+_WINDOW = 16
+
+
+class ClockLink:
+    """Local time <-> store time, from the exchanges' round trips (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._estimates: deque[tuple[float, float]] = deque(maxlen=_WINDOW)  # (half-rtt, off)
+        self._offset: float | None = None
+        self._uncertainty = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self._offset is not None
+
+    @property
+    def uncertainty_s(self) -> float:
+        return self._uncertainty
+
+    def observe(self, sent_at: float, received_at: float, store_time: float) -> None:
+        """One exchange: sent and answered at these local instants, run at `store_time`."""
+        half = max(0.0, received_at - sent_at) / 2
+        self._estimates.append((half, store_time - (sent_at + half)))
+        self._uncertainty, self._offset = min(self._estimates)
+
+    def to_store(self, local: float) -> float:
+        if self._offset is None:
+            raise RuntimeError("no exchange yet: the store's clock is unknown")
+        return local + self._offset - self._uncertainty
+
+    def to_local(self, store: float) -> float:
+        if self._offset is None:
+            raise RuntimeError("no exchange yet: the store's clock is unknown")
+        return store - self._offset - self._uncertainty
 
 
 @dataclass(slots=True)

@@ -1,16 +1,17 @@
 """The sync task: one replica's link to the others, one store round trip per tick.
 
-Every `SYNC_PERIOD_S` the task publishes this replica's view (the core's `local_view()`,
-its first-hand engine samples, a few facts for operators) and gets back every live
-replica's view in the same atomic exchange (`ClusterStore.exchange`). Then it
+Every `SYNC_PERIOD_S` the task publishes this replica's view (a `Publication`, see
+`kvgate.cluster.publication`: the core's `local_view()`, its first-hand engine samples, a
+few facts for operators) and gets back every live replica's view in the same atomic
+exchange (`ClusterStore.exchange`). Then it
 
-- hands the peers' views to the core (`set_peer_views(views, members)`), which counts the
-  other replicas' holds against each node and fills only this replica's share of a node's
-  free room;
+- hands the peers' views to the core (`set_peer_views(views, members)`, each a `PeerView`
+  with its age on this replica's clock), which counts the other replicas' holds against
+  each node and fills only this replica's share of a node's free room;
 - assigns engines to members by rendezvous hashing (`kvgate.cluster.shards`): an engine is
   polled by its owner only, and the others feed the owner's samples into their own policy
   (`kvgate.cluster.samples`), so an engine's scrape load does not grow with the replicas;
-- keeps the store's clock (`kvgate.cluster.clocklink`) to carry sample times across.
+- keeps the store's clock (`kvgate.cluster.samples.ClockLink`) to carry sample times across.
 
 **The request path never waits for the store.** Admission reads only what the last tick
 left in the core.
@@ -55,17 +56,17 @@ import os
 import secrets
 import socket
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kvgate.cluster import shards
-from kvgate.cluster.clocklink import ClockLink
-from kvgate.cluster.envelope import Envelope, decode
-from kvgate.cluster.participant import ClusterParticipant, SignalSink
-from kvgate.cluster.samples import SHARED_FRESH_S, Record, SampleLedger, SharingSink
+from kvgate.cluster.publication import Publication, decode
+from kvgate.cluster.samples import SHARED_FRESH_S, ClockLink, Record, SampleLedger, SharingSink
 from kvgate.cluster.store import ClusterStore, Exchange, StoreError
 from kvgate.core.clock import Clock
+from kvgate.core.replicas.view import PeerView
+from kvgate.core.signals import SignalSink
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,29 @@ State = Literal["starting", "synced", "isolated"]
 def new_member_id() -> str:
     """Unique per process and start: host, pid and a random suffix."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class ClusterParticipant(Protocol):
+    """The core's side of replication (its flow controller): the sync task publishes its
+    `local_view()` every tick and hands the other live replicas' views back through
+    `set_peer_views`; while the store cannot be reached it calls `set_isolated` instead,
+    and the core keeps to a safe share of each node's headroom. The core never imports
+    this package; it only has to have these three methods."""
+
+    def local_view(self) -> PeerView:
+        """This replica's live holds per node, claims, queue demand, tenant usage and
+        fairness counters (`kvgate.core.replicas.view`)."""
+        ...
+
+    def set_peer_views(self, views: Sequence[PeerView], members: int) -> None:
+        """The other live replicas' latest views, and how many replicas are live (this one
+        included)."""
+        ...
+
+    def set_isolated(self, members: int) -> None:
+        """The store is unreachable: keep to a 1/`members` share of each node's headroom
+        until `set_peer_views` is called again."""
+        ...
 
 
 @dataclass(slots=True)
@@ -145,7 +169,7 @@ class ClusterSync:
         self.members: tuple[str, ...] = ()
         self.shards: dict[str, str] = {}
         self._nodes = nodes
-        self._peers: dict[str, Envelope | None] = {}
+        self._peers: dict[str, Publication | None] = {}
         self._remote: frozenset[str] = frozenset()  # engines scraped by their owner, not us
         self._assigned: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._bad_peers: set[str] = set()
@@ -214,7 +238,7 @@ class ClusterSync:
 
     def outgoing(self) -> bytes:
         """This replica's view, to publish now."""
-        blob = self._envelope(self.clock.now()).encode()
+        blob = self._publication(self.clock.now()).encode()
         self.stats.view_bytes = len(blob)
         return blob
 
@@ -242,8 +266,8 @@ class ClusterSync:
 
     # ---- one tick's work -------------------------------------------------------------------
 
-    def _envelope(self, now: float) -> Envelope:
-        core = self._call(self.participant.local_view)
+    def _publication(self, now: float) -> Publication:
+        view = self._call(self.participant.local_view)
         samples = self.ledger.records(now, self.link) if self.link.known else {}
         meta = {
             "host": socket.gethostname(),
@@ -252,7 +276,8 @@ class ClusterSync:
             "scrapes": sorted(n for n in self.served_nodes() if n not in self._remote),
             "at": self.link.to_store(now) if self.link.known else None,
         }
-        return Envelope(core if isinstance(core, dict) else {}, samples, meta)
+        core = view.to_json() if isinstance(view, PeerView) else {}
+        return Publication(core, samples, meta)
 
     def _apply(self, views: Mapping[str, bytes], now: float) -> None:
         me = self.member_id
@@ -277,7 +302,7 @@ class ClusterSync:
             if self._served_by(owner, node_id, now):
                 remote.add(node_id)
         self._remote = frozenset(remote)
-        views_in = [self._aged(env, now) for env in self._peers.values() if env is not None]
+        views_in = [self._view(pub, now) for pub in self._peers.values() if pub is not None]
         self._call(self.participant.set_peer_views, views_in, len(self.members))
         if self.state == "isolated" and self.stats.isolated_since is not None:
             log.info(
@@ -297,13 +322,15 @@ class ClusterSync:
         self.stats.isolated_since = None
         self.stats.last_error = None
 
-    def _aged(self, env: Envelope, now: float) -> dict[str, Any]:
-        """A peer's core view with its age (on the store's clock): the core compares how
+    def _view(self, pub: Publication, now: float) -> PeerView:
+        """A peer's core view with its age (from the store's clock): the core compares how
         long each replica's queue head has waited at one instant."""
-        at = env.meta.get("at")
+        at = pub.meta.get("at")
         if not isinstance(at, int | float) or not self.link.known:
-            return env.core
-        return {**env.core, "view_age_s": max(0.0, now - self.link.to_local(at))}
+            return PeerView.from_json(pub.core)
+        return PeerView.from_json(
+            {**pub.core, "view_age_s": max(0.0, now - self.link.to_local(at))}
+        )
 
     def _isolate(self, reason: str) -> None:
         self.stats.failures_total += 1
@@ -328,28 +355,28 @@ class ClusterSync:
         the engine and holds a record of it? The age of the record does not matter: the
         poll of a busy engine may take seconds (the scraper waits for it), and polling it
         from every replica then would only load it more."""
-        env = self._peers.get(owner)
-        if env is None or node_id not in (env.meta.get("scrapes") or ()):
+        pub = self._peers.get(owner)
+        if pub is None or node_id not in (pub.meta.get("scrapes") or ()):
             return False
-        published = env.meta.get("at")
+        published = pub.meta.get("at")
         if not isinstance(published, int | float):
             return False
-        return self.link.to_local(published) >= now - SHARED_FRESH_S and node_id in env.samples
+        return self.link.to_local(published) >= now - SHARED_FRESH_S and node_id in pub.samples
 
     def _newest_record(self, node_id: str) -> Record | None:
         newest: Record | None = None
-        for env in self._peers.values():
-            record = None if env is None else env.record(node_id)
+        for pub in self._peers.values():
+            record = None if pub is None else pub.record(node_id)
             if record is not None and (newest is None or record.attempt_at > newest.attempt_at):
                 newest = record
         return newest
 
-    def _decode(self, member: str, blob: bytes) -> Envelope | None:
-        env = decode(blob)
-        if env is None and member not in self._bad_peers:
+    def _decode(self, member: str, blob: bytes) -> Publication | None:
+        pub = decode(blob)
+        if pub is None and member not in self._bad_peers:
             self._bad_peers.add(member)
             log.warning("cluster: member %s publishes a view this version cannot read", member)
-        return env
+        return pub
 
     def served_nodes(self) -> tuple[str, ...]:
         """The engines this replica serves now, sorted."""
@@ -372,8 +399,8 @@ class ClusterSync:
         owned = shards.by_member(self.shards)
         members = []
         for member in self.members or (self.member_id,):
-            env = None if member == self.member_id else self._peers.get(member)
-            meta = env.meta if env is not None else {}
+            pub = None if member == self.member_id else self._peers.get(member)
+            meta = pub.meta if pub is not None else {}
             mine = member == self.member_id
             members.append(
                 {

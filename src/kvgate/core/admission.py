@@ -17,10 +17,18 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvgate.core.request import AdmissionRequest
 from kvgate.core.signals import NodeSample
+
+if TYPE_CHECKING:
+    import random
+
+    from kvgate.core.clock import Clock
+    from kvgate.core.plan.lengths import OutputLengths
+    from kvgate.core.replicas.claims import Claims
+    from kvgate.core.replicas.peers import PeerState
 
 
 class Outcome(enum.Enum):
@@ -91,9 +99,38 @@ class StartEstimate:
 
 
 class AdmissionPolicy(Protocol):
-    """Placement: one small interface, several implementations (adaptive, baselines)."""
+    """Placement as the flow controller (`kvgate.core.flow`) and its replica exchange
+    (`kvgate.core.replicas.exchange`) use it: every member they use, and no other.
 
-    name: str
+    Implemented by `kvgate.core.policies.AdaptivePolicy` (production) and by the
+    benchmark's baselines (`kvgate.core.policies.baselines`), all on
+    `kvgate.core.policies.base.BasePolicy`.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def rng(self) -> random.Random:
+        """The source of the flow controller's jitter too (seeded runs reproduce)."""
+        ...
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever anything a decision depends on changes (a sample, a start, an
+        end, the node set, the peers): equal generations give equal answers."""
+        ...
+
+    @property
+    def lengths(self) -> OutputLengths: ...
+
+    @property
+    def claims(self) -> Claims:
+        """This replica's claims on each node's slack (while other replicas admit too)."""
+        ...
 
     def admit(
         self, request: AdmissionRequest, promised: Mapping[str, float] | None = None
@@ -110,8 +147,20 @@ class AdmissionPolicy(Protocol):
         when no candidate can say (no capacity known, or it would not fit even then)."""
         ...
 
+    def shortfall(self, request: AdmissionRequest) -> float:
+        """Tokens the candidates must free before `request` fits on the best of them."""
+        ...
+
     def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:
         """Seconds until the candidates have freed `tokens` KV tokens; None if unknown."""
+        ...
+
+    def time_left(self, ticket: Ticket) -> float:
+        """Seconds until the ticket's request is expected to end (0 once released)."""
+        ...
+
+    def footprint(self, request: AdmissionRequest, expected: int) -> int:
+        """Tokens the request will hold at its end if it produces `expected` tokens."""
         ...
 
     def on_first_token(self, ticket: Ticket) -> None: ...
@@ -133,6 +182,10 @@ class AdmissionPolicy(Protocol):
     def add_node(self, node_id: str) -> None: ...
 
     def remove_node(self, node_id: str) -> None: ...
+
+    def set_peers(self, state: PeerState) -> None:
+        """The other replicas' state from the last sync (`kvgate.core.replicas.peers`)."""
+        ...
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for `/admin/state` and the dashboard."""

@@ -101,8 +101,6 @@ class NodeState:
     # the reported used tokens (0 without a KV gauge).
     cap: int | None = None
     used: float = 0.0
-    # Ceiling for non-critical work set by the node's controller (adaptive policy).
-    dynamic_ceiling: float = 1.0
     # When the gateway last saw this node produce tokens (`progress`), and when its last
     # good sample arrived (a slow page's arrives well after its `sampled_at`).
     progress_at: float = float("-inf")
@@ -272,9 +270,6 @@ class NodeState:
             and baseline.count >= MIN_BASELINE_SAMPLES
             and sample.iteration_latency_s > settings.tuning.thrash_latency_factor * baseline.value
         )
-
-    def is_thrashing(self, now: float) -> bool:
-        return self.thrashing
 
 
 def _since(at: float, now: float) -> float | None:

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from kvgate.core.request import Priority
 
-PolicyName = Literal["adaptive", "none", "static-qps", "static-concurrency", "seed"]
 FailMode = Literal["closed", "open"]
 BandName = Literal["critical", "standard", "sheddable", "total"]
 
@@ -60,25 +59,9 @@ class Tuning:
     prompt_safety_factor: float = 1.1
 
 
-class BaselineSettings(BaseModel):
-    """Parameters of the baseline policies the benchmark compares kvgate with: `qps` and
-    `burst` of `static-qps`'s token bucket, `concurrency` of `static-concurrency`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    qps: float = Field(50.0, gt=0)  # requests per second
-    burst: int = Field(50, gt=0)  # the bucket's depth
-    concurrency: int = Field(32, gt=0)  # requests in flight at most
-
-
 class AdmissionSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    policy: PolicyName = Field(
-        "adaptive",
-        description="`adaptive` (kvgate's). `none`, `static-qps`, `static-concurrency` and"
-        " `seed` are baselines for benchmarks, not protection.",
-    )
     high_watermark: float = Field(
         0.80,
         gt=0,
@@ -113,12 +96,6 @@ class AdmissionSettings(BaseModel):
     tokenizers: dict[str, str] = Field(
         default_factory=dict,
         description="Model name -> tokenizer.json path, for exact prompt token counts.",
-    )
-    baseline: BaselineSettings = Field(
-        default_factory=BaselineSettings,
-        description="Only for the baseline policies the benchmark compares with (not"
-        " protection): `static-qps`'s token bucket (`qps` requests/s, `burst` deep) and"
-        " `static-concurrency`'s cap (`concurrency` requests in flight).",
     )
 
     _tuning: Tuning = PrivateAttr(default_factory=Tuning)

@@ -1,9 +1,10 @@
-"""What an engine tells us about itself, reduced to the few numbers admission needs."""
+"""What an engine tells us about itself, reduced to the few numbers admission needs
+(`NodeSample`), and where those samples go (`SignalSink`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,12 +26,6 @@ class NodeSample:
     sampled_at: float
     preemptions_total: float | None = None
 
-    @property
-    def kv_used_tokens(self) -> float | None:
-        if self.kv_usage is None or self.kv_capacity_tokens is None:
-            return None
-        return self.kv_usage * self.kv_capacity_tokens
-
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form, the one used by `/admin/state`, the dashboard and the cluster."""
         return {
@@ -42,3 +37,15 @@ class NodeSample:
             "sampled_at": self.sampled_at,
             "preemptions_total": self.preemptions_total,
         }
+
+
+class SignalSink(Protocol):
+    """Where engine samples go: the admission core (its flow controller, or a policy), fed
+    by the scraper (`kvgate.gateway.engines.scraper`) and by the samples other replicas
+    share (`kvgate.cluster.samples`)."""
+
+    def observe(self, node_id: str, sample: NodeSample) -> None: ...
+
+    def observe_failure(self, node_id: str, hard: bool = True) -> None:
+        """A failed scrape; not `hard` when it was only abandoned unanswered (a busy engine)."""
+        ...

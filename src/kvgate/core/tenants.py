@@ -81,7 +81,7 @@ class TenantLedger:
     default_limits: TenantLimits = field(default_factory=TenantLimits)
     _usage: dict[str, _Usage] = field(default_factory=dict)
     # Other replicas' usage per tenant (tokens, requests), and the number of replicas whose
-    # limits must be split statically when their usage cannot be seen (kvgate.core.peers).
+    # limits must be split statically when their usage cannot be seen (kvgate.core.replicas.peers).
     peers: dict[str, tuple[int, int]] = field(default_factory=dict)
     split: int = 1
     # With other replicas: what this replica may still add per tenant [tokens, requests]
@@ -251,14 +251,6 @@ class TenantLedger:
         """(tokens, requests) `tenant` holds now."""
         usage = self._usage.get(tenant)
         return (usage.tokens, usage.requests) if usage else (0, 0)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(u.tokens for u in self._usage.values())
-
-    @property
-    def total_requests(self) -> int:
-        return sum(u.requests for u in self._usage.values())
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able usage per tenant, for `/admin/state` and `/metrics`."""

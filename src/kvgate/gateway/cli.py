@@ -21,9 +21,17 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from kvgate.procs.children import die_with_parent, stop
+
+if TYPE_CHECKING:
+    from kvgate.core.clock import Clock
+    from kvgate.core.policies.base import BasePolicy
+    from kvgate.core.settings import AdmissionSettings
+
+    #: Builds a placement on the gateway's clock (see `run`).
+    PolicyFactory = Callable[[AdmissionSettings, Clock], BasePolicy]
 
 log = logging.getLogger("kvgate.serve")
 
@@ -62,11 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--port", type=int, help="port to listen on: the port of server.listen (default 8080)"
-    )
-    parser.add_argument(
-        "--policy",
-        choices=["none", "static-qps", "static-concurrency", "seed", "adaptive"],
-        help="admission policy (default adaptive; the others are the benchmark's baselines)",
     )
     parser.add_argument(
         "--server",
@@ -133,7 +136,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "server.metrics_listen": args.metrics_listen,
         "server.log_level": args.log_level,
         "server.log_format": args.log_format,
-        "admission.policy": args.policy,
         "store.url": args.store,
     }
     if args.backend:
@@ -156,12 +158,17 @@ def _listen_flags(args: argparse.Namespace) -> str | None:
     return join_address(host, port)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, policy: PolicyFactory | None = None) -> int:
+    """`kvgate serve ARGS`; `policy` builds the gateway's placement in place of kvgate's
+    (`kvgate.bench.serve` runs the benchmark's baselines with it)."""
     from kvgate.config import ConfigError, load_config
     from kvgate.gateway.ops.logs import setup_logging
 
     if args.workers < 1:
         print("kvgate serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if policy is not None and args.workers > 1:
+        print("kvgate serve: a baseline policy runs in one process (no --workers)", file=sys.stderr)
         return 2
     overrides = _overrides(args)
     try:
@@ -197,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
             args.as_worker,
             origin,
             args.config,
+            policy,
         )
     except SimulatorError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
@@ -210,7 +218,7 @@ def _serve_workers(args: argparse.Namespace, config: Any, overrides: dict[str, A
     """`--workers N`: this process supervises N `kvgate serve` workers (kvgate.procs.workers)."""
     from kvgate.procs.workers import serve_workers
 
-    flags = {"--config": args.config, "--policy": args.policy, "--server": args.server,
+    flags = {"--config": args.config, "--server": args.server,
              "--log-level": args.log_level, "--log-format": args.log_format,
              "--certfile": args.certfile, "--keyfile": args.keyfile,
              "--metrics-listen": args.metrics_listen}  # fmt: skip
@@ -235,7 +243,9 @@ def _serve(
     as_worker: int = 0,
     origin: str = "",
     config_path: str | None = None,
+    policy: PolicyFactory | None = None,
 ) -> int:
+    from kvgate.core.clock import MonotonicClock
     from kvgate.gateway.app import Gateway
     from kvgate.gateway.http.server import bind_socket, run_server
     from kvgate.gateway.relay.tokenizers import TokenizerLoadError
@@ -255,7 +265,14 @@ def _serve(
                 print(f"kvgate serve: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
                 return 1
         try:
-            gateway = Gateway(config, load_config=reread, replicas=max(1, as_worker))
+            clock = MonotonicClock()
+            gateway = Gateway(
+                config,
+                policy=None if policy is None else policy(config.admission, clock),
+                clock=clock,
+                load_config=reread,
+                replicas=max(1, as_worker),
+            )
         except (TokenizerLoadError, ValueError) as exc:
             print(f"kvgate serve: invalid configuration: {exc}", file=sys.stderr)
             return 2
@@ -266,7 +283,7 @@ def _serve(
             "https" if tls else "http",
             join_address(host, port),
             server.server,
-            config.admission.policy,
+            gateway.admission.policy.name,
             len(gateway.backends),
             origin,
             ", ".join(b.node_id for b in gateway.backends),

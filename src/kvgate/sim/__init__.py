@@ -10,16 +10,17 @@
 - `metrics`: the vLLM-named Prometheus page (plus `sim:` counters).
 - `server` + `openai_request` + `cli`: live mode, `kvgate sim --nodes N`: OpenAI-compatible
   HTTP engines.
-- `workload` + `virtual`: virtual-time mode, a discrete-event cluster of engine models
-  behind kvgate admission policies, for long and large experiments::
+- `workload` + `virtual` + `runs`: virtual-time mode, a discrete-event cluster of engine
+  models behind kvgate admission policies (`virtual`), for long and large experiments; a
+  run's configuration and what it records (`runs`)::
 
-      from kvgate.core.settings import AdmissionSettings
       from kvgate.sim.presets import GPU_8B
-      from kvgate.sim.virtual import VirtualConfig, run_virtual
+      from kvgate.sim.runs import VirtualConfig
+      from kvgate.sim.virtual import run_virtual
       from kvgate.sim.workload import WorkloadSpec
 
       result = run_virtual(VirtualConfig(
           engine=GPU_8B, workload=WorkloadSpec(rate_rps=300), duration_s=120, nodes=16,
-          gateways=2, admission=AdmissionSettings(policy="adaptive"), seed=1))
+          gateways=2, policy="adaptive", seed=1))
       print(result.summary())
 """

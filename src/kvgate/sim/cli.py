@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, config: object) -> int:
-    from kvgate.sim.engine import Engine, EngineConfig
+    from kvgate.sim.model.engine import Engine, EngineConfig
     from kvgate.sim.server import SimServer
 
     assert isinstance(config, EngineConfig)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvgate.sim.engine import Engine
-from kvgate.sim.histogram import Histogram
+from kvgate.sim.model.engine import Engine
+from kvgate.sim.model.histogram import Histogram
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvgate.sim.engine import EngineConfig, StepLatency
+from kvgate.sim.model.engine import EngineConfig, StepLatency
 
 CPU_TINY = EngineConfig(
     num_blocks=128,

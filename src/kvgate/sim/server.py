@@ -28,8 +28,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvgate.sim.engine import Engine, EngineError, StepResult
 from kvgate.sim.metrics import CONTENT_TYPE, MetricsPage, only_samples
+from kvgate.sim.model.engine import Engine, EngineError, StepResult
 from kvgate.sim.openai_request import (
     BadRequest,
     ParsedRequest,

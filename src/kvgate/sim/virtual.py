@@ -5,11 +5,13 @@ function of its `VirtualConfig`) advances a `ManualClock` from event to event:
 
 - **Engines** step back to back while they have work: at each step boundary the previous
   step is finished (tokens, finishes, frees) and the next one begins.
-- **Gateway replicas** each hold their own `AdmissionPolicy` (`build_policy`), so each
+- **Gateway replicas** each hold their own policy (`VirtualConfig.policy`), so each
   knows only its own reservations, like real replicas. Each scrapes every engine every
   `scrape_interval_s` (replicas spread over the interval); the page is taken at the send
-  time and reaches the policy `scrape_lag_s` later, stamped with the send time as
-  `policies.base` asks. Streaming requests report their output count to their replica
+  time and reaches the policy `scrape_lag_s` later, stamped with the send time as the
+  holds' reflection asks (`kvgate.core.plan.holds`). With `sync_interval_s` they exchange
+  their views (`PeerView`) through a modelled store, as live replicas do through Redis.
+  Streaming requests report their output count to their replica
   every `token_update_interval_s` (what a live gateway learns from the stream; coarser
   than per token to keep the cost O(streams) per update, never under-counting).
 - **Clients** arrive from a `WorkloadSpec` (or a caller's own list of `RequestSpec`, which is
@@ -23,9 +25,10 @@ function of its `VirtualConfig`) advances a `ManualClock` from event to event:
   ticket) lives until the engine finishes it. A 429 waits for its Retry-After; a 503
   counts as a 5xx. `max_attempts`, `max_retries` and `max_429_tries` bound the tries.
 
-Results are plain dataclasses: one `RequestOutcome` per client request holding one
-`Attempt` record per try (the records the benchmark scores, live or virtual), and one
-`SeriesPoint` per `series_interval_s`.
+The configuration (`VirtualConfig`) and the results are the plain dataclasses of
+`kvgate.sim.runs`: one `RequestOutcome` per client
+request holding one `Attempt` record per try (the records the benchmark scores, live or
+virtual), and one `SeriesPoint` per `series_interval_s`, in a `VirtualResult`.
 """
 
 from __future__ import annotations
@@ -38,246 +41,37 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from dataclasses import replace
+from typing import Any
 
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import ArrivalOrder, FlowController, TokenFairness, Waiter
-from kvgate.core.policies import build_policy
+from kvgate.core.policies import AdaptivePolicy
+from kvgate.core.policies.baselines import build_named
+from kvgate.core.replicas.view import PeerView
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
-from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.core.signals import NodeSample
-from kvgate.sim.engine import Engine, EngineConfig, EngineError, StepResult
-from kvgate.sim.workload import RequestSpec, WorkloadSpec, generate
+from kvgate.sim.model.engine import Engine, EngineError, StepResult
+from kvgate.sim.runs import (
+    ERROR,
+    OK,
+    SHED,
+    TIMEOUT,
+    UNAVAILABLE,
+    Attempt,
+    RequestOutcome,
+    SeriesPoint,
+    VirtualConfig,
+    VirtualResult,
+    engine_totals,
+    series_point,
+)
+from kvgate.sim.workload import RequestSpec, generate
 
 (_STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES, _DECIDED, _WAIT_END,
  _SYNC, _STORE, _REPLY) = range(12)  # fmt: skip
 _PRIORITY_NAMES = {p: p.name.lower() for p in Priority}
-# A gateway without a queue: every request is admitted or refused at once.
-NO_QUEUE = QueueSettings(max_wait_s={"critical": 0, "standard": 0, "sheddable": 0})
-
-
-# How one try ended, from the client's point of view (shared with the live benchmark).
-OK = "ok"  # the whole answer arrived within the client's timeout
-TIMEOUT = "timeout"  # the client gave up waiting and disconnected
-SHED = "shed"  # 429 from the gateway: never reached an engine
-UNAVAILABLE = "unavailable"  # 503 (no backend could serve at all)
-ERROR = "error"  # any other 5xx or transport error
-OUTCOMES = (OK, TIMEOUT, SHED, UNAVAILABLE, ERROR)
-
-
-class _Uniform(Protocol):
-    def uniform(self, a: float, b: float, /) -> Any: ...
-
-
-RetryMode = Literal["immediate", "backoff"]
-
-
-@dataclass(frozen=True, slots=True)
-class ClientModel:
-    """How clients wait, give up and retry: one model for virtual and live runs.
-
-    `deadline="answer"` is a whole-answer deadline (an HTTP client's total timeout);
-    `"token"` restarts the clock at each streamed token (a read timeout). After a timeout
-    or a 5xx the client retries at once (`retry="immediate"`) or after an exponential
-    backoff with full jitter (`"backoff"`); a 429 waits for its Retry-After when
-    `honor_retry_after`. It gives up after `max_attempts` tries of any kind, after
-    `max_retries` retries of timeouts/5xx, or after `max_429_tries` 429s (None: no
-    separate bound).
-    """
-
-    timeout_s: float = 30.0
-    deadline: Literal["answer", "token"] = "answer"
-    max_attempts: int = 4
-    max_retries: int | None = None
-    max_429_tries: int | None = None
-    retry: RetryMode = "immediate"
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 8.0
-    honor_retry_after: bool = True
-
-    def retry_delay(self, attempt_no: int, rng: _Uniform) -> float:
-        """Delay before try `attempt_no + 1` after a timeout or 5xx on try `attempt_no`."""
-        if self.retry == "immediate":
-            return 0.0
-        cap = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt_no - 1))
-        return float(rng.uniform(0.0, cap))
-
-
-def read_timeout_client(timeout_s: float, max_retries: int = 2) -> ClientModel:
-    """A streaming client with a per-token read timeout, `max_retries` backed-off retries
-    (1 s doubling up to 30 s) and up to five 429s: the simulator's capacity-study client."""
-    return ClientModel(
-        timeout_s=timeout_s,
-        deadline="token",
-        max_attempts=1 + max_retries + 5,
-        max_retries=max_retries,
-        max_429_tries=5,
-        retry="backoff",
-        backoff_base_s=1.0,
-        backoff_max_s=30.0,
-    )
-
-
-@dataclass(slots=True)
-class Attempt:
-    """One try (an HTTP request, or its virtual twin). Times are seconds on the run's clock."""
-
-    start: float
-    end: float
-    outcome: str
-    first_token_at: float | None = None
-    output_tokens: int = 0
-    retry_after_s: float | None = None
-    node: str | None = None
-    waited_s: float = 0.0  # in the gateway's queue before it was admitted
-
-    @property
-    def admitted(self) -> bool:
-        """Did this attempt reach an engine (i.e. was not refused by the gateway)?"""
-        return self.outcome not in (SHED, UNAVAILABLE)
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean time per output token after the first; None with fewer than two tokens."""
-        if self.first_token_at is None or self.output_tokens < 2 or self.outcome != OK:
-            return None
-        return (self.end - self.first_token_at) / (self.output_tokens - 1)
-
-
-@dataclass(frozen=True, slots=True)
-class VirtualConfig:
-    engine: EngineConfig
-    workload: WorkloadSpec
-    duration_s: float
-    nodes: int = 16
-    gateways: int = 1
-    admission: AdmissionSettings = field(default_factory=lambda: AdmissionSettings(policy="none"))
-    # The gateway's queue (`NO_QUEUE`: every request is decided at once).
-    queue: QueueSettings = field(default_factory=QueueSettings)
-    # `fair`: bands, tenant fairness and backfill; `fcfs`: strict arrival order.
-    order: Literal["fair", "fcfs"] = "fair"
-    # The adaptive policy's feedback on measured usage (off: ceilings alone).
-    feedback: bool = True
-    # Replicas share their state through a store (kvgate.core.peers): every `sync_interval_s`
-    # each publishes its view and reads the others' in one atomic exchange at the store,
-    # `store_latency_s / 2` each way. None: replicas know only their own requests.
-    sync_interval_s: float | None = None
-    store_latency_s: float = 0.001
-    scrape_interval_s: float = 0.05
-    scrape_lag_s: float = 0.01
-    client: ClientModel = field(default_factory=ClientModel)
-    series_interval_s: float = 1.0
-    token_update_interval_s: float = 0.5
-    drain_s: float = 0.0
-    seed: int = 0
-
-
-@dataclass(slots=True)
-class RequestOutcome:
-    """One client request across all its attempts. Times are virtual seconds."""
-
-    index: int
-    id: str
-    kind: str
-    arrival: float
-    prompt_tokens: int
-    max_tokens: int
-    priority: str
-    stream: bool
-    # ok | gave_up_429 | gave_up_timeout | gave_up_5xx | bad_request | unfinished
-    status: str = "pending"
-    tries: list[Attempt] = field(default_factory=list)  # every try, 429s included
-    attempts: int = 0  # tries sent to an engine
-    rejections_429: int = 0
-    rejections_5xx: int = 0
-    timeouts: int = 0
-    retries: int = 0
-    first_token_at: float | None = None
-    completed_at: float | None = None
-    output_tokens: int = 0
-    zombie_tokens: int = 0
-    preemptions: int = 0
-    node: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        """From the client's first try to its first token (retries included)."""
-        return None if self.first_token_at is None else self.first_token_at - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        if self.completed_at is None or self.first_token_at is None or self.output_tokens < 2:
-            return None
-        return (self.completed_at - self.first_token_at) / (self.output_tokens - 1)
-
-
-@dataclass(slots=True)
-class SeriesPoint:
-    """Cluster state at `t` and event counts over the interval that ends at `t`."""
-
-    t: float
-    kv_usage_mean: float
-    kv_usage_max: float
-    node_kv_usage: list[float]
-    running: int
-    waiting: int
-    arrivals: int
-    admissions: int
-    rejections: int
-    timeouts: int
-    completions: int
-    preemptions: int
-    generated_tokens: int
-    zombie_tokens: int
-    queued: int
-
-
-@dataclass(slots=True)
-class VirtualResult:
-    config: VirtualConfig
-    outcomes: list[RequestOutcome]
-    series: list[SeriesPoint]
-    wall_s: float
-    events: int
-    engine_totals: dict[str, int]
-
-    def summary(self) -> dict[str, Any]:
-        """Headline numbers (counts, goodput, latency percentiles of successful requests)."""
-        by_status: dict[str, int] = {}
-        for o in self.outcomes:
-            by_status[o.status] = by_status.get(o.status, 0) + 1
-        ok = [o for o in self.outcomes if o.status == "ok"]
-        ttfts = sorted(o.ttft for o in ok if o.ttft is not None)
-        tpots = sorted(t for o in ok if (t := o.tpot) is not None)
-        horizon = self.config.duration_s + self.config.drain_s
-        return {
-            "requests": len(self.outcomes),
-            "by_status": by_status,
-            "goodput_tokens_per_s": sum(o.output_tokens for o in ok) / horizon,
-            "ttft_p50_s": _pct(ttfts, 0.5),
-            "ttft_p99_s": _pct(ttfts, 0.99),
-            "tpot_p50_s": _pct(tpots, 0.5),
-            "tpot_p99_s": _pct(tpots, 0.99),
-            "rejections_429": sum(o.rejections_429 for o in self.outcomes),
-            "timeouts": sum(o.timeouts for o in self.outcomes),
-            **self.engine_totals,
-            "wall_s": self.wall_s,
-            "events": self.events,
-        }
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 # A client request as its tries see it: its outcome record, its spec and its cost.
 _Request = tuple[RequestOutcome, RequestSpec, RequestCost]
 
@@ -354,13 +148,19 @@ class VirtualCluster:
         )
         self._candidates = tuple(self.node_ids)
         # Replica -> (published at, view): the shared store's contents.
-        self._store: dict[int, tuple[float, dict[str, Any]]] = {}
+        self._store: dict[int, tuple[float, PeerView]] = {}
         self._last_totals = (0, 0, 0)
         self._workload: Iterator[RequestSpec] = iter(())
 
     def _gateway(self, config: VirtualConfig, g: int) -> FlowController:
-        policy = build_policy(config.admission, self.clock, rng_seed=config.seed * 7919 + g)
-        if hasattr(policy, "feedback"):
+        policy = build_named(
+            config.policy,
+            config.admission,
+            self.clock,
+            rng_seed=config.seed * 7919 + g,
+            options=config.baseline,
+        )
+        if isinstance(policy, AdaptivePolicy):
             policy.feedback = config.feedback
         name = f"gw-{g}"
         if config.order == "fcfs":
@@ -397,7 +197,7 @@ class VirtualCluster:
             series=self.series,
             wall_s=time.perf_counter() - wall,
             events=events,
-            engine_totals=self._engine_totals(),
+            engine_totals=engine_totals(self.engines),
         )
 
     def _loop(self) -> int:
@@ -429,17 +229,6 @@ class VirtualCluster:
 
     def _push(self, when: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._heap, (when, next(self._seq), kind, payload))
-
-    def _engine_totals(self) -> dict[str, int]:
-        totals = {"preemptions": 0, "recomputed_tokens": 0, "zombie_tokens": 0,
-                  "generated_tokens": 0, "engine_steps": 0}  # fmt: skip
-        for e in self.engines:
-            totals["preemptions"] += e.preemptions_evicted
-            totals["recomputed_tokens"] += e.recomputed_tokens_total
-            totals["zombie_tokens"] += e.zombie_tokens_total
-            totals["generated_tokens"] += e.generation_tokens_total
-            totals["engine_steps"] += e.steps_total
-        return totals
 
     # ------------------------------------------------------------------ clients
     def _push_next_arrival(self) -> None:
@@ -743,50 +532,27 @@ class VirtualCluster:
         self._push(now + cfg.store_latency_s / 2, _STORE, (g, now, view))
         self._push(now + cfg.sync_interval_s, _SYNC, g)
 
-    def _on_store(self, now: float, payload: tuple[int, float, dict[str, Any]]) -> None:
+    def _on_store(self, now: float, payload: tuple[int, float, PeerView]) -> None:
         """The store's atomic exchange: g's view in, every other replica's latest out."""
         g, published_at, view = payload
         self._store[g] = (published_at, view)
         others = [entry for other, entry in self._store.items() if other != g]
         self._push(now + self.config.store_latency_s / 2, _REPLY, (g, others))
 
-    def _on_reply(
-        self, now: float, payload: tuple[int, list[tuple[float, dict[str, Any]]]]
-    ) -> None:
+    def _on_reply(self, now: float, payload: tuple[int, list[tuple[float, PeerView]]]) -> None:
         g, others = payload
-        views = [{**view, "view_age_s": now - at} for at, view in others]
+        views = [replace(view, age_s=now - at) for at, view in others]
         self.policies[g].set_peer_views(views, self.config.gateways)
 
     # ------------------------------------------------------------------ time series
     def _on_series(self, now: float, _: None) -> None:
-        kv = [e.kv_usage for e in self.engines]
-        preempted = sum(e.preemptions_evicted for e in self.engines)
-        generated = sum(e.generation_tokens_total for e in self.engines)
-        zombies = sum(e.zombie_tokens_total for e in self.engines)
-        last_p, last_g, last_z = self._last_totals
-        self._last_totals = (preempted, generated, zombies)
-        counts = self._counts
-        self.series.append(
-            SeriesPoint(
-                t=now,
-                kv_usage_mean=sum(kv) / len(kv),
-                kv_usage_max=max(kv),
-                node_kv_usage=kv,
-                running=sum(e.num_running for e in self.engines),
-                waiting=sum(e.num_waiting for e in self.engines),
-                arrivals=counts["arrivals"],
-                admissions=counts["admissions"],
-                rejections=counts["rejections"],
-                timeouts=counts["timeouts"],
-                completions=counts["completions"],
-                preemptions=preempted - last_p,
-                generated_tokens=generated - last_g,
-                zombie_tokens=zombies - last_z,
-                queued=sum(flow.waiting for flow in self.policies),
-            )
+        queued = sum(flow.waiting for flow in self.policies)
+        point, self._last_totals = series_point(
+            now, self.engines, self._counts, self._last_totals, queued
         )
-        for key in counts:
-            counts[key] = 0
+        self.series.append(point)
+        for key in self._counts:
+            self._counts[key] = 0
         self._push(now + self.config.series_interval_s, _SERIES, None)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvgate.core.request import Priority
-from kvgate.sim.engine import EngineConfig
+from kvgate.sim.model.engine import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """What kvgate's tests and benchmarks share: a fake engine, a simulated one in a known state,
-and the helpers around them.
+the helpers around them, and the sums over the core's books only tests ask for (`books`).
 
 - `fake_engine`, `polling`, `sim`: the fake engine, waiting for a condition, and a
   simulated engine after a known overload (exported here, with `free_port`).

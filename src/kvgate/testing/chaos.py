@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvgate.sim.engine import Engine, EngineConfig
+from kvgate.sim.model.engine import Engine, EngineConfig
 from kvgate.sim.server import SimServer
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.sim.engine import Engine
+from kvgate.sim.model.engine import Engine
 from kvgate.sim.presets import CPU_TINY
 
 

@@ -57,7 +57,7 @@ def _gateway_config(nodes: list[ChaosNode]) -> dict[str, Any]:
         "backends": [{"url": n.url, "metrics_url": n.metrics_url, "name": f"node{i}"}
                      for i, n in enumerate(nodes)],
         "scrape": {"interval_s": 0.2},
-        "admission": {"policy": "adaptive", "stale_after_s": 1.0},
+        "admission": {"stale_after_s": 1.0},
         "upstream": {"read_timeout_s": 1.0},  # 10 s for the headers
         "limits": {"max_body_bytes": 64 * 1024},
         "auth": {

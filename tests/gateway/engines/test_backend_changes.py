@@ -170,7 +170,6 @@ def _write_config(path: Path, urls: list[str], **sections: Any) -> None:
     config: dict[str, Any] = {
         "backends": [{"url": u} for u in urls],
         "server": {"server": "uvicorn", "log_level": "warning", "admin_token": TOKEN},
-        "admission": {"policy": "none"},
         "scrape": {"interval_s": 0.1},
     }
     for key, value in sections.items():
@@ -367,7 +366,7 @@ async def test_streams_survive_backends_changing_under_them(
     added back every 150 ms under the adaptive policy. No request may fail or be cut, and
     the books end at zero (the fixture checks in-flight requests and tickets)."""
     engines = [await engine_factory(model="m") for _ in range(3)]
-    gw = await gateway_factory([e.url for e in engines], overrides={"admission.policy": "adaptive"})
+    gw = await gateway_factory([e.url for e in engines], policy="adaptive")
     assert await eventually(lambda: len(_scraped_nodes(gw)) == 3, WAIT_S)
     every = [_backend(e.url) for e in engines]
     body = {"model": "m", "prompt": "hi", "stream": True, "fake": {"chunks": 10, "interval": 0.01}}

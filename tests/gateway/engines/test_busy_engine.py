@@ -46,7 +46,8 @@ async def test_a_slow_metrics_page_does_not_take_a_serving_engine_out(
     try:
         gw = await gateway_factory(
             [engine.url],
-            overrides={"admission.policy": "adaptive", "scrape.interval_s": 0.05},
+            policy="adaptive",
+            overrides={"scrape.interval_s": 0.05},
         )
         node = f"127.0.0.1:{engine.port}"
         policy = gw.gateway.admission.policy

@@ -21,8 +21,8 @@ from aiohttp import web
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.settings import BackendSettings, ScrapeSettings
 from kvgate.core.clock import MonotonicClock
-from kvgate.core.policies import build_policy
 from kvgate.core.policies.base import BasePolicy
+from kvgate.core.policies.baselines import build_named
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 from kvgate.gateway.engines.scrape_http import LeanHttpFetcher
@@ -133,10 +133,8 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     engines = [Engine() for _ in range(n)]
     served = [await _serve(e) for e in engines]
     clock = MonotonicClock()
-    settings = AdmissionSettings(policy="none", stale_after_s=stale_after).tuned(
-        failures_to_stale=3
-    )
-    policy = build_policy(settings, clock)
+    settings = AdmissionSettings(stale_after_s=stale_after).tuned(failures_to_stale=3)
+    policy = build_named("none", settings, clock)
     assert isinstance(policy, BasePolicy)
     rec = Recorder(policy)
     backends = [
@@ -327,7 +325,7 @@ async def test_a_hanging_node_does_not_slow_the_others(rig: Rig) -> None:
 
 async def test_a_node_nobody_listens_on() -> None:
     clock = MonotonicClock()
-    policy = build_policy(AdmissionSettings(policy="none").tuned(failures_to_stale=3), clock)
+    policy = build_named("none", AdmissionSettings().tuned(failures_to_stale=3), clock)
     assert isinstance(policy, BasePolicy)
     rec = Recorder(policy)
     backend = Backend.from_settings(BackendSettings(url="http://127.0.0.1:9"))

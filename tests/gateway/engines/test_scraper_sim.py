@@ -30,7 +30,7 @@ async def _until(predicate: object, within: float = 5.0) -> None:
 
 async def test_scraper_follows_the_simulated_engine_and_aborts_by_id(sim_server: SimServer) -> None:
     clock = MonotonicClock()
-    policy = build_policy(AdmissionSettings(policy="adaptive"), clock)
+    policy = build_policy(AdmissionSettings(), clock)
     assert isinstance(policy, BasePolicy)
     backend = Backend.from_settings(BackendSettings(url=f"http://127.0.0.1:{sim_server.port}"))
     async with aiohttp.ClientSession() as session:

@@ -11,6 +11,7 @@ import pytest
 
 from gateway.helpers import RawClient
 from gateway.test_admission import RecordingPolicy
+from kvgate.core.policies.baselines import BaselineOptions
 from kvgate.core.settings import AdmissionSettings
 from kvgate.testing import FakeEngine
 
@@ -167,9 +168,9 @@ async def test_access_lines_of_refusals_say_why(
     """429 and 503 lines carry the reason the client got in `x-kvgate-reason`."""
     limited = await gateway_factory(
         [fake_engine.url],
-        overrides={"admission.policy": "static-qps", "admission.baseline.qps": 0.001,
-                   "admission.baseline.burst": 1},
-    )  # fmt: skip
+        policy="static-qps",
+        baseline=BaselineOptions(qps=0.001, burst=1),
+    )
     unreachable = await gateway_factory([refused_url])
     caplog.set_level(logging.INFO, logger="kvgate.access")
     body = {"model": "fake-model", "prompt": "hi"}

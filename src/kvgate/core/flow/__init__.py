@@ -2,7 +2,8 @@
 
 `FlowController` is what the shell and the simulator hold. See `controller` for the
 design, `queue` for the order (priority bands, tenant fairness, FIFO) and `fairness` for
-the two ways of sharing a band between tenants.
+the two ways of sharing a band between tenants. Its side of the replica exchange is
+`kvgate.core.replicas.exchange`; the policy it asks is `kvgate.core.admission.AdmissionPolicy`.
 """
 
 from kvgate.core.flow.controller import FlowController

@@ -43,29 +43,30 @@ request larger than its tenant's whole limit is refused at once.
 
 **Books.** A waiter holds nothing on any node. Admission takes the tenant's lease and the
 policy's hold together; `release()` returns both, exactly once.
+
+**Replicas.** The sync task's calls (`local_view`, `set_peer_views`, `set_isolated`) go to
+the controller's `ReplicaExchange` (`kvgate.core.replicas.exchange`), which keeps this
+replica within its claims on every node's room and every tenant's limits. The policy is
+asked through `AdmissionPolicy` (`kvgate.core.admission`) alone.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 from typing import Any
 
-from kvgate.core import peers
-from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
+from kvgate.core.admission import AdmissionPolicy, Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.flow.fairness import Fairness, TokenFairness
 from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
-from kvgate.core.policies.base import BasePolicy
-from kvgate.core.rates import DecayingRate
+from kvgate.core.replicas.exchange import ReplicaExchange
+from kvgate.core.replicas.view import PeerView
 from kvgate.core.request import AdmissionRequest, Priority
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, jittered
 from kvgate.core.settings import QueueSettings
 from kvgate.core.signals import NodeSample
 from kvgate.core.tenants import Lease, TenantLedger, TenantRefusal
 
-# Half-life of the arrival rate a replica tells the others (what it will need next).
-ARRIVALS_HALFLIFE_S = 1.0
 # A dispatch walk stops after this many waiters in a row found no room.
 MAX_MISSES = 16
 # A sample wakes the waiters at most this often (a release always does): samples of many
@@ -80,7 +81,7 @@ class FlowController:
 
     def __init__(
         self,
-        policy: BasePolicy,
+        policy: AdmissionPolicy,
         queue: QueueSettings | None = None,
         *,
         tenants: TenantLedger | None = None,
@@ -92,11 +93,11 @@ class FlowController:
         no promises), for comparison."""
         self.policy = policy
         self.clock = policy.clock
-        self.settings = policy.settings
         self.queue_settings = queue if queue is not None else QueueSettings()
         self.queue = WaitQueue(fairness if fairness is not None else TokenFairness())
         self.tenants = tenants if tenants is not None else TenantLedger()
-        self.name = policy.name
+        # Its name among the gateway's replicas (`exchange.replica`), its view and the others'.
+        self.exchange = ReplicaExchange(policy, self.queue, self.tenants, replica)
         self._leases: dict[str, Lease] = {}
         self._by_tenant: dict[str, dict[str, Ticket]] = {}  # live tickets, for tenant waits
         self._dispatching = False
@@ -105,11 +106,6 @@ class FlowController:
         # while nothing changed since needs only to be tried itself against them.
         self._promised: dict[str, float] = {}
         self._walked: tuple[int, float] = (-1, float("-inf"))
-        self.replica = replica  # its name among the gateway's replicas (kvgate.core.peers)
-        self._peer_demands: list[peers.Demand] = []  # the others' queues, as of the last sync
-        self._arrivals = DecayingRate(ARRIVALS_HALFLIFE_S)  # tokens submitted per second
-        self._peers_at = 0.0
-        self._peer_tenant_queues: list[tuple[str, dict[str, list[float]]]] = []
         self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
         self.wait_total_s = 0.0
 
@@ -122,7 +118,7 @@ class FlowController:
         if too_big is not None:
             self.tenants.refused(request.tenant)
             return Reject(400, "tenant_limit", 0.0, f"{too_big.message} It can never start.")
-        self._arrivals.add(now, tokens)
+        self.exchange.arrived(now, tokens)
         bound = self._bound(request)
         blocked = self.tenants.check(request.tenant, tokens)
         ahead = self._tokens_ahead(request)
@@ -286,125 +282,22 @@ class FlowController:
     def remove_node(self, node_id: str) -> None:
         self.policy.remove_node(node_id)
 
-    # --- replicas (kvgate.core.peers) ---------------------------------------------------------
+    # --- replicas (kvgate.core.replicas.exchange) ---------------------------------------------
 
-    def local_view(self) -> dict[str, Any]:
-        """What this replica publishes now: its holds per node, its claims on each node's
-        slack until its next sync, its queue's demand, its tenants' usage and the service
-        it gave them. JSON-able. Publishing it commits this replica to its claims: call it
-        once per exchange, with the view that goes to the store."""
-        now = self.clock.now()
-        queue = self._queue_demand(now)
-        since = now - self._peers_at  # the others' heads have waited that much longer too
-        demands = [replace(d, head_age_s=d.head_age_s + since) for d in self._peer_demands]
-        demands.append(peers.demand_of({"replica": self.replica, "queue": queue}))
-        me = self.replica
-        claims = self.policy.claim(lambda _node, slack: peers.share_of(me, demands, slack))
-        tenant_queue = self._tenant_demand(now)
-        return {
-            "replica": me,
-            "nodes": self.policy.local_holds(),
-            "claims": claims,
-            "queue": queue,
-            "tenants": {t: list(u) for t, u in self.tenants.local_usage().items()},
-            "tenant_queue": tenant_queue,
-            "tenant_claims": self._claim_tenants(tenant_queue, since),
-            "service": self.queue.fairness.served(),
-        }
+    def local_view(self) -> PeerView:
+        """What this replica publishes now (`ReplicaExchange.local_view`); publishing it
+        commits this replica to its claims: call it once per exchange."""
+        return self.exchange.local_view(self.clock.now())
 
-    def _claim_tenants(
-        self, mine: Mapping[str, list[float]], since: float
-    ) -> dict[str, list[float | None]]:
-        """Claims on each limited tenant's remaining room, split between the replicas as a
-        node's slack is (`peers.share_of`): what the longest-waiting head needs first, then
-        what each replica has waiting, the rest in equal parts."""
-        tenants = {*mine, *self.tenants.local_usage(), *self.tenants.peers, *self.tenants.limits}
-        for _, queues in self._peer_tenant_queues:
-            tenants.update(queues)
-        limited = [t for t in sorted(tenants) if self.tenants.is_limited(t)]
-        views = [*self._peer_tenant_queues, (self.replica, mine)]
-
-        def part(tenant: str, left: float | None, whole: bool) -> float:
-            demands = []
-            for name, queues in views:
-                count, tokens, head, age = queues.get(tenant) or (0.0, 0.0, 0.0, 0.0)
-                age += 0.0 if name == self.replica else since
-                if whole:
-                    demands.append(peers.Demand(name, count, 1.0 if count else 0.0, age))
-                else:
-                    demands.append(peers.Demand(name, tokens, head, age))
-            return _part(self.replica, demands, left, whole)
-
-        claims = self.tenants.claim(limited, part)
-        return {
-            t: [None if x == float("inf") else round(x, 1) for x in c] for t, c in claims.items()
-        }
-
-    def _queue_demand(self, now: float) -> dict[str, float]:
-        """The queue's claim on room: tokens waiting, its head's need and age."""
-        head = next(iter(self.queue.order()), None)
-        head_tokens = 0
-        if head is not None:
-            request = head.request
-            expected = self.policy.lengths.expected(
-                request.model, request.cost.max_output_tokens, request.exact_output
-            )
-            head_tokens = self.policy.footprint(request, expected)
-        return {
-            "waiting_tokens": self.queue.tokens,
-            "head_tokens": head_tokens,
-            "head_age_s": 0.0 if head is None else now - head.enqueued_at,
-            "arrival_tokens_per_s": round(self._arrivals.value(now), 1),
-        }
-
-    def _tenant_demand(self, now: float) -> dict[str, list[float]]:
-        """Per tenant with a limit and waiters: [waiting requests, waiting tokens, head's
-        tokens, head's age] (for splitting the tenant's room between replicas)."""
-        out: dict[str, list[float]] = {}
-        for waiter in self.queue.waiting():
-            tenant = waiter.request.tenant
-            limits = self.tenants.limits_for(tenant)
-            if limits.max_in_flight_tokens is None and limits.max_in_flight_requests is None:
-                continue
-            entry = out.get(tenant)
-            age = now - waiter.enqueued_at
-            if entry is None:
-                out[tenant] = [1.0, float(waiter.tokens), float(waiter.tokens), age]
-            else:
-                entry[0] += 1
-                entry[1] += waiter.tokens
-                if age > entry[3]:
-                    entry[2], entry[3] = float(waiter.tokens), age
-        return out
-
-    def set_peer_views(self, views: Sequence[Mapping[str, Any]], members: int) -> None:
+    def set_peer_views(self, views: Sequence[PeerView], members: int) -> None:
         """The other live replicas' latest views (`members` counts this one too)."""
-        others = [v for v in views if v.get("replica") != self.replica]
-        state = peers.merge(others, self.clock.now())
-        state.members = max(members, len(others) + 1)
-        self._peer_demands = [peers.demand_of(v) for v in others]
-        self._peers_at = self.clock.now()
-        self.policy.set_peers(state)
-        self.tenants.peers = state.tenants
-        self.tenants.split = 1
-        self._peer_tenant_queues = [
-            (str(v.get("replica", "")), peers.tenant_demand_of(v)) for v in others
-        ]
-        self.tenants.set_peer_claims(peers.tenant_claims(others))
-        self.queue.fairness.set_peer_service(state.service)
+        self.exchange.set_peer_views(views, members, self.clock.now())
         self.dispatch()
 
     def set_isolated(self, members: int) -> None:
         """The other replicas cannot be seen: keep to a static `1/members` part of every
         node's room and every tenant's limits until `set_peer_views` is called again."""
-        state = peers.PeerState(members=max(1, members), isolated=members > 1)
-        self._peer_demands = []
-        self.policy.set_peers(state)
-        self.tenants.peers = {}
-        self.tenants.split = max(1, members)
-        self._peer_tenant_queues = []
-        self.tenants.set_peer_claims(None)
-        self.queue.fairness.set_peer_service({})
+        self.exchange.set_isolated(members)
         self.dispatch()
 
     # --- state ------------------------------------------------------------------------------------
@@ -417,15 +310,7 @@ class FlowController:
         snap = self.policy.snapshot()
         snap["queue"] = self.queue_snapshot()
         snap["tenants"] = self.tenants.snapshot()
-        state = self.policy.peers
-        snap["cluster"] = {
-            "replica": self.replica,
-            "members": state.members,
-            "isolated": state.isolated,
-            "peer_requests": {n: len(p.loads) for n, p in state.nodes.items()},
-            "allowance_tokens": {n: self.policy.allowance(n) for n in self.policy.nodes},
-            "claimed_by_others": {n: p.claimed for n, p in state.nodes.items()},
-        }
+        snap["cluster"] = self.exchange.snapshot()
         return snap
 
     def queue_snapshot(self) -> dict[str, Any]:
@@ -558,36 +443,25 @@ class FlowController:
         """None when the request may join the queue (after evicting a less important waiter
         if its band is full); else why it may not."""
         caps = self.queue_settings
+        queue = self.queue
         band = request.priority
         tokens = request.cost.total
         while True:
-            full = self._full(band, tokens, caps)
-            if full is None:
-                return None
-            victim = self.queue.newest(below=band)
-            if victim is None:
-                return full
-            refusal = self._refusal(
-                "queue_full", _EVICTED_MESSAGE, victim.request, self._remaining(victim)
+            checks = (
+                (caps.cap(caps.max_waiting, band.label), queue.band_count(band) + 1),
+                (caps.cap(caps.max_waiting, "total"), queue.count + 1),
+                (caps.cap(caps.max_waiting_tokens, band.label), queue.band_tokens(band) + tokens),
+                (caps.cap(caps.max_waiting_tokens, "total"), queue.tokens + tokens),
             )
-            self._decide(victim, refusal, WaitState.REFUSED)
-
-    def _full(self, band: Priority, tokens: int, caps: QueueSettings) -> str | None:
-        queue = self.queue
-        checks = (
-            (caps.cap(caps.max_waiting, band.label), queue.band_count(band) + 1),
-            (caps.cap(caps.max_waiting, "total"), queue.count + 1),
-            (caps.cap(caps.max_waiting_tokens, band.label), queue.band_tokens(band) + tokens),
-            (caps.cap(caps.max_waiting_tokens, "total"), queue.tokens + tokens),
-        )
-        for cap, would in checks:
-            if cap is not None and would > cap:
+            if all(cap is None or would <= cap for cap, would in checks):
+                return None
+            victim = queue.newest(below=band)
+            if victim is None:
                 return _FULL_MESSAGE
-        return None
-
-    def _remaining(self, waiter: Waiter) -> float | None:
-        estimate = self.policy.start_estimate(waiter.request)
-        return None if estimate is None else estimate.seconds
+            estimate = self.policy.start_estimate(victim.request)
+            wait = None if estimate is None else estimate.seconds
+            refusal = self._refusal("queue_full", _EVICTED_MESSAGE, victim.request, wait)
+            self._decide(victim, refusal, WaitState.REFUSED)
 
     def _started(self, ticket: Ticket, now: float, waited: float) -> None:
         request = ticket.request
@@ -609,14 +483,6 @@ class FlowController:
         notify = waiter.notify
         if notify is not None:
             notify(decision)
-
-
-def _part(me: str, demands: list[peers.Demand], left: float | None, whole: bool) -> float:
-    """This replica's part of what a tenant's limit leaves (whole requests when `whole`)."""
-    if left is None:
-        return float("inf")
-    part = peers.share_of(me, demands, left) * left
-    return float(int(part + 1e-9)) if whole else part
 
 
 _EXCEEDED_MESSAGE = (

@@ -1,32 +1,22 @@
-"""Admission policies, selectable by `AdmissionSettings.policy`.
+"""Placement policies: `adaptive` is kvgate's, and the only one production builds.
 
-`build_policy(settings, clock)` is the one entry point; the flow controller
-(`kvgate.core.flow`) is what the shell and the simulator hold, with the policy inside it.
-`adaptive` is kvgate's; the others are baselines the benchmarks compare it with.
+`build_policy(settings, clock)` is what the gateway calls; the flow controller
+(`kvgate.core.flow`) holds the policy and speaks to it through
+`kvgate.core.admission.AdmissionPolicy`. `base` is what every policy shares (a composition
+of the per-node plan, `kvgate.core.plan`, and the replica claims, `kvgate.core.replicas`);
+`adaptive` decides with it. The baselines the benchmarks compare kvgate with live in
+`baselines`, with a registry of their own that only the simulator, the benchmarks and the
+tests use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from kvgate.core.admission import AdmissionPolicy
 from kvgate.core.clock import Clock
-from kvgate.core.lengths import OutputLengths
+from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.policies.adaptive import AdaptivePolicy
 from kvgate.core.policies.base import BasePolicy
-from kvgate.core.policies.none import NonePolicy
-from kvgate.core.policies.seed import SeedPolicy
-from kvgate.core.policies.static import StaticConcurrencyPolicy, StaticQpsPolicy
 from kvgate.core.settings import AdmissionSettings
-
-PolicyFactory = Callable[..., BasePolicy]
-
-_REGISTRY: dict[str, PolicyFactory] = {
-    "none": NonePolicy,
-    "static-qps": StaticQpsPolicy,
-    "static-concurrency": StaticConcurrencyPolicy,
-    "seed": SeedPolicy,
-    "adaptive": AdaptivePolicy,
-}
 
 
 def build_policy(
@@ -35,22 +25,10 @@ def build_policy(
     *,
     rng_seed: int | None = None,
     lengths: OutputLengths | None = None,
-) -> BasePolicy:
-    """The policy named by `settings.policy` on `clock`, its randomness seeded by `rng_seed`
-    (None: random)."""
-    try:
-        factory = _REGISTRY[settings.policy]
-    except KeyError:
-        raise ValueError(f"admission policy {settings.policy!r} is not available") from None
-    return factory(settings, clock, rng_seed=rng_seed, lengths=lengths)
+) -> AdmissionPolicy:
+    """kvgate's placement (`AdaptivePolicy`) on `clock`, its randomness seeded by
+    `rng_seed` (None: random)."""
+    return AdaptivePolicy(settings, clock, rng_seed=rng_seed, lengths=lengths)
 
 
-__all__ = [
-    "AdaptivePolicy",
-    "BasePolicy",
-    "NonePolicy",
-    "SeedPolicy",
-    "StaticConcurrencyPolicy",
-    "StaticQpsPolicy",
-    "build_policy",
-]
+__all__ = ["AdaptivePolicy", "BasePolicy", "build_policy"]

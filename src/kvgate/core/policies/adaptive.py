@@ -4,23 +4,23 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
 1. **Ceilings on the envelope's peak, per node.** A request may go to node n only if n is
    fresh or lagging (`core.nodes`: its page is slow but it serves), not thrashing, not at
    panic on what it holds now, and the peak of n's envelope with the request
-   (`kvgate.core.envelope`, built in `policies.base`) stays under `ceiling(q) *
-   capacity(n)`: the high watermark for sheddable work (it fills the cache only so far,
-   leaving the rest for interactive work to start at once), the panic watermark for
-   standard and critical work. A request's hold is taken at once, so no burst, however
-   dense, pushes a node's peak past its ceiling. Among the nodes that fit, the one whose
-   engine has the least prefill still queued wins (the prompts sent there that have not
-   produced a first token: a chat sent behind a 100k-token prefill waits for it), and then
-   the one with the most headroom left (power of two choices from `p2c_min_nodes`
-   candidates on, falling back to a full scan when neither fits). Nodes are never
-   averaged: one node at 99 % and one at 10 % are two different answers.
+   (`kvgate.core.plan.envelope`, built by `kvgate.core.plan.forecast`) stays under
+   `ceiling(q) * capacity(n)`: the high watermark for sheddable work (it fills the cache
+   only so far, leaving the rest for interactive work to start at once), the panic
+   watermark for standard and critical work. A request's hold is taken at once, so no
+   burst, however dense, pushes a node's peak past its ceiling. Among the nodes that fit,
+   the one whose engine has the least prefill still queued wins (the prompts sent there
+   that have not produced a first token: a chat sent behind a 100k-token prefill waits for
+   it), and then the one with the most headroom left (power of two choices from
+   `p2c_min_nodes` candidates on, falling back to a full scan when neither fits). Nodes are
+   never averaged: one node at 99 % and one at 10 % are two different answers.
 
 2. **Room promised to a waiter is respected** (`promised`): on a node whose room is
    promised from time T to a request already waiting (the head of the queue), a newcomer is
    placed only if it is expected to end by T. Small requests fill the gap before a large
    one's turn without delaying it (backfill).
 
-3. **Feedback keeps the margin honest** (`limits.MarginController`, one per node). The
+3. **Feedback keeps the margin honest** (`plan.margin.MarginController`, one per node). The
    envelope assumes it knows every request on the node and how long each will run. When a
    sample shows the engine holding more than the peak planned for it just before (prompts
    larger than estimated, requests that run longer than learned, traffic that bypasses the
@@ -55,9 +55,9 @@ from typing import Any
 
 from kvgate.core.admission import Reject, StartEstimate
 from kvgate.core.clock import Clock
-from kvgate.core.lengths import OutputLengths
-from kvgate.core.limits import MarginController
 from kvgate.core.nodes import LEVEL_PANIC, NodeState
+from kvgate.core.plan.lengths import OutputLengths
+from kvgate.core.plan.margin import MarginController
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest, Priority
 from kvgate.core.settings import AdmissionSettings
@@ -144,7 +144,7 @@ class AdaptivePolicy(BasePolicy):
         best: str | None = None
         best_score = (float("inf"), float("inf"))
         reasons: list[str] = []
-        backlog = self.prefill_backlog
+        backlog = self.holds.prefill_backlog
         for node_id in candidates:
             fit = self._fit(now, node_id, request, expected, promised)
             if fit.headroom is None:
@@ -215,7 +215,7 @@ class AdaptivePolicy(BasePolicy):
             fit = self._fit(now, node_id, request, expected, promised)
             if fit.headroom is None:
                 continue
-            score = (self.prefill_backlog(node_id), -fit.headroom)
+            score = (self.holds.prefill_backlog(node_id), -fit.headroom)
             if score < best_score:
                 best, best_score = node_id, score
         return best
@@ -235,7 +235,7 @@ class AdaptivePolicy(BasePolicy):
         if node.thrashing:
             return _Fit(None, "thrashing")
         until = promised.get(node_id)
-        if until is not None and now + expected * self.step_s(node_id) > until:
+        if until is not None and now + expected * self.pace.step_s(node_id) > until:
             return _Fit(None, "promised")
         cap = node.cap
         if cap is None:
@@ -248,15 +248,16 @@ class AdaptivePolicy(BasePolicy):
         limit = self.ceiling(node, request.priority) * cap
         held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
         final = held + expected
-        allowance = self.allowance(node_id)
+        allowance = self.claims.left.get(node_id)
         if allowance is not None and final > allowance:
             return _Fit(None, "share")  # other replicas hold the rest until the next sync
-        if self.peers.isolated:
+        forecast = self.forecast
+        if forecast.peers.isolated:
             return self._fit_isolated(node, limit, held, expected)
-        upper = node.used + self.reserved_on(node_id) + self.peers_upper(node_id) + final
+        upper = node.used + self.holds.reserved_on(node_id) + forecast.peers_upper(node_id) + final
         if upper <= limit:
             return _Fit((limit - upper) / cap)
-        envelope = self.envelope(node)
+        envelope = forecast.envelope(node)
         if envelope.floor(held, expected) > limit:
             return _Fit(None, "full")  # not now, and not even once all that runs has ended
         peak = envelope.peak(held, expected)
@@ -268,8 +269,8 @@ class AdaptivePolicy(BasePolicy):
         """Without the other replicas' views: this replica's own requests against its
         static part of the node, under the panic gate the measured usage keeps."""
         assert node.cap is not None
-        part = limit / max(1, self.peers.members)
-        peak = self.own_envelope(node.node_id).peak(held, expected)
+        part = limit / max(1, self.forecast.peers.members)
+        peak = self.forecast.own_envelope(node.node_id).peak(held, expected)
         if peak > part or node.used + held > limit:
             return _Fit(None, "full")
         return _Fit((part - peak) / node.cap)
@@ -375,13 +376,10 @@ class AdaptivePolicy(BasePolicy):
             node = self.nodes.get(node_id)
             if node is None or node.cap is None or not node.usable(now, self.settings):
                 continue
-            limit = self.ceiling(node, request.priority) * node.cap + self.unseen_overlap(node)
-            steps = self.envelope(node).start_step(final, limit)
-            if steps is None:
-                continue
-            seconds = steps * self.step_s(node_id)
-            if best is None or seconds < best.seconds:
-                best = StartEstimate(node_id, seconds, steps * self.fastest_step_s(node_id))
+            limit = self.ceiling(node, request.priority) * node.cap
+            estimate = self.forecast.start_estimate(node, final, limit)
+            if estimate is not None and (best is None or estimate.seconds < best.seconds):
+                best = estimate
         return best
 
     def shortfall(self, request: AdmissionRequest) -> float:
@@ -398,7 +396,7 @@ class AdaptivePolicy(BasePolicy):
             if node is None or node.cap is None:
                 continue
             limit = self.ceiling(node, request.priority) * node.cap
-            short = max(0.0, self.envelope(node).peak(held, expected) - limit)
+            short = max(0.0, self.forecast.envelope(node).peak(held, expected) - limit)
             if least is None or short < least:
                 least = short
         return super().shortfall(request) if least is None else least
@@ -407,7 +405,7 @@ class AdaptivePolicy(BasePolicy):
 
     def _before_observe(self, node: NodeState) -> None:
         if self.feedback and node.cap and node.sample is not None:
-            self._planned[node.node_id] = self.envelope(node).peak() / node.cap
+            self._planned[node.node_id] = self.forecast.envelope(node).peak() / node.cap
 
     def _on_observe(self, now: float, node: NodeState) -> None:
         if not self.feedback:
@@ -441,7 +439,7 @@ class AdaptivePolicy(BasePolicy):
         margin = self.margins.get(node.node_id)
         entry["margin"] = 0.0 if margin is None else margin.margin
         if node.cap is not None:
-            entry["peak_usage"] = self.envelope(node).peak() / node.cap
+            entry["peak_usage"] = self.forecast.envelope(node).peak() / node.cap
         else:
             entry["peak_usage"] = None
         return entry

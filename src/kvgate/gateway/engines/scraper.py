@@ -38,14 +38,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.base import MetricsParseError, NarrowablePage
 from kvgate.adapters.settings import ScrapeSettings
 from kvgate.core.clock import Clock
 from kvgate.core.settings import AdmissionSettings
-from kvgate.core.signals import NodeSample
+from kvgate.core.signals import NodeSample, SignalSink
 from kvgate.gateway.engines.scrape_http import LeanHttpFetcher, MetricsFetcher, ScrapeError
 
 log = logging.getLogger(__name__)
@@ -77,14 +77,6 @@ def poll_period(interval_s: float, duration_s: float, stale_after_s: float) -> f
     return max(interval_s, backed_off)
 
 
-class SignalSink(Protocol):
-    """The part of `AdmissionPolicy` the scraper talks to."""
-
-    def observe(self, node_id: str, sample: NodeSample) -> None: ...
-
-    def observe_failure(self, node_id: str, hard: bool = True) -> None: ...
-
-
 @dataclass(slots=True)
 class NodeStats:
     """What the scraper knows about one node, for `/admin/state` and Prometheus."""
@@ -100,7 +92,6 @@ class NodeStats:
     failures_total: int = 0
     consecutive_failures: int = 0
     last_latency_s: float | None = None
-    last_attempt_at: float | None = None
     last_success_at: float | None = None
     last_error: str | None = None
     last_sample: NodeSample | None = None
@@ -395,7 +386,7 @@ class Scraper:
         stats = self._stats[backend.node_id]
         started = time.perf_counter()
         sent_at = self._clock.now()
-        stats.last_attempt_at = stats.in_flight_since = sent_at
+        stats.in_flight_since = sent_at
         stats.scrapes_total += 1
         try:
             page = await self._fetch(backend)

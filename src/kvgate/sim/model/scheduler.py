@@ -13,9 +13,9 @@ to the head of the waiting queue.
 
 from __future__ import annotations
 
-from kvgate.sim.config import EngineConfig
-from kvgate.sim.decoding import DecodeBatch
-from kvgate.sim.sequences import DECODE, DONE, PREFILL, WAITING, Seq, WaitingQueue
+from kvgate.sim.model.config import EngineConfig
+from kvgate.sim.model.decoding import DecodeBatch
+from kvgate.sim.model.sequences import DECODE, DONE, PREFILL, WAITING, Seq, WaitingQueue
 
 #: A step's prefill work: each sequence and the tokens it computes.
 Prefills = list[tuple[Seq, int]]

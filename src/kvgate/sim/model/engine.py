@@ -29,11 +29,11 @@ What is modelled, following vLLM v1's `Scheduler.schedule()`:
   sequences + per_context_token * context tokens attended`.
 
 Decoding sequences are kept in an aggregate form (a global decode-step counter, a count of
-sequences per block phase, a heap of finish steps: `kvgate.sim.decoding`), so a step costs
+sequences per block phase, a heap of finish steps: `kvgate.sim.model.decoding`), so a step costs
 O(prefilling sequences + events), not O(running sequences), and FCFS preemption costs
-O(victims) (`kvgate.sim.scheduler`, which also holds the block pool). A request inside the
-engine and the waiting queue are in `kvgate.sim.sequences`, the configuration in
-`kvgate.sim.config`, the histograms in `kvgate.sim.histogram`.
+O(victims) (`kvgate.sim.model.scheduler`, which also holds the block pool). A request inside the
+engine and the waiting queue are in `kvgate.sim.model.sequences`, the configuration in
+`kvgate.sim.model.config`, the histograms in `kvgate.sim.model.histogram`.
 `tests/sim/test_engine_reference.py` checks it step for step against a naive transcription
 of vLLM's walk. Documented simplifications: within a step, decoding sequences take their
 token of the budget before any prefill chunk (vLLM walks the running list in admission
@@ -48,16 +48,16 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvgate.sim.config import EngineConfig, StepLatency
-from kvgate.sim.histogram import (
+from kvgate.sim.model.config import EngineConfig, StepLatency
+from kvgate.sim.model.histogram import (
     E2E_BUCKETS,
     ITERATION_TOKEN_BUCKETS,
     ITL_BUCKETS,
     TTFT_BUCKETS,
     Histogram,
 )
-from kvgate.sim.scheduler import Scheduler
-from kvgate.sim.sequences import DECODE, Seq, eos_length
+from kvgate.sim.model.scheduler import Scheduler
+from kvgate.sim.model.sequences import DECODE, Seq, eos_length
 
 #: What driving an engine takes: the configuration that defines it, and what it returns.
 __all__ = [

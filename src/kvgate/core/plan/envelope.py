@@ -66,10 +66,6 @@ class Envelope:
         everything running has ended (it can only be fuller then: it grew, they went)."""
         return max(self.base + held, self.base - self._total_held + held + steps)
 
-    def upper_bound(self) -> float:
-        """Usage if every request grew to its end and none ended: an O(n) bound of `peak`."""
-        return self.base + sum(self._steps)
-
     def peak(self, held: float = 0.0, steps: float = 0.0) -> float:
         """The highest future usage with a newcomer holding `held` and running `steps` more
         (none with the defaults)."""

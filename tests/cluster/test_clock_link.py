@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.cluster.clocklink import ClockLink
+from kvgate.cluster.samples import ClockLink
 
 
 def test_unknown_until_the_first_exchange() -> None:

@@ -1,7 +1,7 @@
-"""What one replica publishes in the store each tick: its *view*, as one JSON blob.
+"""What one replica publishes in the store each tick (`Publication`), as one JSON blob.
 
     {"v": 1,
-     "core": {...},        # the core's local_view(): holds, demand, tenants, fairness
+     "core": {...},        # the core's view (`PeerView.to_json`, kvgate.core.replicas.view)
      "samples": {...},     # engine id -> record (kvgate.cluster.samples), first hand
      "meta": {...}}        # host, pid, state and which engines it scrapes: for operators
 
@@ -22,7 +22,10 @@ VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
-class Envelope:
+class Publication:
+    """One replica's blob: the core's view, its first-hand engine records, facts for
+    operators. `core` stays JSON until the sync reads it (`PeerView.from_json`)."""
+
     core: dict[str, Any]
     samples: dict[str, Any]  # raw JSON records, parsed on demand
     meta: dict[str, Any]
@@ -38,8 +41,8 @@ class Envelope:
         return None if raw is None else Record.from_json(raw)
 
 
-def decode(blob: bytes) -> Envelope | None:
-    """The envelope in `blob`, or None when it is not one this version can read."""
+def decode(blob: bytes) -> Publication | None:
+    """The publication in `blob`, or None when it is not one this version can read."""
     try:
         data = orjson.loads(blob)
     except orjson.JSONDecodeError:
@@ -49,4 +52,4 @@ def decode(blob: bytes) -> Envelope | None:
     core, samples, meta = data.get("core"), data.get("samples"), data.get("meta")
     if not (isinstance(core, dict) and isinstance(samples, dict) and isinstance(meta, dict)):
         return None
-    return Envelope(core, samples, meta)
+    return Publication(core, samples, meta)

@@ -9,9 +9,9 @@ Safe failure. Until a model has `MIN_SAMPLES` finished requests, and whenever mo
 `1 - QUANTILE` of its recent requests stopped at their `max_tokens` (their true length is
 unknown, so the quantile would be biased low), the expectation is `max_tokens` itself. A
 request that outlives its expectation is expected to run to `max_tokens` from then on (the
-caller's rule, see `kvgate.core.policies.base`). The remaining risk, a burst of requests
-that all run long at once, is what the margin between the ceilings and a full cache, and
-the gate that closes at the panic watermark on measured usage, are for.
+caller's rule: `Hold.remaining`, `kvgate.core.plan.holds`). The remaining risk, a burst of
+requests that all run long at once, is what the margin between the ceilings and a full
+cache, and the gate that closes at the panic watermark on measured usage, are for.
 """
 
 from __future__ import annotations

@@ -8,18 +8,34 @@ either too low for short requests or far too high for long-context ones.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from kvgate.core.admission import Reject
 from kvgate.core.clock import Clock
-from kvgate.core.lengths import OutputLengths
+from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered
 from kvgate.core.settings import AdmissionSettings
 
 
+@dataclass(frozen=True, slots=True)
+class BaselineOptions:
+    """The static baselines' quotas: `static-qps`'s token bucket (`qps` requests per
+    second, `burst` deep) and `static-concurrency`'s cap (`concurrency` in flight)."""
+
+    qps: float = 50.0
+    burst: int = 50
+    concurrency: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("qps", "burst", "concurrency"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"baseline {name} must be positive, not {getattr(self, name)}")
+
+
 class StaticQpsPolicy(BasePolicy):
-    """A token bucket: `baseline.qps` requests per second, bursts up to `baseline.burst`."""
+    """A token bucket: `options.qps` requests per second, bursts up to `options.burst`."""
 
     name = "static-qps"
 
@@ -27,13 +43,14 @@ class StaticQpsPolicy(BasePolicy):
         self,
         settings: AdmissionSettings,
         clock: Clock,
+        options: BaselineOptions,
         *,
         rng_seed: int | None = None,
         lengths: OutputLengths | None = None,
     ) -> None:
         super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
-        self._rate = settings.baseline.qps
-        self._depth = float(settings.baseline.burst)
+        self._rate = options.qps
+        self._depth = float(options.burst)
         self._tokens = self._depth
         self._filled_at = clock.now()
 
@@ -66,9 +83,21 @@ class StaticQpsPolicy(BasePolicy):
 
 
 class StaticConcurrencyPolicy(BasePolicy):
-    """At most `baseline.concurrency` requests in flight through this gateway."""
+    """At most `options.concurrency` requests in flight through this gateway."""
 
     name = "static-concurrency"
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        clock: Clock,
+        options: BaselineOptions,
+        *,
+        rng_seed: int | None = None,
+        lengths: OutputLengths | None = None,
+    ) -> None:
+        super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
+        self._cap = options.concurrency
 
     def _decide(
         self,
@@ -78,10 +107,10 @@ class StaticConcurrencyPolicy(BasePolicy):
         promised: Mapping[str, float],
     ) -> str | Reject:
         candidates = request.candidates
-        if self.in_flight_requests >= self.settings.baseline.concurrency:
+        if self.in_flight_requests >= self._cap:
             return self.reject_shed(
                 "concurrency_limit",
-                f"{self.settings.baseline.concurrency} requests already in flight; retry later.",
+                f"{self._cap} requests already in flight; retry later.",
                 now,
                 self.footprint(request, expected),
             )

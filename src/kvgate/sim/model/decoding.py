@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from kvgate.sim.sequences import DECODE, Seq
+from kvgate.sim.model.sequences import DECODE, Seq
 
 
 class DecodeBatch:

@@ -27,7 +27,7 @@ import orjson
 
 from kvgate.bench.metrics import ERROR, OK, SHED, TIMEOUT, UNAVAILABLE, Attempt, UserRequest
 from kvgate.bench.workload import Arrival
-from kvgate.sim.virtual import ClientModel
+from kvgate.sim.runs import ClientModel
 
 
 @dataclass

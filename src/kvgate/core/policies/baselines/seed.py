@@ -30,8 +30,8 @@ from typing import Any
 
 from kvgate.core.admission import Reject
 from kvgate.core.clock import Clock
-from kvgate.core.lengths import OutputLengths
 from kvgate.core.nodes import NodeState
+from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.core.limits import HALFLIFE_S, KI, KP, MAX_DT_S, MarginController
+from kvgate.core.plan.margin import HALFLIFE_S, KI, KP, MAX_DT_S, MarginController
 
 TARGET = 0.92
 SPAN = 0.12

@@ -2,7 +2,7 @@
 
 A sequence moves WAITING -> PREFILL -> DECODE -> DONE; preemption sends a running one back
 to WAITING (at the head of the queue) and it prefills again. Decoding sequences keep their
-token counts relative to the decode batch's step counter (`kvgate.sim.decoding`).
+token counts relative to the decode batch's step counter (`kvgate.sim.model.decoding`).
 """
 
 from __future__ import annotations

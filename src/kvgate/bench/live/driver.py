@@ -22,9 +22,9 @@ from pathlib import Path
 
 import aiohttp
 
-from kvgate.bench.live import LiveOptions, run_live
-from kvgate.bench.live_client import LiveTarget
-from kvgate.bench.live_poll import parse_metrics
+from kvgate.bench.live.client import LiveTarget
+from kvgate.bench.live.poll import parse_metrics
+from kvgate.bench.live.run import LiveOptions, run_live
 from kvgate.bench.metrics import RunResult
 from kvgate.bench.suite import RunSpec
 from kvgate.bench.workload import burst_times, generate
@@ -79,11 +79,21 @@ def kvgate_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvgate", *args]
 
 
+def _gateway_cmd(spec: RunSpec) -> list[str]:
+    """`kvgate serve` for kvgate's policy; the benchmark's own gateway for a baseline, its
+    quotas (`policy_overrides["baseline"]`) as flags."""
+    if spec.policy == "adaptive":
+        return kvgate_cmd("serve")
+    cmd = [sys.executable, "-m", "kvgate.bench.serve", "--baseline", spec.policy]
+    for key, value in (spec.policy_overrides.get("baseline") or {}).items():
+        cmd += [f"--{key}", str(value)]
+    return cmd
+
+
 def _gateway_env(spec: RunSpec, engines: list[str], port: int, scrape_s: float) -> dict[str, str]:
     env = {
         "KVGATE_SCRAPE__INTERVAL_S": str(scrape_s),
         "KVGATE_BACKENDS": json.dumps([{"url": u} for u in engines]),
-        "KVGATE_ADMISSION__POLICY": spec.policy,
         "KVGATE_SERVER__LISTEN": f"127.0.0.1:{port}",
         # Access lines are written at info: on only when asked.
         "KVGATE_SERVER__LOG_LEVEL": (
@@ -91,8 +101,9 @@ def _gateway_env(spec: RunSpec, engines: list[str], port: int, scrape_s: float) 
         ),
     }
     for key, value in spec.policy_overrides.items():
-        text = json.dumps(value) if isinstance(value, dict) else str(value)
-        env[f"KVGATE_ADMISSION__{key.upper()}"] = text
+        if key != "baseline":  # the baselines' quotas are flags (`_gateway_cmd`)
+            text = json.dumps(value) if isinstance(value, dict) else str(value)
+            env[f"KVGATE_ADMISSION__{key.upper()}"] = text
     if not spec.queue:
         env["KVGATE_QUEUE__MAX_WAIT_S"] = (
             '{"critical": 0, "standard": 0, "sheddable": 0}'  # decide at once
@@ -150,7 +161,7 @@ def _with_gateway(
         return _play(spec, target)
     port = free_port()
     gw = start(
-        kvgate_cmd("serve"),
+        _gateway_cmd(spec),
         "kvgate serve",
         LOGS / f"serve-{spec.label}-{spec.load:g}.log",
         _gateway_env(spec, engines, port, scrape_s),

@@ -1,8 +1,9 @@
-"""Replicas that admit as one: what a replica tells the others, and how it uses theirs.
+"""Replicas that admit as one: how a replica folds the others' views in, and splits slack.
 
-Each replica publishes a *view* (a JSON-able dict) every sync period and reads the other
-live replicas' views (the shell moves them, through Redis: `kvgate.cluster`). The core
-never waits for that exchange; it folds the latest views in when they arrive:
+Each replica publishes a *view* (`PeerView`, `kvgate.core.replicas.view`) every sync period
+and reads the other live replicas' views (the shell moves them, through Redis:
+`kvgate.cluster`); `kvgate.core.replicas.exchange` builds and takes them. The core never
+waits for that exchange; it folds the latest views in when they arrive (`merge`, here):
 
 - **Holds.** For every node, each live request of the replica as `[unreflected, held,
   remaining, age]`: the tokens the shared sample cannot contain yet, the tokens it holds
@@ -15,17 +16,17 @@ never waits for that exchange; it folds the latest views in when they arrive:
   admissions. So each replica, when it publishes its view, *claims* part of every node's
   slack (its ceiling less its planned peak) and, until its next sync, adds requests to a
   node only within what is left of its claim *and* of the slack the others' published
-  claims leave. The store's exchange is atomic (a view in, the others' out), so of any two
-  replicas the later one sees the earlier one's claim: their claims never overlap, whatever
-  the phases of their ticks. A claim can only shrink what a replica may still add, never
-  grow it before it is published. What each replica claims is its part of the slack: the
-  replica whose queue head has waited longest (ages compared at one instant: each view's
-  age is added) first gets what that head needs; then each replica gets what it is
-  expected to need before its next claim (its waiting tokens, and its recent arrivals over
-  two sync periods; in proportion when they need more than there is), and the rest goes in
-  equal parts, so that no replica is left without room for what arrives (a split by
-  demand alone swings the whole room from one replica to another sync after sync, since a
-  claim is seen one sync late). Two replicas racing for the last
+  claims leave (`kvgate.core.replicas.claims`). The store's exchange is atomic (a view in,
+  the others' out), so of any two replicas the later one sees the earlier one's claim:
+  their claims never overlap, whatever the phases of their ticks. A claim can only shrink
+  what a replica may still add, never grow it before it is published. What each replica
+  claims is its part of the slack: the replica whose queue head has waited longest (ages
+  compared at one instant: each view's age is added) first gets what that head needs; then
+  each replica gets what it is expected to need before its next claim (its waiting tokens,
+  and its recent arrivals over two sync periods; in proportion when they need more than
+  there is), and the rest goes in equal parts, so that no replica is left without room for
+  what arrives (a split by demand alone swings the whole room from one replica to another
+  sync after sync, since a claim is seen one sync late). Two replicas racing for the last
   room on a node: one sync publishes both heads, the next gives the room to the older one;
   the other waits for the next room.
 - **Tenants and fairness.** Each replica's in-flight usage per tenant and its fairness
@@ -41,9 +42,10 @@ never waits for that exchange; it folds the latest views in when they arrive:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from kvgate.core.replicas.view import PeerView, TenantDemand
 
 # What a replica is expected to need before its claim is renewed: the tokens arriving at
 # its recent rate over this horizon (two sync periods) come on top of those waiting.
@@ -91,62 +93,59 @@ class Demand:
         return self.waiting_tokens + self.arrival_tokens_per_s * DEMAND_HORIZON_S
 
 
-def merge(views: Iterable[Mapping[str, Any]], now: float) -> PeerState:
+def merge(views: Iterable[PeerView], now: float) -> PeerState:
     """Other replicas' views, received at `now`, folded into one state."""
     state = PeerState()
     for view in views:
-        published = now - float(view.get("view_age_s", 0.0))
-        for node_id, holds in (view.get("nodes") or {}).items():
-            peers = state.nodes.setdefault(str(node_id), NodePeers())
-            for entry in holds:
-                unreflected, held, remaining, age = (float(x) for x in entry)
+        published = now - view.age_s
+        for node_id, holds in view.nodes.items():
+            peers = state.nodes.setdefault(node_id, NodePeers())
+            for unreflected, held, remaining, age in holds:
                 peers.unreflected += unreflected
                 peers.upper += unreflected + remaining
                 peers.loads.append((remaining, held))
                 if unreflected > 0:
                     peers.unseen.append((published - age, unreflected))
-        for node_id, claimed in (view.get("claims") or {}).items():
-            state.nodes.setdefault(str(node_id), NodePeers()).claimed += float(claimed)
-        for tenant, usage in (view.get("tenants") or {}).items():
-            tokens, requests = state.tenants.get(str(tenant), (0, 0))
-            state.tenants[str(tenant)] = (tokens + int(usage[0]), requests + int(usage[1]))
-        for tenant, served in (view.get("service") or {}).items():
-            state.service[str(tenant)] = state.service.get(str(tenant), 0.0) + float(served)
+        for node_id, claimed in view.claims.items():
+            state.nodes.setdefault(node_id, NodePeers()).claimed += claimed
+        for tenant, (tokens_used, requests_used) in view.tenants.items():
+            tokens, requests = state.tenants.get(tenant, (0, 0))
+            state.tenants[tenant] = (tokens + tokens_used, requests + requests_used)
+        for tenant, served in view.service.items():
+            state.service[tenant] = state.service.get(tenant, 0.0) + served
     return state
 
 
-def tenant_claims(views: Iterable[Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
+def tenant_claims(views: Iterable[PeerView]) -> dict[str, tuple[float, float]]:
     """The other replicas' claims on each tenant's remaining (tokens, requests), summed
     (an unlimited part, null, claims nothing)."""
     out: dict[str, tuple[float, float]] = {}
     for view in views:
-        for tenant, claim in (view.get("tenant_claims") or {}).items():
-            tokens, requests = out.get(str(tenant), (0.0, 0.0))
-            out[str(tenant)] = (tokens + float(claim[0] or 0), requests + float(claim[1] or 0))
+        for tenant, (claimed_tokens, claimed_requests) in view.tenant_claims.items():
+            tokens, requests = out.get(tenant, (0.0, 0.0))
+            out[tenant] = (tokens + (claimed_tokens or 0.0), requests + (claimed_requests or 0.0))
     return out
 
 
-def demand_of(view: Mapping[str, Any]) -> Demand:
-    queue = view.get("queue") or {}
+def demand_of(view: PeerView) -> Demand:
+    """A view's queue demand, its head's age as of now (the head has waited since the view
+    was published too: ages compare at one instant)."""
+    queue = view.queue
     return Demand(
-        replica=str(view.get("replica", "")),
-        waiting_tokens=float(queue.get("waiting_tokens", 0.0)),
-        head_tokens=float(queue.get("head_tokens", 0.0)),
-        # The head has waited since the view was published too: ages compare at one instant.
-        head_age_s=float(queue.get("head_age_s", 0.0)) + float(view.get("view_age_s", 0.0)),
-        arrival_tokens_per_s=float(queue.get("arrival_tokens_per_s", 0.0)),
+        replica=view.replica,
+        waiting_tokens=queue.waiting_tokens,
+        head_tokens=queue.head_tokens,
+        head_age_s=queue.head_age_s + view.age_s,
+        arrival_tokens_per_s=queue.arrival_tokens_per_s,
     )
 
 
-def tenant_demand_of(view: Mapping[str, Any]) -> dict[str, list[float]]:
-    """A view's demand per limited tenant, `[waiting requests, waiting tokens, head's
-    tokens, head's age]`, its heads' ages as of now (like `demand_of`)."""
-    age = float(view.get("view_age_s", 0.0))
-    out: dict[str, list[float]] = {}
-    for tenant, entry in (view.get("tenant_queue") or {}).items():
-        count, tokens, head, head_age = (float(x) for x in entry)
-        out[str(tenant)] = [count, tokens, head, head_age + age]
-    return out
+def tenant_demand_of(view: PeerView) -> dict[str, TenantDemand]:
+    """A view's demand per limited tenant, its heads' ages as of now (like `demand_of`)."""
+    return {
+        tenant: demand._replace(head_age_s=demand.head_age_s + view.age_s)
+        for tenant, demand in view.tenant_queue.items()
+    }
 
 
 def share_of(me: str, demands: Sequence[Demand], slack: float) -> float:

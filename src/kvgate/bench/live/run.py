@@ -1,11 +1,11 @@
 """A live run: real HTTP clients with real client behaviour, against real processes.
 
-`run_live` plays a scenario's arrivals in real time (`kvgate.bench.live_client`) while
+`run_live` plays a scenario's arrivals in real time (`kvgate.bench.live.client`) while
 every engine's `/metrics` and the gateway's view are polled for the time series
-(`kvgate.bench.live_poll`), and turns what the clients got and the engines' counters into
+(`kvgate.bench.live.poll`), and turns what the clients got and the engines' counters into
 a `RunResult`. On an engine without a zombie counter the zombie figure is an upper bound,
 split as far as observable by `zombie_account` with kvgate's own count of what it relayed
-to clients that left. The processes a run talks to are started in `kvgate.bench.live_driver`.
+to clients that left. The processes a run talks to are started in `kvgate.bench.live.driver`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import aiohttp
 import numpy as np
 
 from kvgate.bench.gateway_queue import WaitHistogram, queue_summary
-from kvgate.bench.live_client import ClientRun, LiveTarget, play_user, prompt_ids
-from kvgate.bench.live_poll import COUNTERS, poll_engines, queue_marks, relay_counters, scrape
+from kvgate.bench.live.client import ClientRun, LiveTarget, play_user, prompt_ids
+from kvgate.bench.live.poll import COUNTERS, poll_engines, queue_marks, relay_counters, scrape
 from kvgate.bench.metrics import EngineTotals, RunResult, Slo
 from kvgate.bench.workload import Arrival
-from kvgate.sim.virtual import ClientModel
+from kvgate.sim.runs import ClientModel
 
 
 @dataclass(frozen=True)

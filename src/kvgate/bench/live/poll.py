@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 
 from kvgate.bench.gateway_queue import WaitHistogram, wait_histogram, waiting_now
-from kvgate.bench.live_client import ClientRun, LiveTarget
+from kvgate.bench.live.client import ClientRun, LiveTarget
 
 # Gauges and counters read from each engine's metrics page (summed over label sets).
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")

@@ -1,0 +1,36 @@
+"""The pace on its own: the streams' measured seconds per token once there are enough, else
+the samples' iteration latency, else the default; the healthy baseline when faster."""
+
+from __future__ import annotations
+
+from kvgate.core.nodes import NodeState
+from kvgate.core.plan.pace import _PACE_MIN, DEFAULT_STEP_S, Pace
+from kvgate.core.rates import Ewma
+
+
+def test_a_node_nobody_measured_runs_at_the_default() -> None:
+    pace = Pace({})
+    assert pace.step_s("a") == DEFAULT_STEP_S == pace.fastest_step_s("a")
+
+
+def test_samples_then_streams_decide_the_pace() -> None:
+    nodes = {"a": NodeState("a", step_s=0.03)}
+    pace = Pace(nodes)
+    assert pace.step_s("a") == 0.03  # the samples' iteration latency
+    for i in range(_PACE_MIN - 1):
+        pace.record("a", float(i), 0.05)
+    assert pace.step_s("a") == 0.03  # not yet trusted
+    pace.record("a", float(_PACE_MIN), 0.05)
+    assert abs(pace.step_s("a") - 0.05) < 1e-9
+    pace.forget("a")
+    assert pace.step_s("a") == 0.03
+
+
+def test_the_fastest_pace_is_the_healthy_baseline_when_lower() -> None:
+    baseline = Ewma(30.0)
+    baseline.update(0.0, 0.01)
+    nodes = {"a": NodeState("a", step_s=0.04, latency_baseline=baseline)}
+    pace = Pace(nodes)
+    assert pace.step_s("a") == 0.04 and abs(pace.fastest_step_s("a") - 0.01) < 1e-12
+    nodes["a"].step_s = 0.005  # faster than its baseline now: the recent pace stands
+    assert pace.fastest_step_s("a") == 0.005
