@@ -92,17 +92,20 @@ async def test_bad_metrics_node_is_routed_around_then_used_again(
             assert scrape["failures_total"] >= 5, scrape
         assert _served(gw, "node0") == before  # ... and not one request went there
         nodes[0].metrics_mode = "ok"
-        # A hung poll is abandoned at its bound (5 x stale_after_s), then the next answers.
-        hang_after = gw.gateway.scraper.hang_after_s if fault == "hang" else 0.0
-        assert await eventually(lambda: _fresh(gw) == {"node0", "node1"}, hang_after + 3.0)
+        # The next poll reads it; after a hang, the hedge of the poll still waiting on its
+        # lost GET does, within stale_after_s.
+        assert await eventually(lambda: _fresh(gw) == {"node0", "node1"}, 3.0)
         for _ in range(40):  # the least-loaded routing sends some to node0 again
             assert (await client.post("/v1/completions", json=_body())).status_code == 200
             if _served(gw, "node0") > before:
                 break
     assert _served(gw, "node0") > before
     records = [r.getMessage() for r in caplog.records if "node0" in r.getMessage()]
-    assert sum("scrape failed" in m for m in records) == 1, records  # logged once, not per scrape
-    assert sum("recovered" in m for m in records) == 1, records
+    failed = sum("scrape failed" in m for m in records)
+    # Logged once, not per scrape. A hang answered again before its bound (5 x
+    # stale_after_s) failed no scrape at all: a hedge read the page.
+    assert failed == 1 or (fault == "hang" and failed == 0), records
+    assert sum("recovered" in m for m in records) == failed, records
     _assert_books_empty(gw)
 
 

@@ -8,15 +8,22 @@ polls.
 **Polls are sized to the engine, not to the interval.** A busy engine renders its page
 slowly (vLLM serves it from the API server that streams the tokens), and a slow page is
 still a good sample: a poll in flight is never abandoned for being slower than the
-interval, the next one waits for it (polls of one node never overlap), and the sample is
-stamped with the time its GET was *sent*, so the core judges it by its true age. When
-pages are slow, polls back off (`poll_period`) and return to the interval when they are
-fast again. Only a page that hangs past `HANG_FACTOR` x `stale_after_s` is abandoned:
-that is a failure, but not a *hard* one (refused or reset connection, HTTP error,
-unparseable page), so slowness alone never makes a node stale before its sample's age
-does (`kvgate.core.nodes`). Failures are logged once when the node goes down and once
-when it comes back, a slow page once when it turns slow and once when it recovers, never
-per poll.
+interval, the next poll waits for it, and the sample is stamped with the time its GET was
+*sent*, so the core judges it by its true age. When pages are slow, polls back off
+(`poll_period`) and return to the interval when they are fast again. Only a page that
+hangs past `HANG_FACTOR` x `stale_after_s` is abandoned: that is a failure, but not a
+*hard* one (refused or reset connection, HTTP error, unparseable page), so slowness alone
+never makes a node stale before its sample's age does (`kvgate.core.nodes`).
+
+**Polls are hedged.** A GET out for `stale_after_s` may be slow or may be lost (a page
+that hung and answers new requests again, a connection the engine dropped): one more GET
+starts beside it, and again each `stale_after_s` while no page has come, with at most one
+such hedge in flight (a newer one replaces it). The first page to arrive ends the poll and
+the other GET is cancelled. So a page that comes back is read within one `stale_after_s`,
+and a slow one is still waited for.
+
+Failures are logged once when the node goes down and once when it comes back, a slow
+page once when it turns slow and once when it recovers, never per poll.
 
 Start/stop from an ASGI lifespan::
 
@@ -34,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +72,16 @@ _RECHECK_AFTER_S = 30.0  # a check that could not decide, or a narrowed page gon
 _STALE_AFTER_S: float = AdmissionSettings.model_fields["stale_after_s"].default
 
 
+_EXPECTED_FAILURES = (
+    MetricsParseError,
+    ScrapeError,
+    asyncio.IncompleteReadError,
+    asyncio.LimitOverrunError,
+    TimeoutError,
+    OSError,
+)
+
+
 def poll_period(interval_s: float, duration_s: float, stale_after_s: float) -> float:
     """Seconds from the start of a poll that took `duration_s` to the start of the next
     (which never starts before the last one ended: polls do not overlap)."""
@@ -93,6 +109,8 @@ class NodeStats:
     #: cannot be: no narrowed page for its dialect).
     page_note: str | None = None
     scrapes_total: int = 0
+    #: GETs started beside a poll that had been out `stale_after_s` (see `scrape_once`).
+    hedges_total: int = 0
     failures_total: int = 0
     consecutive_failures: int = 0
     last_latency_s: float | None = None
@@ -120,6 +138,7 @@ class NodeStats:
             "page_note": self.page_note,
             "up": self.up,
             "scrapes_total": self.scrapes_total,
+            "hedges_total": self.hedges_total,
             "failures_total": self.failures_total,
             "consecutive_failures": self.consecutive_failures,
             "last_latency_s": self.last_latency_s,
@@ -147,13 +166,27 @@ class NodeStats:
         self._latency_observations.append(latency)
 
 
+@dataclass(slots=True, frozen=True)
+class _Get:
+    """One GET of a poll: when it was sent (the core's clock, the sample's stamp), when it
+    started (loop time) and the task that fetches and parses the page."""
+
+    sent_at: float
+    started: float
+    task: asyncio.Task[NodeSample]
+
+    def answered(self) -> bool:
+        """Done with a sample (not a failure)."""
+        return self.task.done() and not self.task.cancelled() and self.task.exception() is None
+
+
 class Scraper:
     """Polls each backend's metrics about every `settings.interval_s` and feeds `policy`.
 
     Pages are fetched by `fetcher` when one is given (tests, benchmarks), else by the
     scraper's own keep-alive client (`LeanHttpFetcher`), closed when `run()` ends.
     `clock` stamps the samples on the core's time base; `stale_after_s` is the core's
-    (`admission.stale_after_s`): it sizes the hang bound and the back-off.
+    (`admission.stale_after_s`): it sizes the hang bound, the hedges and the back-off.
     `polls(node_id)`, when given, is asked before each poll: False skips it (a replica of a
     cluster skips the engines another replica polls for it, see kvgate.cluster.sync).
     """
@@ -340,8 +373,10 @@ class Scraper:
             started = loop.time()
             await self.scrape_once(backend)
             ended = loop.time()
-            stats.period_s = poll_period(self._interval, ended - started, self._stale_after)
-            self._note_speed(backend, stats, ended - started)
+            # The page's speed is the answering GET's (a hedge's, after a hang).
+            took = ended - started if stats.last_latency_s is None else stats.last_latency_s
+            stats.period_s = poll_period(self._interval, took, self._stale_after)
+            self._note_speed(backend, stats, took)
             # Anchored on the schedule while polls are quick (a steady period); a poll that
             # overran its slot is followed at once, never by a burst of missed ticks.
             next_at = max(next_at + stats.period_s, ended)
@@ -369,41 +404,79 @@ class Scraper:
             )
 
     async def scrape_once(self, backend: Backend) -> NodeSample | None:
-        """One poll of one backend: fetch, parse, tell the policy, update stats."""
+        """One poll of one backend: fetch, parse, tell the policy, update stats.
+
+        Hedged: while no page has come, one more GET starts each time the newest one has
+        been out `stale_after_s`, beside the first (at most one such hedge in flight: a
+        newer one replaces it). The first page to arrive is the poll's sample and the
+        other GET is cancelled, so a page that hung and answers again is read within one
+        `stale_after_s`, while a slow page is still waited for up to `hang_after_s`. A
+        hedge that fails only frees its place; the first GET's failure is the poll's.
+        """
         stats = self._stats[backend.node_id]
-        started = time.perf_counter()
-        sent_at = self._clock.now()
-        stats.last_attempt_at = stats.in_flight_since = sent_at
         stats.scrapes_total += 1
+        first = self._send(backend)
+        stats.in_flight_since = first.sent_at
+        hedge: _Get | None = None
+        hedge_at = first.started + self._stale_after
         try:
-            page = await self._fetch(backend)
-            sample = backend.adapter.parse(page, sent_at)
-        except asyncio.CancelledError:
-            raise
-        except MetricsParseError as exc:
-            if stats.page == "narrowed":
-                # The engine behind the URL changed (another version, another mode): back
-                # to the full page, and check the narrowed one again later.
-                self._use_full_page(backend, f"narrowed page unusable ({exc})")
-            self._record_failure(backend, stats, exc, time.perf_counter() - started)
-            return None
-        except (
-            ScrapeError,
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-            TimeoutError,
-            OSError,
-        ) as exc:
-            self._record_failure(backend, stats, exc, time.perf_counter() - started)
-            return None
-        except Exception as exc:  # a bug in an adapter must not stop the other nodes
-            log.exception("scraper: unexpected error on %s", backend.node_id)
-            self._record_failure(backend, stats, exc, time.perf_counter() - started)
-            return None
+            while True:
+                gets = {first.task} if hedge is None else {first.task, hedge.task}
+                timeout = max(0.0, hedge_at - asyncio.get_running_loop().time())
+                done, _ = await asyncio.wait(
+                    gets, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if hedge is not None and hedge.task in done:
+                    if hedge.answered():
+                        return self._settle(backend, stats, hedge)
+                    hedge.task.exception()  # retrieved: a failed hedge only frees its place
+                    hedge = None
+                if first.task in done:
+                    return self._settle(backend, stats, first)
+                if not done:
+                    if hedge is not None:
+                        hedge.task.cancel()
+                    hedge = self._send(backend)
+                    stats.hedges_total += 1
+                    hedge_at = hedge.started + self._stale_after
         finally:
             stats.in_flight_since = None
-        self._record_success(backend, stats, sample, time.perf_counter() - started)
-        return sample
+            left = [get.task for get in (first, hedge) if get is not None]
+            for task in left:
+                task.cancel()  # a GET that lost (or every GET, when the poll is cancelled)
+            # Cancelled GETs end at once: cancellation closes their connections.
+            await asyncio.gather(*left, return_exceptions=True)
+
+    def _send(self, backend: Backend) -> _Get:
+        """Start one GET of the node's page, stamped with the time it is sent."""
+        sent_at = self._clock.now()
+        self._stats[backend.node_id].last_attempt_at = sent_at
+        task = asyncio.get_running_loop().create_task(
+            self._get(backend, sent_at), name=f"scrape GET {backend.node_id}"
+        )
+        return _Get(sent_at, asyncio.get_running_loop().time(), task)
+
+    async def _get(self, backend: Backend, sent_at: float) -> NodeSample:
+        page = await self._fetch(backend)
+        return backend.adapter.parse(page, sent_at)
+
+    def _settle(self, backend: Backend, stats: NodeStats, get: _Get) -> NodeSample | None:
+        """Record the outcome of the GET that ends the poll."""
+        latency = asyncio.get_running_loop().time() - get.started
+        exc = get.task.exception()
+        if exc is None:
+            sample = get.task.result()
+            self._record_success(backend, stats, sample, latency)
+            return sample
+        if isinstance(exc, MetricsParseError) and stats.page == "narrowed":
+            # The engine behind the URL changed (another version, another mode): back to
+            # the full page, and check the narrowed one again later.
+            self._use_full_page(backend, f"narrowed page unusable ({exc})")
+        elif not isinstance(exc, _EXPECTED_FAILURES):
+            # A bug in an adapter must not stop the other nodes.
+            log.error("scraper: unexpected error on %s", backend.node_id, exc_info=exc)
+        self._record_failure(backend, stats, exc, latency)
+        return None
 
     async def _fetch(self, backend: Backend) -> bytes:
         async with asyncio.timeout(self._hang_after):
