@@ -169,14 +169,15 @@ class NodeStats:
 @dataclass(slots=True, frozen=True)
 class _Get:
     """One GET of a poll: when it was sent (the core's clock, the sample's stamp), when it
-    started (loop time) and the task that fetches and parses the page."""
+    started (loop time) and the task that fetches the page. Only the page that ends the
+    poll is parsed: an adapter's state (histogram deltas) sees one page per poll, in order."""
 
     sent_at: float
     started: float
-    task: asyncio.Task[NodeSample]
+    task: asyncio.Task[bytes]
 
     def answered(self) -> bool:
-        """Done with a sample (not a failure)."""
+        """Done with a page (not a failure)."""
         return self.task.done() and not self.task.cancelled() and self.task.exception() is None
 
 
@@ -452,22 +453,22 @@ class Scraper:
         sent_at = self._clock.now()
         self._stats[backend.node_id].last_attempt_at = sent_at
         task = asyncio.get_running_loop().create_task(
-            self._get(backend, sent_at), name=f"scrape GET {backend.node_id}"
+            self._fetch(backend), name=f"scrape GET {backend.node_id}"
         )
         return _Get(sent_at, asyncio.get_running_loop().time(), task)
-
-    async def _get(self, backend: Backend, sent_at: float) -> NodeSample:
-        page = await self._fetch(backend)
-        return backend.adapter.parse(page, sent_at)
 
     def _settle(self, backend: Backend, stats: NodeStats, get: _Get) -> NodeSample | None:
         """Record the outcome of the GET that ends the poll."""
         latency = asyncio.get_running_loop().time() - get.started
         exc = get.task.exception()
         if exc is None:
-            sample = get.task.result()
-            self._record_success(backend, stats, sample, latency)
-            return sample
+            try:
+                sample = backend.adapter.parse(get.task.result(), get.sent_at)
+            except Exception as parse_error:
+                exc = parse_error
+            else:
+                self._record_success(backend, stats, sample, latency)
+                return sample
         if isinstance(exc, MetricsParseError) and stats.page == "narrowed":
             # The engine behind the URL changed (another version, another mode): back to
             # the full page, and check the narrowed one again later.
