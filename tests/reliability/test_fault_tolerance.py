@@ -17,6 +17,7 @@ import httpx
 import orjson
 import pytest
 
+from kvgate.core.nodes import LAG_LIMIT_FACTOR
 from kvgate.sim.chaos import ChaosNode
 from kvgate.sim.presets import get_preset
 from kvgate.testing import eventually
@@ -109,14 +110,29 @@ async def test_bad_metrics_node_is_routed_around_then_used_again(
     _assert_books_empty(gw)
 
 
-async def test_all_metrics_gone_sheds_with_503_not_blind_routing(
+async def test_all_metrics_late_then_gone_waits_then_sheds_with_503_not_blind_routing(
     nodes: list[ChaosNode], gateway_factory
 ) -> None:
+    """Every page hangs: for as long as the nodes are only late (their last samples within
+    the lag limit, no hard failure) a request waits for a sample and is sent nowhere; it
+    starts when a page answers again. Silent past the lag limit, they get 503s."""
     gw = await _gateway(gateway_factory, nodes)
     for node in nodes:
         node.metrics_mode = "hang"
     assert await eventually(lambda: not _fresh(gw), 3.0)
-    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
+    before = {name: _served(gw, name) for name in ("node0", "node1")}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+        waiting = asyncio.create_task(client.post("/v1/completions", json=_body()))
+        assert await eventually(lambda: gw.gateway.admission.snapshot()["queue"]["waiting"], 3.0)
+        assert not waiting.done()
+        assert {name: _served(gw, name) for name in before} == before  # sent nowhere
+        for node in nodes:
+            node.metrics_mode = "ok"
+        assert (await waiting).status_code == 200  # served once a page answered
+        for node in nodes:
+            node.metrics_mode = "hang"
+        lag_limit = LAG_LIMIT_FACTOR * gw.gateway.config.admission.stale_after_s
+        assert await eventually(lambda: not _late(gw), lag_limit + 3.0)
         response = await client.post("/v1/completions", json=_body())
         assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
         assert response.json()["error"]["code"]
@@ -125,6 +141,11 @@ async def test_all_metrics_gone_sheds_with_503_not_blind_routing(
         assert await eventually(lambda: len(_fresh(gw)) == 2, 3.0)
         assert (await client.post("/v1/completions", json=_body())).status_code == 200
     _assert_books_empty(gw)
+
+
+def _late(gw) -> set[str]:
+    nodes = gw.gateway.admission.snapshot()["nodes"]
+    return {nid for nid, state in nodes.items() if state["late"]}
 
 
 async def _read_events(response: httpx.Response, count: int) -> list[bytes]:
