@@ -6,6 +6,7 @@ import itertools
 import random
 
 from kvgate.core.admission import Admit, Outcome, Reject, Ticket
+from kvgate.core.nodes import LAG_LIMIT_FACTOR
 from kvgate.core.request import Priority
 from kvgate.testing.books import upper_tokens
 
@@ -158,6 +159,12 @@ def test_all_nodes_lost_fails_closed_with_503() -> None:
     policy.observe("a", sample(clock))
     policy.observe("b", sample(clock))
     clock.advance(1.5)
+    # Only late (heard 1.5 s ago, no hard failure): the request may wait for a sample, and
+    # goes nowhere meanwhile; one that cannot wait retries after about stale_after_s.
+    late = admit(policy, "late", cost(), Priority.CRITICAL, ("a", "b", "never"))
+    assert isinstance(late, Reject) and late.status == 429 and late.reason == "node_late"
+    assert late.waitable and 1.0 <= late.retry_after_s <= 1.2
+    clock.advance(LAG_LIMIT_FACTOR * policy.settings.stale_after_s)  # past the lag limit
     for i in range(50):
         decision = admit(policy, f"r{i}", cost(), Priority.CRITICAL, ("a", "b", "never"))
         assert isinstance(decision, Reject)
@@ -441,8 +448,11 @@ def test_refused_until_room_appears_and_a_503_once_the_node_is_stale() -> None:
     assert isinstance(again, Admit)
     refused = admit(policy, "r3", cost(400, 400), Priority.CRITICAL)
     assert isinstance(refused, Reject) and refused.status == 429
-    clock.advance(1.01)  # no new sample: the node is stale now, a different answer
-    stale = admit(policy, "r4", cost(400, 400), Priority.CRITICAL)
+    clock.advance(1.01)  # no new sample: the node is late now, a different answer
+    late = admit(policy, "r4", cost(400, 400), Priority.CRITICAL)
+    assert isinstance(late, Reject) and late.reason == "node_late" and late.waitable
+    clock.advance(LAG_LIMIT_FACTOR * policy.settings.stale_after_s)  # past the lag limit
+    stale = admit(policy, "r5", cost(400, 400), Priority.CRITICAL)
     assert isinstance(stale, Reject) and stale.status == 503 and stale.reason == "no_fresh_node"
 
 

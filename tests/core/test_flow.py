@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from kvgate.core.admission import Admit, Reject
+from kvgate.core.admission import Admit, Outcome, Reject
 from kvgate.core.flow import Waiter
+from kvgate.core.nodes import LAG_LIMIT_FACTOR
 from kvgate.core.request import Priority
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S
 from kvgate.core.settings import QueueSettings
@@ -283,3 +284,35 @@ def test_backlogged_tenants_receive_service_within_twice_of_each_other() -> None
         assert 0.5 <= big / small <= 2.0, (big, small)
     gap = (marks[-1]["big"] - marks[0]["big"]) - (marks[-1]["small"] - marks[0]["small"])
     assert abs(gap) <= 2 * largest
+
+
+def test_a_late_node_keeps_its_waiters_and_takes_arrivals_into_the_queue() -> None:
+    """Nothing heard of the node for longer than stale_after_s (its API server or the
+    gateway's own host stalled: pages and tokens late alike): the waiters are not refused
+    with 503s when a release walks them, an arrival waits as well, nothing starts on the old
+    sample, and the next sample starts them."""
+    bench = Bench()
+    fill(bench)
+    assert isinstance(bench.submit(500, 500, name="w"), Waiter)
+    bench.step(10)
+    bench.clock.advance(1.5 * bench.settings.stale_after_s)  # no sample, no token
+    ended = bench.running["a"].pop(0)
+    bench.flow.release(ended.ticket, Outcome.DONE)  # a walk over the waiters
+    assert "w" not in bench.decisions
+    assert isinstance(bench.submit(100, 100, name="x"), Waiter)
+    now = bench.submit(100, 100, name="y", max_wait_s=0)
+    assert isinstance(now, Reject) and (now.status, now.reason) == (429, "node_late")
+    assert bench.order == ["r0", "r1", "r2"]  # nothing started on the old sample
+    bench.run_until_idle()  # the engine goes on, its page answers again
+    assert bench.order == ["r0", "r1", "r2", "w", "x"]
+    assert bench.books_empty()
+
+
+def test_waiters_for_a_node_silent_past_the_lag_limit_get_a_503_at_its_next_failure() -> None:
+    bench = Bench()
+    fill(bench)
+    assert isinstance(bench.submit(500, 500, name="w"), Waiter)
+    bench.clock.advance((LAG_LIMIT_FACTOR + 0.5) * bench.settings.stale_after_s)
+    bench.flow.observe_failure("a", hard=False)  # a hung poll abandoned at its bound
+    refused = bench.refused("w")
+    assert refused is not None and (refused.status, refused.reason) == (503, "no_fresh_node")

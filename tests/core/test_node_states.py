@@ -205,14 +205,34 @@ def test_a_lagging_node_is_admitted_to_and_sheds_with_429_not_503() -> None:
     assert_books_empty(policy)
 
 
-def test_without_tokens_a_silent_node_fails_closed() -> None:
+def test_without_tokens_a_silent_node_is_late_then_fails_closed() -> None:
     policy, clock = make(stale_after_s=1.0)
     policy.observe("a", sample(clock, usage=0.1))
     clock.advance(1.5)
-    refused = admit(policy, "r", cost(), Priority.CRITICAL, ("a",))
+    # Silent, but not for long and not failing: its page may only be late (a busy host).
+    # Nothing goes to it; a request may wait for its next sample.
+    late = admit(policy, "r", cost(), Priority.CRITICAL, ("a",))
+    assert isinstance(late, Reject) and late.status == 429 and late.reason == "node_late"
+    assert late.waitable
+    node = policy.snapshot()["nodes"]["a"]
+    assert node["state"] == "stale" and node["late"] and not node["usable"]
+    clock.advance(LAG_LIMIT_FACTOR * 1.0)  # silent past the lag limit: lost
+    refused = admit(policy, "r2", cost(), Priority.CRITICAL, ("a",))
     assert isinstance(refused, Reject)
     assert refused.status == 503 and refused.reason == "no_fresh_node"
-    assert policy.snapshot()["nodes"]["a"]["state"] == "stale"
+    node = policy.snapshot()["nodes"]["a"]
+    assert node["state"] == "stale" and not node["late"]
+
+
+def test_a_node_failing_hard_is_not_late() -> None:
+    policy, clock = make(stale_after_s=1.0)
+    policy.observe("a", sample(clock, usage=0.1))
+    for _ in range(policy.settings.tuning.failures_to_stale):
+        policy.observe_failure("a", hard=True)
+    clock.advance(1.5)
+    refused = admit(policy, "r", cost(), Priority.CRITICAL, ("a",))
+    assert isinstance(refused, Reject) and refused.status == 503, refused
+    assert policy.snapshot()["nodes"]["a"]["state"] == "dead"
 
 
 def test_a_lagging_node_at_high_kv_sheds_with_429() -> None:

@@ -407,3 +407,19 @@ async def exact_prompt(client: httpx.AsyncClient, engine_url: str, tokens: int) 
     count = response.json()["count"]
     assert count == tokens, f"prompt of {tokens} x ' self' is {count} tokens for the engine"
     return prompt
+
+
+async def exact_prompt_ids(client: httpx.AsyncClient, engine_url: str, tokens: int) -> list[int]:
+    """The token ids of `exact_prompt(tokens)`: a prompt whose length kvgate counts exactly.
+
+    kvgate estimates a text prompt's tokens from its characters (" self" is 5 of them for one
+    token), so a text prompt near the context reads as longer than it is; ids are counted.
+    """
+    prompt = await exact_prompt(client, engine_url, tokens)
+    response = await client.post(
+        engine_url + "/tokenize", json={"model": MODEL_NAME, "prompt": prompt}
+    )
+    response.raise_for_status()
+    ids = response.json()["tokens"]
+    assert isinstance(ids, list) and len(ids) == tokens, ids
+    return [int(i) for i in ids]

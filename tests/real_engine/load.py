@@ -153,7 +153,6 @@ async def burst(
 # ---------------------------------------------------------------------------------------
 
 NO_WAIT = {"X-Kvgate-Max-Wait-Ms": "0"}  # a client that wants a decision at once
-IMPATIENT_GAP_S = 1.0  # between two impatient clients, so they meet different queue states
 
 
 @dataclass
@@ -197,8 +196,8 @@ async def queued_burst(
     timeout_s: float = 110.0,
 ) -> QueuedBurst:
     """`n` identical long requests at once through kvgate; once its queue holds half of
-    them, up to `impatient` more that will not wait, one every IMPATIENT_GAP_S while the
-    queue is not empty. The engine's metrics page is recorded throughout."""
+    them, up to `impatient` more that will not wait, one each time the queue's length has
+    changed (while it is not empty). The engine's metrics page is recorded throughout."""
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
     async with httpx.AsyncClient(timeout=10.0) as probe:
@@ -243,22 +242,34 @@ async def _impatient(
     count: int,
 ) -> tuple[list[Outcome], list[int]]:
     """Send up to `count` requests with `X-Kvgate-Max-Wait-Ms: 0`, each only while
-    kvgate's queue holds others (a request that arrives behind waiters may not pass them)."""
+    kvgate's queue holds others (a request that arrives behind waiters may not pass them),
+    and each at a new queue length: one per state of the queue, at any engine speed (a
+    fixed gap met only two states where the burst drained quickly)."""
     outcomes: list[Outcome] = []
     seen: list[int] = []
-    for _ in range(count):
-        waiting = int((await kvgate_queue(admin, gateway_url))["waiting"])
+    while len(outcomes) < count:
+        queue = await poll(
+            lambda: kvgate_queue(admin, gateway_url),
+            lambda q: not seen or int(q["waiting"]) != seen[-1],
+            timeout_s=60.0,
+        )
+        waiting = int(queue["waiting"])
         if not waiting:
             break
         seen.append(waiting)
         outcomes.append(await _one_completion(client, gateway_url, body, NO_WAIT))
-        await asyncio.sleep(IMPATIENT_GAP_S)
     return outcomes, seen
 
 
 # ---------------------------------------------------------------------------------------
 # Disconnects
 # ---------------------------------------------------------------------------------------
+
+
+# serve.sh's max_model_len (2048) less a short prompt's tokens: an answer as long as the
+# engine gives, so that a request is still running when a slow page or a busy host lets
+# the test act on it (1,500 tokens ended first on a machine 4x faster than this one).
+LONGEST_OUTPUT = 2040
 
 
 @dataclass(frozen=True)
@@ -284,20 +295,22 @@ async def measure_disconnect(
     body: dict[str, object],
     *,
     path: str = "/v1/completions",
-    ready: GoneCondition,
+    ready: GoneCondition | None,
     gone: GoneCondition,
     chunks_first: int = 0,
     ready_timeout_s: float = 30.0,
     gone_timeout_s: float = 5.0,
 ) -> Disconnect:
-    """Send one request, hang up once the engine shows `ready`, then time until `gone`.
+    """Send one request, hang up once it is where it should be, then time until `gone`.
 
-    The client is a task reading the response; cancelling it closes its connection (an
-    httpx connection cancelled mid-request is closed, never pooled). The clock starts
-    before the cancel; a metrics GET starts every ~10 ms (overlapping when slow) and the
-    figure is the arrival of the first page showing the request gone: an upper bound.
-    `chunks_first` waits for that many SSE lines first (mid-stream); 0 hangs up without
-    waiting for any (queued, or non-streaming).
+    Where it should be: `chunks_first` SSE lines received (mid-stream: tokens are the
+    engine's own proof that it runs the request, at any speed), then, if `ready` is
+    given, a page of the engine showing `ready` (queued, or non-streaming: no token says
+    where the request is). The client is a task reading the response; cancelling it
+    closes its connection (an httpx connection cancelled mid-request is closed, never
+    pooled). The clock starts before the cancel; a metrics GET starts every ~10 ms
+    (overlapping when slow) and the figure is the arrival of the first page showing the
+    request gone: an upper bound.
     """
     first_chunks = asyncio.Event()
     chunks = 0
@@ -328,9 +341,10 @@ async def measure_disconnect(
         try:
             if chunks_first:
                 await _first_of(task, first_chunks.wait(), ready_timeout_s)
-            await _first_of(
-                task, poll_until(poller, engine_url, ready, ready_timeout_s), ready_timeout_s
-            )
+            if ready is not None:
+                await _first_of(
+                    task, poll_until(poller, engine_url, ready, ready_timeout_s), ready_timeout_s
+                )
             sent_chunks = chunks
             hung_up_at = time.monotonic()
             task.cancel()
@@ -412,27 +426,28 @@ def describe(results: list[Disconnect]) -> str:
 # A full engine
 # ---------------------------------------------------------------------------------------
 
-# Two fillers of 1,400 prompt tokens hold 88 of the 127 usable KV blocks from their prefill
-# on and grow to 126 (1,400 + 600 tokens = 63 blocks each): never a preemption, and never
-# the 47 free blocks that a 1,500-token prompt needs, so such a request waits in the
-# engine's queue for ~2 s (600 decode steps). Two streams keep the engine's API server
-# responsive, so its metrics page stays a fine clock (32 slot-fillers made each GET take
-# 140-200 ms).
+# Two fillers of 1,040 prompt tokens hold 66 of the 127 usable KV blocks from their prefill
+# on, and grow to 126 (1,040 + 976 tokens = 63 blocks each): never a preemption, and never
+# the 63 free blocks that a 2,000-token prompt needs, so such a request waits in the
+# engine's queue for as long as the fillers run (976 decode steps: about the longest two
+# requests that never preempt can take on this engine). Two
+# streams keep the engine's API server responsive, so its metrics page stays a fine clock
+# (32 slot-fillers made each GET take 140-200 ms).
 FILLERS = 2
-FILLER_PROMPT_TOKENS = 1400
-FILLER_MAX_TOKENS = 600
-BLOCKED_PROMPT_TOKENS = 1500  # a prompt that cannot be scheduled while the fillers run
+FILLER_PROMPT_TOKENS = 1040
+FILLER_MAX_TOKENS = 976
+BLOCKED_PROMPT_TOKENS = 2000  # a prompt that cannot be scheduled while the fillers run
 
 
-# The fillers' prompts take 88 blocks, and each adds a block per 32 tokens it generates. A
-# page showing at most 110 blocks taken is early: at least 240 of the 600 decode steps
-# (~1 s) remain, so a request queued behind the fillers stays visibly queued. A slow poll
-# on a loaded machine may first see the fillers later than that, when they have only
+# The fillers' prompts take 66 blocks, and each adds a block per 32 tokens it generates. A
+# page showing at most 101 blocks taken is early: at least 400 of the 976 decode steps
+# remain, so a request queued behind the fillers stays visibly queued. A slow poll on a
+# loaded machine may first see the fillers later than that, when they have only
 # milliseconds left; such a filling is started again rather than handed out, except the
 # last one. (Even an early page can be stale when vLLM's API server lags under load, so
 # callers still treat "the queued request was never seen queued" as a missed attempt.)
-FULL_FROM = 87.5 / 127  # 88 blocks, below any rounding
-EARLY_UNTIL = 110.5 / 127  # 110 blocks
+FULL_FROM = 65.5 / 127  # 66 blocks, below any rounding
+EARLY_UNTIL = 101.5 / 127  # 101 blocks
 FILLING_ATTEMPTS = 3
 
 

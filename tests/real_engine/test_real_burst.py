@@ -15,10 +15,12 @@ import argparse
 from pathlib import Path
 
 import bench_scripts
+import httpx
 import pytest
 
 from real_engine.conftest import GatewayFactory
 from real_engine.engine import ServerProcess, record_figure
+from real_engine.load import kvgate_queue
 
 pytestmark = pytest.mark.real_engine
 
@@ -40,6 +42,10 @@ async def test_vllm_benchmark_burst_is_served_whole_without_preemption(
         f" {row['mean_e2el_s']:.1f} s, preemptions {row['preemptions']:.0f},"
         f" peak KV {row['peak_kv']:.2f}, peak running {row['peak_running']:.0f}",
     )
-    assert row["completed"] == 32, row
-    assert row["failed"] == 0, row
-    assert row["preemptions"] == 0, row
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        queue = await kvgate_queue(client, gateway.url)
+    shown = {key: row.get(key) for key in ("completed", "failed", "first_error", "preemptions")}
+    shown["kvgate_counters"] = queue["counters"]  # refused:<reason> says why one failed
+    assert row["completed"] == 32, shown
+    assert row["failed"] == 0, shown
+    assert row["preemptions"] == 0, shown

@@ -16,12 +16,13 @@ from real_engine.engine import (
     MODEL_NAME,
     EngineMetrics,
     ServerProcess,
-    exact_prompt,
+    exact_prompt_ids,
     record_figure,
 )
 from real_engine.load import (
     BLOCKED_PROMPT_TOKENS,
     GONE_BOUND_S,
+    LONGEST_OUTPUT,
     Disconnect,
     ResponseEndedFirst,
     describe,
@@ -32,7 +33,12 @@ from real_engine.load import (
 
 pytestmark = pytest.mark.real_engine
 
-LONG = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": 1500, "ignore_eos": True}
+LONG = {
+    "model": MODEL_NAME,
+    "prompt": "def main():",
+    "max_tokens": LONGEST_OUTPUT,
+    "ignore_eos": True,
+}
 
 
 def _idle(m: EngineMetrics) -> bool:
@@ -49,7 +55,7 @@ async def test_disconnect_mid_stream(
             idle_engine.url,
             {**LONG, "stream": True},
             chunks_first=5,
-            ready=lambda m: m.running == 1,
+            ready=None,  # its tokens say it runs: hang up after the 5th
             gone=_idle,
         )
     )
@@ -76,9 +82,9 @@ async def test_disconnect_while_waiting_for_a_non_streaming_answer(
 
 
 # Queued: two long requests sent straight to the engine fill its KV cache (see
-# `full_kv_cache`), so the engine queues the victim, whose 1,500-token prompt cannot fit.
+# `full_kv_cache`), so the engine queues the victim, whose 2,000-token prompt cannot fit.
 # That prompt also tells "dropped from the queue" from "scheduled": had the engine started
-# it, vllm:prompt_tokens_total would jump by 1,500. The fillers are aborted afterwards.
+# it, vllm:prompt_tokens_total would jump by 2,000. The fillers are aborted afterwards.
 # kvgate runs the pass-through policy here: the adaptive one rightly sheds a request for
 # a full engine, and what is tested is the disconnect path, which is the same for all.
 
@@ -89,7 +95,7 @@ async def test_disconnect_before_the_first_token_while_queued(
 ) -> None:
     gateway = start_gateway("none")
     async with httpx.AsyncClient(timeout=60.0) as client:
-        victim_prompt = await exact_prompt(client, idle_engine.url, BLOCKED_PROMPT_TOKENS)
+        victim_prompt = await exact_prompt_ids(client, idle_engine.url, BLOCKED_PROMPT_TOKENS)
     # Each attempt fills the engine anew; one whose victim was never seen queued (the
     # fillers left room too soon) is retried like a slow page.
     # More attempts than the other stages: right after a hang-up here, vLLM's metrics page
@@ -104,7 +110,9 @@ async def test_disconnect_before_the_first_token_while_queued(
     assert results[-1].gone_after_s < GONE_BOUND_S, describe(results)
 
 
-async def _queued_disconnect(gateway_url: str, engine_url: str, victim_prompt: str) -> Disconnect:
+async def _queued_disconnect(
+    gateway_url: str, engine_url: str, victim_prompt: list[int]
+) -> Disconnect:
     victim = {
         "model": MODEL_NAME,
         "prompt": victim_prompt,

@@ -176,7 +176,9 @@ async def _one_change(
 ) -> tuple[float, float]:
     """Start one long request straight at the engine (kvgate does not know of it), then
     abort it; returns how far /admin/state lagged the engine's page each time."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True}
+    # As long as the context allows (400 + 1,648 tokens): still running when both pages
+    # have shown it, whatever the engine's speed.
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2048 - 400, "ignore_eos": True}
     request = asyncio.create_task(client.post(engine_url + "/v1/completions", json=body))
     try:
         lag_up, _, sample = await _lag(

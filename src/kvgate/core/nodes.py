@@ -14,7 +14,12 @@
   slow (vLLM renders it in the API server that streams the tokens, and under load it has
   stalled for seconds). Admission goes on from the last sample plus the gateway's own
   books for the node, at the same watermarks.
-* `stale` - not fresh, no sign of life: the last word is too old to act on.
+* `stale` - not fresh, no sign of life: the last word is too old to act on. While the
+  last good sample is at most `LAG_LIMIT_FACTOR` x `stale_after_s` old and no streak of
+  hard failures followed it, the node is only *late* (`is_late`): its page may be
+  answering late because the engine's API server or the gateway's own host is busy, which
+  delays pages and tokens alike. Requests for it wait for its next sample instead of a
+  503 (kvgate.core.policies.adaptive); none is sent to it on the old sample.
 * `dead` - not fresh, no sign of life, and its last `Tuning.failures_to_stale` scrapes failed
   hard.
 * `thrashing` - fresh or lagging, but preempting (below).
@@ -142,6 +147,17 @@ class NodeState:
         lagging = min(alive + stale_after, sample.sampled_at + LAG_LIMIT_FACTOR * stale_after)
         return max(fresh, lagging)
 
+    def is_late(self, now: float, settings: AdmissionSettings) -> bool:
+        """Neither fresh nor lagging, but heard from within the lag limit and not failing
+        hard: its next sample may only be late, so requests wait for it."""
+        sample = self.sample
+        return (
+            sample is not None
+            and self.consecutive_failures < settings.tuning.failures_to_stale
+            and now - sample.sampled_at <= LAG_LIMIT_FACTOR * settings.stale_after_s
+            and not self.is_live(now, settings)
+        )
+
     def usable(self, now: float, settings: AdmissionSettings) -> bool:
         """May new work go here at all: fresh or lagging, and not thrashing."""
         return not self.thrashing and now <= self.live_until(settings)
@@ -164,6 +180,7 @@ class NodeState:
             "fresh": self.is_fresh(now, settings),
             "live": self.is_live(now, settings),
             "usable": self.usable(now, settings),
+            "late": self.is_late(now, settings),
             "level": self.level,
             "age_s": self.age(now),
             "progress_age_s": _since(self.progress_at, now),

@@ -87,6 +87,9 @@ class FakeEngine:
     kv_from_requests: bool = False
     metrics_delay: float = 0.0  # seconds before /metrics answers (a busy engine's page)
     metrics_hits: int = 0  # GETs of /metrics (not kept in `requests`)
+    # While set, /metrics GETs get no answer, and those asked meanwhile never do (each
+    # hangs until its client closes it): a page that hung, whose lost GETs stay lost.
+    metrics_hung: bool = False
     tls: ssl.SSLContext | None = None  # a server context: the engine serves HTTPS
     _server: asyncio.base_events.Server | None = None
     _handlers: set[asyncio.Task[None]] = field(default_factory=set)
@@ -160,6 +163,9 @@ class FakeEngine:
             return await _send(writer, 200, b"", "text/plain")
         if req.path == "/metrics":
             self.metrics_hits += 1
+            if self.metrics_hung:
+                await reader.read()  # until the client hangs up
+                return False
             if self.metrics_delay:
                 await asyncio.sleep(self.metrics_delay)
             return await _send(writer, 200, self._metrics_page(), "text/plain; version=0.0.4")

@@ -402,8 +402,8 @@ async def test_streams_survive_backends_changing_under_them(
         await asyncio.gather(*clients)
     assert changes == 40
     # A stall of the machine longer than `stale_after_s` (1 s; seen on CI) leaves every
-    # sample stale, and the adaptive policy then refuses with 503 `no_fresh_node` until the
-    # next scrape, by design. That is the only refusal allowed: churn itself causes none.
-    assert set(outcomes) <= {"whole", "503 no_fresh_node"}, outcomes
+    # sample stale: the nodes are only late then, and requests wait for the next scrape
+    # instead of a 503 (kvgate.core.nodes). Churn itself refuses nothing either.
+    assert set(outcomes) == {"whole"}, outcomes
     assert outcomes["whole"] >= 100
     assert all(e.completions() for e in engines)

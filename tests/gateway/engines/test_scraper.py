@@ -9,7 +9,7 @@ import itertools
 import logging
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import orjson
@@ -166,8 +166,12 @@ async def test_healthy_node_is_fresh_with_real_samples(rig: Rig) -> None:
         assert rig.rec.fresh(node)
     stats = rig.scraper.stats()[node]
     assert stats.up is True and stats.failures_total == 0 and stats.last_error is None
-    assert stats.last_latency_s is not None and 0 < stats.last_latency_s < INTERVAL
     sample = rig.scraper.last_sample(node)
+    # Its GET's own duration: positive, and within the sample's age when it arrived (a
+    # loaded machine's loopback GET can outlast the interval: that is no failure).
+    (_, last), arrived = rig.rec.samples[-1], rig.rec.arrived[-1]
+    assert stats.last_latency_s is not None
+    assert 0 < stats.last_latency_s <= arrived - last.sampled_at + 0.001
     assert sample is not None and sample.kv_capacity_tokens == 4096
     assert sample.iteration_latency_s == pytest.approx(0.02)  # from the histogram deltas
     assert rig.engines[0].auth[0] == "Bearer k"  # the backend's key goes to its own engine
@@ -266,6 +270,79 @@ async def test_a_page_that_keeps_turning_slow_is_told_at_info_once(
     assert [r.levelno for r in slow].count(logging.INFO) == 1 and slow[0].levelno == logging.INFO
     assert "a busy engine" in slow[0].getMessage()
     assert [r.levelno for r in quick].count(logging.INFO) == 1 and quick[0].levelno == logging.INFO
+
+
+class CountingFetcher(LeanHttpFetcher):
+    """The scraper's own fetcher, counting the GETs it has open at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = self.most_open = 0
+
+    async def get(self, url: str, headers: Mapping[str, str]) -> bytes:
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        try:
+            return await super().get(url, headers)
+        finally:
+            self.open -= 1
+
+
+def _counted(rig: Rig) -> tuple[Scraper, CountingFetcher]:
+    """A scraper of the rig's engines whose fetcher counts its open GETs."""
+    fetcher = CountingFetcher()
+    scrape = ScrapeSettings(interval_s=INTERVAL)
+    clock = rig.rec.policy.clock
+    scraper = Scraper(
+        rig.scraper.backends, scrape, rig.rec, fetcher, clock, stale_after_s=STALE_AFTER
+    )
+    return scraper, fetcher
+
+
+async def test_a_poll_out_for_stale_after_is_hedged_and_a_page_back_is_read_at_once(
+    rig: Rig,
+) -> None:
+    """While the page hangs, a GET starts every `stale_after_s` beside the first one (never
+    more than the two at once); the first page after the hang comes from such a hedge,
+    within one `stale_after_s`, long before the first GET's hang bound."""
+    node, engine = rig.ids[0], rig.engines[0]
+    scraper, fetcher = _counted(rig)
+    try:
+        async with scraper:
+            await _until(lambda: rig.rec.fresh(node))
+            engine.mode = "hang"  # every GET asked from now on is lost (30 s)
+            hung_at = time.monotonic()
+            await _until(lambda: scraper.stats()[node].hedges_total >= 3)
+            engine.mode = "ok"
+            back_at = time.monotonic()
+            count = len(rig.rec.samples)
+            await _until(lambda: len(rig.rec.samples) > count)
+            answered_after = rig.rec.arrived[count] - back_at
+    finally:
+        await fetcher.close()
+    assert fetcher.most_open == 2  # the first GET and one hedge: a newer one replaced it
+    hits = [t for t in engine.times if t >= hung_at]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(hits)]
+    assert max(gaps) < 2 * STALE_AFTER, gaps  # a new GET each stale_after_s, not each hang
+    assert answered_after < 2 * STALE_AFTER < HANG_FACTOR * STALE_AFTER, answered_after
+    assert rig.rec.failures == []  # back before the first GET's bound: nothing failed
+
+
+async def test_a_page_slower_than_stale_after_is_answered_by_its_first_get(rig: Rig) -> None:
+    """A hedge does not replace the first GET: a page that takes longer than
+    `stale_after_s` is still a sample, stamped when its first GET was sent."""
+    node, engine = rig.ids[0], rig.engines[0]
+    engine.delay = 1.5 * STALE_AFTER  # the hedge sent at stale_after would answer later
+    scraper, fetcher = _counted(rig)
+    try:
+        async with scraper:
+            await _until(lambda: len(rig.rec.samples) >= 4, within=10.0)
+    finally:
+        await fetcher.close()
+    assert rig.rec.failures == []
+    assert scraper.stats()[node].hedges_total >= 3 and fetcher.most_open == 2
+    for (_, sample), arrived in zip(rig.rec.samples[1:], rig.rec.arrived[1:], strict=True):
+        assert arrived - sample.sampled_at >= engine.delay  # the first GET's page, not a hedge's
 
 
 @pytest.mark.parametrize("rig", [{"stale_after": 1.0}], indirect=True)

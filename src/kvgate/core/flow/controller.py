@@ -274,6 +274,7 @@ class FlowController:
 
     def observe_failure(self, node_id: str, hard: bool = True) -> None:
         self.policy.observe_failure(node_id, hard)
+        self.dispatch()  # a node no longer late: its waiters get their answer now
 
     def add_node(self, node_id: str) -> None:
         self.policy.add_node(node_id)

@@ -33,7 +33,10 @@ waitable ones into a wait when the request's bound allows:
   * 429 `kv_high_watermark` (waitable) - no node has room under the request's ceiling now;
   * 429 `kv_panic` (waitable) - every node with a KV gauge holds at least the panic watermark;
   * 429 `thrashing` (waitable) - every fresh candidate is thrashing;
-  * 503 `no_fresh_node` - no candidate is fresh or lagging (fail-closed);
+  * 429 `node_late` (waitable) - no candidate is fresh or lagging, but one is only late
+    (`NodeState.is_late`: sampled within the lag limit, its scrapes not failing hard): the
+    request waits for its next sample, as on a busy engine, and is sent nowhere meanwhile;
+  * 503 `no_fresh_node` - no candidate is fresh, lagging or late (fail-closed);
   * 503 `no_backend` - the candidate list is empty;
   * 400 `no_capacity` - the request alone would pass its ceiling on every candidate: it can
     never be served as sent.
@@ -60,6 +63,7 @@ from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.plan.margin import MarginController
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest, Priority
+from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered
 from kvgate.core.settings import AdmissionSettings
 
 # The margin lowers a ceiling to this fraction of the high watermark at most.
@@ -231,7 +235,8 @@ class AdaptivePolicy(BasePolicy):
         """Does the request fit on the node now; with how much headroom left, or why not."""
         node = self.nodes.get(node_id)
         if node is None or not node.is_live(now, self.settings):
-            return _Fit(None, "stale")
+            late = node is not None and node.is_late(now, self.settings)
+            return _Fit(None, "late" if late else "stale")
         if node.thrashing:
             return _Fit(None, "thrashing")
         until = promised.get(node_id)
@@ -278,7 +283,9 @@ class AdaptivePolicy(BasePolicy):
     def _refuse(
         self, now: float, request: AdmissionRequest, expected: int, reasons: list[str]
     ) -> str | Reject:
-        if all(reason == "stale" for reason in reasons):
+        if all(reason in ("stale", "late") for reason in reasons):
+            if "late" in reasons and self.settings.fail_mode == "closed":
+                return self._late()
             return self._no_fresh(now, request.candidates)
         need = self.footprint(request, expected)
         cost = request.cost
@@ -294,7 +301,7 @@ class AdaptivePolicy(BasePolicy):
                 f" model holds ({self._most_held(request)} tokens for"
                 f" {request.priority.label} requests). Shorten the prompt or lower max_tokens.",
             )
-        fresh = [r for r in reasons if r != "stale"]
+        fresh = [r for r in reasons if r not in ("stale", "late")]
         if fresh and all(r == "thrashing" for r in fresh):
             return self.reject_shed(
                 "thrashing",
@@ -361,6 +368,20 @@ class AdaptivePolicy(BasePolicy):
             now,
         )
 
+    def _late(self) -> Reject:
+        """Waitable: a candidate's page may only be answering late (a waiter waits for its
+        next sample); a request that cannot wait retries after about one staleness period."""
+        centre = min(max(1.0, self.settings.stale_after_s), MAX_RETRY_AFTER_S)
+        return Reject(
+            429,
+            "node_late",
+            jittered(centre, self.rng, MAX_RETRY_AFTER_S),
+            "No backend for this model has reported its state within"
+            f" {self.settings.stale_after_s:g} s, but one may only be answering late; retry"
+            " shortly.",
+            waitable=True,
+        )
+
     # --- scheduling questions -------------------------------------------------------------
 
     def start_estimate(self, request: AdmissionRequest) -> StartEstimate | None:
@@ -374,8 +395,10 @@ class AdaptivePolicy(BasePolicy):
         best: StartEstimate | None = None
         for node_id in request.candidates:
             node = self.nodes.get(node_id)
-            if node is None or node.cap is None or not node.usable(now, self.settings):
+            if node is None or node.cap is None or node.thrashing:
                 continue
+            if not node.is_live(now, self.settings) and not node.is_late(now, self.settings):
+                continue  # a late node's start is predicted from its last sample
             limit = self.ceiling(node, request.priority) * node.cap
             estimate = self.forecast.start_estimate(node, final, limit)
             if estimate is not None and (best is None or estimate.seconds < best.seconds):

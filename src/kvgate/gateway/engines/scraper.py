@@ -8,15 +8,22 @@ polls.
 **Polls are sized to the engine, not to the interval.** A busy engine renders its page
 slowly (vLLM serves it from the API server that streams the tokens), and a slow page is
 still a good sample: a poll in flight is never abandoned for being slower than the
-interval, the next one waits for it (polls of one node never overlap), and the sample is
-stamped with the time its GET was *sent*, so the core judges it by its true age. When
-pages are slow, polls back off (`poll_period`) and return to the interval when they are
-fast again. Only a page that hangs past `HANG_FACTOR` x `stale_after_s` is abandoned:
-that is a failure, but not a *hard* one (refused or reset connection, HTTP error,
-unparseable page), so slowness alone never makes a node stale before its sample's age
-does (`kvgate.core.nodes`). Failures are logged once when the node goes down and once
-when it comes back, a slow page once when it turns slow and once when it recovers, never
-per poll.
+interval, the next poll waits for it, and the sample is stamped with the time its GET was
+*sent*, so the core judges it by its true age. When pages are slow, polls back off
+(`poll_period`) and return to the interval when they are fast again. Only a page that
+hangs past `HANG_FACTOR` x `stale_after_s` is abandoned: that is a failure, but not a
+*hard* one (refused or reset connection, HTTP error, unparseable page), so slowness alone
+never makes a node stale before its sample's age does (`kvgate.core.nodes`).
+
+**Polls are hedged.** A GET out for `stale_after_s` may be slow or may be lost (a page
+that hung and answers new requests again, a connection the engine dropped): one more GET
+starts beside it, and again each `stale_after_s` while no page has come, with at most one
+such hedge in flight (a newer one replaces it). The first page to arrive ends the poll and
+the other GET is cancelled. So a page that comes back is read within one `stale_after_s`,
+and a slow one is still waited for.
+
+Failures are logged once when the node goes down and once when it comes back, a slow
+page once when it turns slow and once when it recovers, never per poll.
 
 Start/stop from an ASGI lifespan::
 
@@ -35,10 +42,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from kvgate.adapters.backend import Backend
 from kvgate.adapters.base import MetricsParseError, NarrowablePage
@@ -47,6 +53,7 @@ from kvgate.core.clock import Clock
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample, SignalSink
 from kvgate.gateway.engines.scrape_http import LeanHttpFetcher, MetricsFetcher, ScrapeError
+from kvgate.gateway.engines.scrape_stats import NodeStats, describe
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +77,16 @@ SPEED_NOTE_EVERY_S = 600.0
 _STALE_AFTER_S: float = AdmissionSettings.model_fields["stale_after_s"].default
 
 
+_EXPECTED_FAILURES = (
+    MetricsParseError,
+    ScrapeError,
+    asyncio.IncompleteReadError,
+    asyncio.LimitOverrunError,
+    TimeoutError,
+    OSError,
+)
+
+
 def poll_period(interval_s: float, duration_s: float, stale_after_s: float) -> float:
     """Seconds from the start of a poll that took `duration_s` to the start of the next
     (which never starts before the last one ended: polls do not overlap)."""
@@ -77,74 +94,19 @@ def poll_period(interval_s: float, duration_s: float, stale_after_s: float) -> f
     return max(interval_s, backed_off)
 
 
-@dataclass(slots=True)
-class NodeStats:
-    """What the scraper knows about one node, for `/admin/state` and Prometheus."""
+@dataclass(slots=True, frozen=True)
+class _Get:
+    """One GET of a poll: when it was sent (the core's clock, the sample's stamp), when it
+    started (loop time) and the task that fetches the page. Only the page that ends the
+    poll is parsed: an adapter's state (histogram deltas) sees one page per poll, in order."""
 
-    node_id: str
-    engine: str
-    metrics_url: str  # the page polled now: the full one, or the narrowed one once checked
-    page: Literal["full", "narrowed"] = "full"
-    #: Why a node that could be polled on the narrowed page is not (None: it is, or it
-    #: cannot be: no narrowed page for its dialect).
-    page_note: str | None = None
-    scrapes_total: int = 0
-    failures_total: int = 0
-    consecutive_failures: int = 0
-    last_latency_s: float | None = None
-    last_success_at: float | None = None
-    last_error: str | None = None
-    last_sample: NodeSample | None = None
-    up: bool | None = None  # None: not scraped yet
-    #: When the poll in flight was sent (None: none is).
-    in_flight_since: float | None = None
-    #: From one poll's start to the next's, as backed off after the last poll.
-    period_s: float = 0.0
-    slow: bool = False  # polled back to back because its page is slow
-    # When its page last turned slow at INFO (None: never), whether the present slow spell
-    # was told at INFO, and the slow spells told at DEBUG since.
-    slow_told_at: float | None = field(default=None, repr=False)
-    slow_told: bool = field(default=False, repr=False)
-    slow_spells_untold: int = field(default=0, repr=False)
-    _latency_observations: deque[float] = field(
-        default_factory=lambda: deque(maxlen=4096), repr=False
-    )
+    sent_at: float
+    started: float
+    task: asyncio.Task[bytes]
 
-    def as_dict(self, now: float) -> dict[str, Any]:
-        sample = self.last_sample
-        return {
-            "node_id": self.node_id,
-            "engine": self.engine,
-            "metrics_url": self.metrics_url,
-            "page": self.page,
-            "page_note": self.page_note,
-            "up": self.up,
-            "scrapes_total": self.scrapes_total,
-            "failures_total": self.failures_total,
-            "consecutive_failures": self.consecutive_failures,
-            "last_latency_s": self.last_latency_s,
-            "in_flight_s": (
-                None if self.in_flight_since is None else max(0.0, now - self.in_flight_since)
-            ),
-            "period_s": self.period_s,
-            "slow": self.slow,
-            "last_error": self.last_error,
-            "last_success_age_s": (
-                None if self.last_success_at is None else max(0.0, now - self.last_success_at)
-            ),
-            "last_sample": None if sample is None else sample.as_dict(),
-        }
-
-    def drain_latencies(self) -> list[float]:
-        """Scrape latencies observed since the last call (the newest 4096 at most), to feed
-        a Prometheus histogram at collection time."""
-        out = list(self._latency_observations)
-        self._latency_observations.clear()
-        return out
-
-    def _observe_latency(self, latency: float) -> None:
-        self.last_latency_s = latency
-        self._latency_observations.append(latency)
+    def answered(self) -> bool:
+        """Done with a page (not a failure)."""
+        return self.task.done() and not self.task.cancelled() and self.task.exception() is None
 
 
 class Scraper:
@@ -153,7 +115,7 @@ class Scraper:
     Pages are fetched by `fetcher` when one is given (tests, benchmarks), else by the
     scraper's own keep-alive client (`LeanHttpFetcher`), closed when `run()` ends.
     `clock` stamps the samples on the core's time base; `stale_after_s` is the core's
-    (`admission.stale_after_s`): it sizes the hang bound and the back-off.
+    (`admission.stale_after_s`): it sizes the hang bound, the hedges and the back-off.
     `polls(node_id)`, when given, is asked before each poll: False skips it (a replica of a
     cluster skips the engines another replica polls for it, see kvgate.cluster.sync).
     """
@@ -340,8 +302,10 @@ class Scraper:
             started = loop.time()
             await self.scrape_once(backend)
             ended = loop.time()
-            stats.period_s = poll_period(self._interval, ended - started, self._stale_after)
-            self._note_speed(backend, stats, ended - started)
+            # The page's speed is the answering GET's (a hedge's, after a hang).
+            took = ended - started if stats.last_latency_s is None else stats.last_latency_s
+            stats.period_s = poll_period(self._interval, took, self._stale_after)
+            self._note_speed(backend, stats, took)
             # Anchored on the schedule while polls are quick (a steady period); a poll that
             # overran its slot is followed at once, never by a burst of missed ticks.
             next_at = max(next_at + stats.period_s, ended)
@@ -382,41 +346,78 @@ class Scraper:
         )
 
     async def scrape_once(self, backend: Backend) -> NodeSample | None:
-        """One poll of one backend: fetch, parse, tell the policy, update stats."""
+        """One poll of one backend: fetch, parse, tell the policy, update stats.
+
+        Hedged: while no page has come, one more GET starts each time the newest one has
+        been out `stale_after_s`, beside the first (at most one such hedge in flight: a
+        newer one replaces it). The first page to arrive is the poll's sample and the
+        other GET is cancelled, so a page that hung and answers again is read within one
+        `stale_after_s`, while a slow page is still waited for up to `hang_after_s`. A
+        hedge that fails only frees its place; the first GET's failure is the poll's.
+        """
         stats = self._stats[backend.node_id]
-        started = time.perf_counter()
-        sent_at = self._clock.now()
-        stats.in_flight_since = sent_at
         stats.scrapes_total += 1
+        first = self._send(backend)
+        stats.in_flight_since = first.sent_at
+        hedge: _Get | None = None
+        hedge_at = first.started + self._stale_after
         try:
-            page = await self._fetch(backend)
-            sample = backend.adapter.parse(page, sent_at)
-        except asyncio.CancelledError:
-            raise
-        except MetricsParseError as exc:
-            if stats.page == "narrowed":
-                # The engine behind the URL changed (another version, another mode): back
-                # to the full page, and check the narrowed one again later.
-                self._use_full_page(backend, f"narrowed page unusable ({exc})")
-            self._record_failure(backend, stats, exc, time.perf_counter() - started)
-            return None
-        except (
-            ScrapeError,
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-            TimeoutError,
-            OSError,
-        ) as exc:
-            self._record_failure(backend, stats, exc, time.perf_counter() - started)
-            return None
-        except Exception as exc:  # a bug in an adapter must not stop the other nodes
-            log.exception("scraper: unexpected error on %s", backend.node_id)
-            self._record_failure(backend, stats, exc, time.perf_counter() - started)
-            return None
+            while True:
+                gets = {first.task} if hedge is None else {first.task, hedge.task}
+                timeout = max(0.0, hedge_at - asyncio.get_running_loop().time())
+                done, _ = await asyncio.wait(
+                    gets, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if hedge is not None and hedge.task in done:
+                    if hedge.answered():
+                        return self._settle(backend, stats, hedge)
+                    hedge.task.exception()  # retrieved: a failed hedge only frees its place
+                    hedge = None
+                if first.task in done:
+                    return self._settle(backend, stats, first)
+                if not done:
+                    if hedge is not None:
+                        hedge.task.cancel()
+                    hedge = self._send(backend)
+                    stats.hedges_total += 1
+                    hedge_at = hedge.started + self._stale_after
         finally:
             stats.in_flight_since = None
-        self._record_success(backend, stats, sample, time.perf_counter() - started)
-        return sample
+            left = [get.task for get in (first, hedge) if get is not None]
+            for task in left:
+                task.cancel()  # a GET that lost (or every GET, when the poll is cancelled)
+            # Cancelled GETs end at once: cancellation closes their connections.
+            await asyncio.gather(*left, return_exceptions=True)
+
+    def _send(self, backend: Backend) -> _Get:
+        """Start one GET of the node's page, stamped with the time it is sent."""
+        sent_at = self._clock.now()
+        task = asyncio.get_running_loop().create_task(
+            self._fetch(backend), name=f"scrape GET {backend.node_id}"
+        )
+        return _Get(sent_at, asyncio.get_running_loop().time(), task)
+
+    def _settle(self, backend: Backend, stats: NodeStats, get: _Get) -> NodeSample | None:
+        """Record the outcome of the GET that ends the poll."""
+        latency = asyncio.get_running_loop().time() - get.started
+        exc = get.task.exception()
+        if exc is None:
+            try:
+                sample = backend.adapter.parse(get.task.result(), get.sent_at)
+            except Exception as parse_error:
+                exc = parse_error
+            else:
+                self._record_success(backend, stats, sample, latency)
+                return sample
+        if isinstance(exc, MetricsParseError) and stats.page == "narrowed":
+            # The engine behind the URL changed (another version, another mode): back to
+            # the full page, and check the narrowed one again later.
+            self._use_full_page(backend, f"narrowed page unusable ({exc})")
+        elif not isinstance(exc, _EXPECTED_FAILURES):
+            # A bug in an adapter must not stop the other nodes.
+            log.error("scraper: unexpected error on %s", backend.node_id, exc_info=exc)
+        self._record_failure(backend, stats, exc, latency)
+        return None
 
     async def _fetch(self, backend: Backend) -> bytes:
         async with asyncio.timeout(self._hang_after):
@@ -519,13 +520,3 @@ class Scraper:
                 "failure" if sample is None else "sample",
                 node_id,
             )
-
-
-def describe(exc: BaseException, timeout: float) -> str:
-    """A short, secret-free description of why a scrape failed."""
-    if isinstance(exc, TimeoutError):
-        return f"no answer within {timeout:g} s (hung)"
-    if isinstance(exc, ScrapeError | MetricsParseError):
-        return str(exc)[:200]
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:200]
