@@ -369,7 +369,7 @@ async def test_an_engine_added_by_a_reload_is_scraped_and_served(
     """The real engine joins a running gateway: the file names it, then SIGHUP. It must be
     scraped (on its narrowed page), make the gateway ready, and serve a completion."""
     path = tmp_path / "kvgate.yaml"
-    settings = "server: {log_level: info}\nadmission: {policy: adaptive}\n"
+    settings = "server: {log_level: info}\n"
     path.write_text("backends: [{url: 'http://127.0.0.1:9', name: placeholder}]\n" + settings)
     port = free_port()
     argv = [sys.executable, "-m", "kvgate", "serve", "--config", str(path), "--port", str(port)]
