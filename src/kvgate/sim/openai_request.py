@@ -89,7 +89,7 @@ def prompt_ids(body: dict[str, Any], chars_per_token: float) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return _text_ids(prompt, chars_per_token)
-    return [int(t) for t in prompt]
+    return [int(t) for t in prompt or ()]
 
 
 def _text_ids(text: str, chars_per_token: float) -> list[int]:
