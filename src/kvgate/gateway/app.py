@@ -392,6 +392,7 @@ class Gateway:
                 self.metrics.tenants, policy["tenants"], policy["queue"]["tenants"]
             ),
             "scraper": None if self.scraper is None else self.scraper.snapshot(),
+            "costs": self.relay.costs_snapshot(),
             "cluster": None if self.cluster is None else self.cluster.snapshot(),
             "gateway": {
                 **self.metrics.counters(),

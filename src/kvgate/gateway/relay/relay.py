@@ -112,6 +112,15 @@ class Relay:
         self._idle: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    def costs_snapshot(self) -> dict[str, Any]:
+        """How prompts are counted: each model's tokenizer and learned characters per token,
+        the engines' counts, and the waiters re-costed."""
+        return {
+            **self.counter.snapshot(),
+            "chars_per_token": self.estimator.ratios.snapshot(),
+            "recosted": self.recosting.recosted,
+        }
+
     # ---- entry points ------------------------------------------------------------------------
 
     # Plain functions that hand back `_serve`'s coroutine: an `async def` wrapper would be
