@@ -15,7 +15,8 @@ a `kvgate sim` engine started here):
   time), over N completions (`max_tokens` 1) alone, and over the same N each after its
   `/tokenize`.
 
-Prompts are chats and completions of about `--tokens` tokens of distinct text.
+Prompts are chats and completions of `--chars` characters of distinct text (the docs';
+the mean tokens the engine counted for them is printed).
 
     python benchmarks/cost_exact/engine_count.py [--url URL --pid PID] [--requests 200]
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -72,9 +74,8 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return own(pid), below
 
 
-def prompts(count: int, tokens: int) -> list[dict[str, Any]]:
+def prompts(count: int, chars: int) -> list[dict[str, Any]]:
     text = "".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
-    chars = tokens * 4
     out: list[dict[str, Any]] = []
     for i in range(count):
         at = (i * 997 * 7) % max(1, len(text) - chars)
@@ -91,6 +92,7 @@ async def counts(
 ) -> tuple[list[float], float]:
     """Each body's `/tokenize` latency, and kvgate's CPU seconds for them all."""
     latencies: list[float] = []
+    sizes: list[int] = []
     gate = asyncio.Semaphore(at_once)
 
     async def one(body: dict[str, Any]) -> None:
@@ -101,10 +103,13 @@ async def counts(
             count = await counter.ask(backend, payload)
             latencies.append(time.perf_counter() - started)
             assert count is not None, "the engine gave no count"
+            sizes.append(count.per_prompt[0])
 
     cpu = time.process_time()
     await asyncio.gather(*(one(b) for b in bodies))
-    return latencies, time.process_time() - cpu
+    spent = time.process_time() - cpu
+    print(f"<!-- {statistics.mean(sizes):.0f} tokens per prompt on average -->")
+    return latencies, spent
 
 
 async def completions(
@@ -129,12 +134,12 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-async def run(url: str, pid: int, model: str, requests: int, tokens: int, at_once: int) -> None:
+async def run(url: str, pid: int, model: str, requests: int, chars: int, at_once: int) -> None:
     backend = Backend.from_settings(BackendSettings(url=url))
     pool = UpstreamPool([backend])
     await pool.start()
     counter = EngineCounter(pool)
-    bodies = prompts(requests, tokens)
+    bodies = prompts(requests, chars)
     try:
         await counts(counter, backend, model, bodies[:20], 1)  # connections, warm caches
         for label, parallel in (("one at a time", 1), (f"{at_once} at once", at_once)):
@@ -171,7 +176,7 @@ def main() -> None:
     parser.add_argument("--pid", type=int, help="the engine's process id (with --url)")
     parser.add_argument("--model", default=None, help="the served model (default: its first)")
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--tokens", type=int, default=500)
+    parser.add_argument("--chars", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
     process = None
@@ -196,10 +201,10 @@ def main() -> None:
                 time.sleep(0.2)
         model = args.model or models["data"][0]["id"]
         assert pid is not None, "--pid is needed with --url"
-        print(f"# {url} ({model}), {args.requests} prompts of about {args.tokens} tokens")
+        print(f"# {url} ({model}), {args.requests} prompts of {args.chars} characters")
         print("| what | p50 | p99 | kvgate CPU per count |\n| --- | --- | --- | --- |")
         # uvloop, the loop `kvgate serve` runs on.
-        uvloop.run(run(url, pid, model, args.requests, args.tokens, args.concurrency))
+        uvloop.run(run(url, pid, model, args.requests, args.chars, args.concurrency))
     finally:
         if process is not None:
             process.terminate()
