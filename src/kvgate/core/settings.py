@@ -48,11 +48,12 @@ class Tuning:
     release_rate_halflife_s: float = 5.0
     # From this many candidates on, placement looks at two random nodes, not all.
     p2c_min_nodes: int = 8
-    # The prompt estimator: initial characters per token, its learned range, and the
-    # factor on estimated prompts (under-counting a prompt is the unsafe error). English
-    # prose runs about 4 characters per token, code and other languages fewer, and the
-    # random-token prompts of benchmark clients about 2.5: start at 3 and learn from the
-    # engines' usage, so that the first requests of a model are over-counted, not under-.
+    # The prompt estimate, the last fallback of counting (kvgate.core.cost): initial
+    # characters per token, its learned range, and the factor on estimated prompts
+    # (under-counting a prompt is the unsafe error). English prose runs about 4 characters
+    # per token, code and other languages fewer, and the random-token prompts of benchmark
+    # clients about 2.5: start at 3, so that the first requests of a model are over-counted,
+    # not under-, until the first exact count or `usage` of the model replaces it.
     chars_per_token: float = 3.0
     chars_per_token_min: float = 1.0
     chars_per_token_max: float = 8.0
@@ -95,7 +96,10 @@ class AdmissionSettings(BaseModel):
     )
     tokenizers: dict[str, str] = Field(
         default_factory=dict,
-        description="Model name -> tokenizer.json path, for exact prompt token counts.",
+        description="Model name -> its tokenizer: a model directory (tokenizer.json, and"
+        " tokenizer_config.json with the chat template) or a tokenizer.json, for exact prompt"
+        " counts in process. Models without one are counted by their vLLM engines'"
+        " `/tokenize`, else estimated.",
     )
 
     _tuning: Tuning = PrivateAttr(default_factory=Tuning)

@@ -38,10 +38,10 @@ from kvgate.gateway.ops.history import ChartHistory
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.ops.tenants import tenant_table
 from kvgate.gateway.relay.relay import Relay
-from kvgate.gateway.relay.tokenizers import load_tokenizers
 from kvgate.gateway.relay.upstream import ModelCatalog, Upstream, UpstreamPool
 from kvgate.gateway.security.admin import AdminAccess, is_admin_path
 from kvgate.gateway.security.auth import Security, TenantCollector
+from kvgate.gateway.tokens.files import load_tokenizers
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,12 @@ class Gateway:
         self.relay = Relay(
             Upstream(self.pool, self.catalog, config.upstream),
             self.admission,
-            estimator or _estimator(config),
+            estimator or CostEstimator(config.admission),
             self.metrics,
             config.limits,
             self.spawn,
+            # Read here, at startup: file I/O, and a bad file stops the start.
+            load_tokenizers(config.admission.tokenizers),
         )
         self.scraper: Scraper | None = None
         #: The last minutes of what the dashboard charts (recorded by `running`).
@@ -390,6 +392,7 @@ class Gateway:
                 self.metrics.tenants, policy["tenants"], policy["queue"]["tenants"]
             ),
             "scraper": None if self.scraper is None else self.scraper.snapshot(),
+            "costs": self.relay.costs_snapshot(),
             "cluster": None if self.cluster is None else self.cluster.snapshot(),
             "gateway": {
                 **self.metrics.counters(),
@@ -464,12 +467,6 @@ class Gateway:
 
 class ReloadUnavailable(RuntimeError):
     """The gateway has no configuration to re-read (built in code, not by `kvgate serve`)."""
-
-
-def _estimator(config: KvgateConfig) -> CostEstimator:
-    """The core's estimator, given the configured tokenizers (read here: file I/O)."""
-    tokenizers = load_tokenizers(config.admission.tokenizers)
-    return CostEstimator(config.admission, tokenizers=tokenizers)
 
 
 async def _quiet(coro: Awaitable[Any]) -> Any:

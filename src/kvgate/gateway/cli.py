@@ -248,8 +248,8 @@ def _serve(
     from kvgate.core.clock import MonotonicClock
     from kvgate.gateway.app import Gateway
     from kvgate.gateway.http.server import bind_socket, run_server
-    from kvgate.gateway.relay.tokenizers import TokenizerLoadError
     from kvgate.gateway.settings import join_address, listen_address, local_url
+    from kvgate.gateway.tokens.files import TokenizerLoadError
 
     server = config.server
     sockets = []

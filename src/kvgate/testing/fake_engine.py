@@ -8,7 +8,9 @@ mid-stream, hang, or answer with an error status; a caller chooses per request w
 `"fake"` object in the JSON body (the gateway relays unknown fields untouched), or per
 engine through the constructor. It serves a vLLM-shaped `/metrics` page, so the gateway's
 scraper treats it as a live vLLM node, and like vLLM's default server it has no abort API
-(404): closing the connection is the abort. Other paths are echoed back.
+(404): closing the connection is the abort. With `tokenize` it serves vLLM's `/tokenize`
+(a token per 4 characters of text, after `tokenize_delay`); without, that path is a 404, as
+on an engine that lacks it. Other paths are echoed back.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ class FakeEngine:
     # While set, /metrics GETs get no answer, and those asked meanwhile never do (each
     # hangs until its client closes it): a page that hung, whose lost GETs stay lost.
     metrics_hung: bool = False
+    tokenize: bool = False  # serve vLLM's /tokenize (else 404 there)
+    tokenize_delay: float = 0.0  # seconds before /tokenize answers
     tls: ssl.SSLContext | None = None  # a server context: the engine serves HTTPS
     _server: asyncio.base_events.Server | None = None
     _handlers: set[asyncio.Task[None]] = field(default_factory=set)
@@ -172,6 +176,8 @@ class FakeEngine:
         self.requests.append(req)
         if req.path == VLLM_ABORT_PATH:  # like vLLM started without --enable-scale-out
             return await _send(writer, 404, b'{"detail": "Not Found"}')
+        if req.path == "/tokenize":
+            return await self._tokenize(req, writer)
         if req.path == "/v1/models":
             names = [self.model, *self.models]
             data: list[dict[str, Any]] = [
@@ -191,6 +197,22 @@ class FakeEngine:
             await writer.drain()
             return True
         return await _send(writer, 200, body)
+
+    async def _tokenize(self, req: EngineRequest, writer: asyncio.StreamWriter) -> bool:
+        """vLLM's `/tokenize`: a token per 4 characters of the prompt (chat: of each
+        message's content, plus 4 for its role markers); the ids count up from 100."""
+        if not self.tokenize:
+            return await _send(writer, 404, b'{"detail": "Not Found"}')
+        if self.tokenize_delay:
+            await asyncio.sleep(self.tokenize_delay)
+        body = req.json or {}
+        if "messages" in body:
+            count = sum(len(str(m.get("content") or "")) // 4 + 4 for m in body["messages"])
+        else:
+            count = len(str(body.get("prompt", ""))) // 4
+        tokens = list(range(100, 100 + count))
+        answer = {"count": count, "max_model_len": self.max_model_len or 2048, "tokens": tokens}
+        return await _send(writer, 200, orjson.dumps(answer))
 
     def _metrics_page(self) -> bytes:
         running = sum(

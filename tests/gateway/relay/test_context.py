@@ -38,7 +38,7 @@ async def test_over_the_context_is_kvgates_400_in_the_engines_words_without_send
             json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                   "max_tokens": 3000},
         )  # fmt: skip
-        # 8,800 characters: 2,200 tokens at 4 characters per token, margin or not.
+        # 8,800 characters: 2,200 tokens for the simulator, which counts it (`/tokenize`).
         long_text = await client.post(
             "/v1/completions",
             json={"model": MODEL, "prompt": "abcd" * 2200, "max_tokens": 10},
@@ -71,24 +71,51 @@ async def test_over_the_context_is_kvgates_400_in_the_engines_words_without_send
         " output tokens. (parameter=max_tokens, value=3000)"
     )
     assert long_text.status_code == 400
-    assert "contains about 2200 input tokens" in long_text.json()["error"]["message"]
+    assert "contains 2200 input tokens" in long_text.json()["error"]["message"]
     assert relayed_before == 0, "a request refused for its length reached an engine"
     assert "x-kvgate-reason" not in batch.headers and _relayed(gw) == 1
 
 
-async def test_only_the_unscaled_estimate_counts(sim_server: SimServer, gateway_factory) -> None:
-    """1,950 tokens by the estimator's ratio, 2,145 with its 1.1 safety factor: the margin
-    must not refuse a prompt the engine takes (the simulator counts 4 characters a token)."""
-    gw = await gateway_factory([f"http://127.0.0.1:{sim_server.port}"])
-    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
-        response = await client.post(
+async def test_an_estimated_prompt_is_refused_in_about_words(
+    engine_factory: Callable[..., Any], gateway_factory
+) -> None:
+    """An engine without `/tokenize` (a 404): 8,800 characters are 2,200 tokens at the
+    typical 4 characters a token, margin or not, and the refusal says it is an estimate."""
+    engine = await engine_factory(model=MODEL, max_model_len=LIMIT)
+    gw = await gateway_factory([engine.url])
+    await gw.gateway.catalog.refresh()
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        long_text = await client.post(
             "/v1/completions",
-            json={"model": MODEL, "prompt": "abcd" * 1950, "max_tokens": 50},
+            json={"model": MODEL, "prompt": "abcd" * 2200, "max_tokens": 10},
         )
+    assert long_text.status_code == 400
+    assert "contains about 2200 input tokens" in long_text.json()["error"]["message"]
+    assert _relayed(gw) == 0 and not engine.completions()
+
+
+async def test_only_the_unscaled_estimate_counts(
+    sim_server: SimServer, engine_factory: Callable[..., Any], gateway_factory
+) -> None:
+    """1,950 tokens by the estimator's ratio, 2,145 with its 1.1 safety factor: the margin
+    must not refuse a prompt the engine takes (the simulator counts 4 characters a token).
+    Estimated (an engine without `/tokenize`) it is sent; counted by the simulator's
+    `/tokenize` it is exact, and served."""
+    body = {"model": MODEL, "prompt": "abcd" * 1950, "max_tokens": 50}
+    estimating = await engine_factory(model=MODEL, max_model_len=LIMIT)
+    gw = await gateway_factory([estimating.url])
+    await gw.gateway.catalog.refresh()
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+        response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert _relayed(gw) == 1 and len(estimating.completions()) == 1
+    counting = await gateway_factory([f"http://127.0.0.1:{sim_server.port}"])
+    async with httpx.AsyncClient(base_url=counting.url, timeout=30) as client:
+        response = await client.post("/v1/completions", json=body)
     # vLLM serves a prompt that fits and cuts the output at the limit; so does the sim.
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] == 1950
-    assert _relayed(gw) == 1
+    assert _relayed(counting) == 1
 
 
 async def test_no_limit_is_assumed_when_a_backend_does_not_list_one(

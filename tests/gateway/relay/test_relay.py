@@ -265,19 +265,21 @@ class _Expecting(RecordingPolicy):
 async def test_without_max_tokens_the_body_goes_as_sent_and_the_cap_is_the_rest_of_the_context(
     engine_factory, gateway_factory
 ) -> None:
-    """The engine lists a 2,048-token context: a 1,629-token prompt without `max_tokens` is
+    """The engine lists a 2,048-token context: a 1,629-token chat without `max_tokens` is
     relayed as the client sent it (vLLM's chat generates up to the other 419), planned with that
-    cap, and, once the model's lengths are learned, expected to run as long as they say."""
-    engine = await engine_factory(max_model_len=2048)  # 5 output tokens per answer
+    cap, and, once the model's lengths are learned, expected to run as long as they say. (The
+    engine's `/tokenize` counts the prompt: 6,500 characters at 4 a token, 4 for the role.)"""
+    engine = await engine_factory(max_model_len=2048, tokenize=True)  # 5 output tokens
     policy = _Expecting()
     gw = await gateway_factory([engine.url], policy=policy)
     await gw.gateway.catalog.refresh()
-    sent = orjson.dumps({"model": "fake-model", "prompt": list(range(10, 1639))})
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "x" * 6500}]}
+    sent = orjson.dumps(chat)
     headers = {"content-type": "application/json"}
     async with httpx.AsyncClient(base_url=gw.url) as client:
         for i in range(20):
             headers["x-request-id"] = f"open-{i}"
-            response = await client.post("/v1/completions", content=sent, headers=headers)
+            response = await client.post("/v1/chat/completions", content=sent, headers=headers)
             assert response.status_code == 200, response.text
     assert engine.by_id("open-0").body == sent
     assert engine.by_id("open-19").body == sent
@@ -287,3 +289,24 @@ async def test_without_max_tokens_the_body_goes_as_sent_and_the_cap_is_the_rest_
     }
     assert policy.expected[0] == 2048 - 1629  # nothing learned yet: the cap
     assert policy.expected[-1] == 5  # learned from the model's finished requests
+
+
+@pytest.mark.parametrize("max_model_len", [2048, None])
+async def test_a_vllm_completion_without_max_tokens_costs_its_16_and_goes_as_sent(
+    engine_factory, gateway_factory, max_model_len: int | None
+) -> None:
+    """vLLM's `/v1/completions` generates 16 tokens when `max_tokens` is absent (OpenAI's
+    default; only its chat runs to the end of the context): that is the cost, and the body
+    goes upstream as sent whether or not the context is known."""
+    engine = await engine_factory(max_model_len=max_model_len)
+    policy = _Expecting()
+    gw = await gateway_factory([engine.url], policy=policy)
+    await gw.gateway.catalog.refresh()
+    sent = orjson.dumps({"model": "fake-model", "prompt": list(range(10, 1639))})
+    headers = {"content-type": "application/json", "x-request-id": "sixteen"}
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        response = await client.post("/v1/completions", content=sent, headers=headers)
+    assert response.status_code == 200, response.text
+    assert engine.by_id("sixteen").body == sent
+    [(_, cost, _)] = policy.admitted
+    assert (cost.prompt_tokens, cost.max_output_tokens, cost.prompt_exact) == (1629, 16, True)

@@ -29,7 +29,8 @@ would start there: later waiters may still start on that node, but only if they 
 expected to end by then (backfill that never delays the head). Room therefore accumulates
 for a large request whose turn has come, while small ones fill the gap before it. A walk
 stops after `MAX_MISSES` waiters in a row that did not fit, so a long queue costs a bounded
-amount per wake-up.
+amount per wake-up. A waiter whose prompt gets a better count (`recost`) keeps its place
+with its new cost, and the walk runs again.
 
 **Bounds.** `queue.max_waiting` and `queue.max_waiting_tokens` cap the waiters per priority
 and in total; when a band is full, an arrival of a more important band takes the place of
@@ -176,6 +177,20 @@ class FlowController:
         decision = self._refusal(reason, message, request, wait)
         self._decide(waiter, decision, WaitState.REFUSED)
         return decision
+
+    def recost(self, changes: Sequence[tuple[Waiter, AdmissionRequest]]) -> None:
+        """Waiting requests get new costs (a better count of their prompts arrived): each
+        copy replaces its waiter's request, which keeps its place in the queue; then the
+        waiters are walked, since a smaller cost may start now. Waiters that left are
+        skipped."""
+        changed = False
+        for waiter, request in changes:
+            if waiter.waiting:
+                self.queue.update(waiter, request)
+                changed = True
+        if changed:
+            self._walked = (-1, self._walked[1])  # the last walk's promises used old costs
+            self.dispatch()
 
     # --- wake-ups -------------------------------------------------------------------------------
 

@@ -129,6 +129,20 @@ class WaitQueue:
         self.count -= 1
         self.tokens -= waiter.tokens
 
+    def update(self, waiter: Waiter, request: AdmissionRequest) -> None:
+        """Give a waiting waiter a new request of the same band and tenant (a new cost),
+        keeping its place; the token sums follow its new size."""
+        if not waiter.waiting:
+            return
+        old = waiter.request
+        if (request.priority, request.tenant) != (old.priority, old.tenant):
+            raise ValueError("a waiter keeps its priority and tenant")
+        tokens = request.cost.total
+        delta = tokens - waiter.tokens
+        waiter.request, waiter.tokens = request, tokens
+        self._bands[request.priority].tokens += delta
+        self.tokens += delta
+
     def order(self) -> Iterator[Waiter]:
         """Waiting waiters in dispatch order. Fairness keys are read at each step, so a
         tenant charged for an admission during the walk moves back at once. Waiters may be

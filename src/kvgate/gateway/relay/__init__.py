@@ -4,5 +4,6 @@
 the request, `admitting.py` waits for the core's admission and retries, `streaming.py`
 relays the answer; `call.py` holds the request's objects, `upstream.py` the engines'
 connections and model catalog, `context.py` the engines' context-length refusals and
-`tokenizers.py` the configured tokenizers, read at startup.
+`recost.py` the re-costing of waiting requests when a better count of their prompts
+arrives. Counting prompts is kvgate.gateway.tokens.
 """

@@ -30,6 +30,7 @@ from kvgate.core.request import AdmissionRequest
 from kvgate.gateway.http.errors import GatewayError, UpstreamConnectError, UpstreamError
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.relay.call import Call
+from kvgate.gateway.relay.recost import Recosting
 from kvgate.gateway.relay.upstream import UpstreamPool
 
 #: One attempt on the granted backend: the relay's exchange, returning how it ended.
@@ -48,12 +49,18 @@ class Admitter:
     """Admission and retry for the relay's requests; shared by all of them."""
 
     def __init__(
-        self, flow: FlowController, metrics: GatewayMetrics, pool: UpstreamPool, exchange: Exchange
+        self,
+        flow: FlowController,
+        metrics: GatewayMetrics,
+        pool: UpstreamPool,
+        exchange: Exchange,
+        recosting: Recosting,
     ) -> None:
         self.flow = flow
         self.metrics = metrics
         self.pool = pool
         self.exchange = exchange
+        self.recosting = recosting
 
     async def run(self, call: Call, request: AdmissionRequest) -> None:
         """Admit `request` and run the exchange on the granted backend, retried once on
@@ -62,6 +69,8 @@ class Admitter:
         nodes = request.candidates
         tried: list[str] = []
         last_error: UpstreamError | None = None
+        if record.late_count is not None:
+            self.recosting.follow(record, record.late_count)
         for attempt in range(2):
             # After an await: a reload may have removed a node since the model was resolved.
             backends = self.pool.backends
@@ -71,6 +80,7 @@ class Admitter:
             if candidates != request.candidates:
                 request = dataclasses.replace(request, candidates=candidates)
             ticket = await self._admit(call, request, after_failure=attempt > 0)
+            request = ticket.request  # re-costed, perhaps, while it waited
             backend = self.pool.backends.get(ticket.node_id)
             outcome = Outcome.UPSTREAM_ERROR
             try:
@@ -134,6 +144,7 @@ class Admitter:
         waiter.notify = notify
         record = call.record
         record.stage = "queued"
+        self.recosting.watch(waiter, record)
         started = time.monotonic()
         remaining = waiter.deadline - flow.clock.now()
         try:
@@ -148,6 +159,7 @@ class Admitter:
                 flow.release(granted.ticket, Outcome.CLIENT_CANCEL)
             raise
         finally:
+            self.recosting.unwatch(record)
             record.queued_s = time.monotonic() - started
             self.metrics.observe_queue_wait(record.priority or "-", record.queued_s)
 

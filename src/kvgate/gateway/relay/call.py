@@ -18,6 +18,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.core.cost import CostBasis, PromptCount
 from kvgate.core.request import Priority
 from kvgate.gateway.http.asgi import Scope, Send
 from kvgate.gateway.http.scope import CancelScope
@@ -75,7 +76,10 @@ class AccessRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     retried: bool = False
-    estimated_prompt: int = 0
+    # What a completion's cost was made of (None for a pass-through request), kept current
+    # when a better count arrives; and the engine's count, while it is still on its way.
+    basis: CostBasis | None = None
+    late_count: asyncio.Task[PromptCount | None] | None = None
     queued_s: float | None = None  # time spent waiting in the gateway's queue
     reason: str | None = None  # why the gateway answered an error itself
     # SSE data events relayed so far (a stream's tokens, or more when an engine merges

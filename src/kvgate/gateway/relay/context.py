@@ -16,16 +16,18 @@ engine makes itself (where the limit is unknown) is relayed as the engine sent i
 A prompt that fits but leaves less room than `max_tokens` asks for is not refused: vLLM
 serves it, with the output cut at the limit.
 
-A prompt counted exactly (token ids, or the model's tokenizer) is refused when its count
-exceeds the limit; an estimated one only when the estimate *without* its safety margin
-does: the margin is there to keep reservations safe, and a request refused for its length
-can never be served, so the doubt goes to the request (the engine still has the last word).
+A prompt counted exactly (token ids, the model's tokenizer, the engine's `/tokenize`) is
+refused when its count exceeds the limit; an estimated one only when the estimate
+*without* its safety margin does: the margin is there to keep reservations safe, and a
+request refused for its length can never be served, so the doubt goes to the request (the
+engine still has the last word).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
+from kvgate.core.cost import CostBasis
 from kvgate.core.request import RequestCost
 from kvgate.gateway.http.errors import GatewayError
 
@@ -33,18 +35,18 @@ from kvgate.gateway.http.errors import GatewayError
 CONTEXT_LENGTH = "context_length_exceeded"
 
 
-class PromptCounter(Protocol):
+class PromptLength(Protocol):
     """What the check needs of `kvgate.core.cost.CostEstimator`."""
 
-    def longest_prompt(self, model: str, body: dict[str, Any]) -> tuple[int, bool]: ...
+    def longest_prompt(self, basis: CostBasis) -> tuple[int, bool]: ...
 
 
 def check_context(
     limit: int | None,
-    model: str,
     body: dict[str, Any],
     cost: RequestCost,
-    estimator: PromptCounter,
+    estimator: PromptLength,
+    basis: CostBasis,
 ) -> None:
     """Raise the engine's 400 if the request cannot fit `limit` tokens of context."""
     if limit is None:
@@ -56,7 +58,7 @@ def check_context(
     # Fast path: the whole costed prompt, margin and every sequence included, fits.
     if cost.prompt_tokens <= limit or body.get("truncate_prompt_tokens") is not None:
         return
-    tokens, exact = estimator.longest_prompt(model, body)
+    tokens, exact = estimator.longest_prompt(basis)
     if tokens > limit:
         raise prompt_too_long(tokens, limit, exact)
 

@@ -9,16 +9,21 @@ when none is reachable) and costs it, and builds, once each:
 
 - the `ClientRequest` (`kvgate.gateway.relay.call`): what the client asked, with the body
   as it goes upstream;
-- the core's `AdmissionRequest`: its cost, priority, tenant, model and candidate nodes.
+- the core's `AdmissionRequest`: its cost, priority, tenant, model, candidate nodes and,
+  when known, the prompt's token ids.
 
 A completion's JSON is parsed once (orjson) and only `model`, `stream`, `max_tokens` (or
-`max_completion_tokens`) and the prompt are checked; the rest is relayed as sent. It is
-costed within the model's context length when the engines list it, and what an engine
-would refuse for that length is refused here, before admission (`context.py`). A request
-that sends no `max_tokens` is relayed as sent when the context is known: the engine
-generates up to the rest of it at most, which is then its planned cap (how long it runs is
-planned by the lengths learned per model). Where the context is unknown, admission plans
-for `admission.default_max_tokens` of output and the body sent upstream says so. Any other
+`max_completion_tokens`) and the prompt are checked; the rest is relayed as sent. Its
+prompt is counted as the engine will count it where possible (kvgate.gateway.tokens: the
+model's tokenizer, else the engine's `/tokenize`, else the estimate; the access record
+keeps the basis, and a count that comes late re-costs the request while it waits,
+kvgate.gateway.relay.recost). It is costed within the model's context length when the
+engines list it, and what an engine would refuse for that length is refused here, before
+admission (`context.py`). A request that sends no `max_tokens` is relayed as sent when the
+engine's default is known: a vLLM completion generates 16 tokens (OpenAI's default), a
+chat up to the rest of the context, which is then its planned cap (how long it runs is
+planned by the lengths learned per model). Where neither is known, admission plans for
+`admission.default_max_tokens` of output and the body sent upstream says so. Any other
 `/v1/...` request passes through unread except for its `model`, costed at a token per 4
 bytes.
 """
@@ -31,19 +36,26 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from kvgate.core.cost import CostEstimator
+from kvgate.core.cost import CostBasis, CostEstimator
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.gateway.http.asgi import Receive, Scope
 from kvgate.gateway.http.body import read_body
 from kvgate.gateway.http.errors import GatewayError
 from kvgate.gateway.relay.call import AccessRecord, ClientRequest
 from kvgate.gateway.relay.context import check_context
+from kvgate.gateway.relay.recost import Recosting
 from kvgate.gateway.relay.upstream import Upstream
+from kvgate.gateway.tokens.counting import PromptCounter
 
 #: The largest `max_tokens` accepted: the int32 range that engines written in C++ and Rust
 #: parse it into, so no engine is sent a number it cannot read. No model's context comes
 #: near it; whether a request fits a node's KV cache is the admission's question.
 MAX_TOKENS_CEILING = 2**31 - 1
+#: What vLLM's `/v1/completions` generates when `max_tokens` is absent (OpenAI's default);
+#: its chat completions go on to the end of the context.
+VLLM_COMPLETION_DEFAULT = 16
+#: The dialects whose completions default to `VLLM_COMPLETION_DEFAULT`.
+_SIXTEEN_BY_DEFAULT = frozenset({"vllm"})
 
 
 class Head(NamedTuple):
@@ -88,11 +100,20 @@ def read_head(headers: Sequence[tuple[bytes, bytes]]) -> Head:
 class Intake:
     """Reads, validates and costs requests for the relay; shared by all of them."""
 
-    def __init__(self, upstream: Upstream, estimator: CostEstimator, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        estimator: CostEstimator,
+        max_body_bytes: int,
+        counter: PromptCounter,
+        recosting: Recosting,
+    ) -> None:
         self.pool = upstream.pool
         self.catalog = upstream.catalog
         self.estimator = estimator
         self.max_body_bytes = max_body_bytes
+        self.counter = counter
+        self.recosting = recosting
 
     async def completion(
         self, head: Head, scope: Scope, receive: Receive, record: AccessRecord
@@ -108,13 +129,17 @@ class Intake:
         candidates = await self._nodes_for(model)
         limit = self.catalog.max_model_len(model)
         estimator = self.estimator
+        implicit = self._implicit_output(record.route, candidates)
         try:
-            cost = estimator.estimate(model, data, limit)
+            basis = estimator.basis(model, data, limit, implicit)
         except ValueError as exc:
             raise _bad(f"{exc}.", getattr(exc, "param", None)) from None
-        record.estimated_prompt = cost.prompt_tokens
-        check_context(limit, model, data, cost, estimator)
-        if max_tokens is None and limit is None:
+        if not basis.exact:
+            basis = await self._count(record, basis, data, candidates)
+        record.basis = basis
+        cost = estimator.price(basis)
+        check_context(limit, data, cost, estimator, basis)
+        if max_tokens is None and limit is None and implicit is None:
             body = self._with_default_max_tokens(data)
         tenant = record.tenant
         client = ClientRequest(
@@ -129,8 +154,37 @@ class Intake:
             candidates=candidates,
             exact_output=client.exact_output,
             max_wait_s=max_wait_s,
+            prompt_ids=basis.ids,
         )
         return client, request
+
+    async def _count(
+        self, record: AccessRecord, basis: CostBasis, data: dict[str, Any], nodes: tuple[str, ...]
+    ) -> CostBasis:
+        """The basis with the prompt counted as the engine counts it, when a count comes in
+        time; a count still on its way is left on the record, to re-cost the request."""
+        chat = "messages" in data
+        counter = self.counter
+        count = counter.local(basis.model, data, chat)
+        if count is None:
+            count, record.late_count = await counter.remote(basis.model, data, nodes)
+        if count is None:
+            return basis
+        record.basis = basis
+        counted = self.recosting.counted(record, count)
+        return basis if counted is None else counted
+
+    def _implicit_output(self, route: str, candidates: tuple[str, ...]) -> int | None:
+        """What the engines generate for a completion that names no cap, when that is a
+        fixed amount: 16 on vLLM's `/v1/completions` (every candidate speaks vLLM)."""
+        if route != "/v1/completions" or not candidates:
+            return None
+        backends = self.pool.backends
+        for node in candidates:
+            backend = backends.get(node)
+            if backend is None or backend.engine not in _SIXTEEN_BY_DEFAULT:
+                return None
+        return VLLM_COMPLETION_DEFAULT
 
     async def passthrough(
         self, head: Head, scope: Scope, receive: Receive, record: AccessRecord

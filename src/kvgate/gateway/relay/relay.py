@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -49,9 +49,13 @@ from kvgate.gateway.ops.telemetry import GatewayMetrics, log_access
 from kvgate.gateway.relay.admitting import Admitter
 from kvgate.gateway.relay.call import AccessRecord, Call, ClientRequest
 from kvgate.gateway.relay.intake import Head, Intake, read_head
+from kvgate.gateway.relay.recost import Recosting
 from kvgate.gateway.relay.streaming import ResponseRelay, end_stream_with_error
 from kvgate.gateway.relay.upstream import Upstream, close_quietly, request_headers
 from kvgate.gateway.settings import LimitSettings
+from kvgate.gateway.tokens.counting import PromptCounter
+from kvgate.gateway.tokens.engine import EngineCounter
+from kvgate.gateway.tokens.model import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +86,23 @@ class Relay:
         metrics: GatewayMetrics,
         limits: LimitSettings,
         spawn: Spawn,
+        tokenizers: Mapping[str, ModelTokenizer] | None = None,
     ) -> None:
+        """`tokenizers`: the models' tokenizers, loaded (kvgate.gateway.tokens.files);
+        models without one are counted by their vLLM engines' `/tokenize`, else estimated."""
         self.pool = upstream.pool
         self.upstream = upstream.settings
         self.estimator = estimator
         self.metrics = metrics
         self.spawn = spawn
-        self.intake = Intake(upstream, estimator, limits.max_body_bytes)
-        self.admitter = Admitter(admission, metrics, upstream.pool, self._exchange)
+        self.counter = PromptCounter(tokenizers or {}, EngineCounter(upstream.pool), spawn)
+        self.recosting = Recosting(admission, estimator)
+        self.intake = Intake(
+            upstream, estimator, limits.max_body_bytes, self.counter, self.recosting
+        )
+        self.admitter = Admitter(admission, metrics, upstream.pool, self._exchange, self.recosting)
         self.responses = ResponseRelay(
-            admission, metrics, estimator, upstream.settings.read_timeout_s
+            admission, metrics, self.recosting, self.counter, upstream.settings.read_timeout_s
         )
         # Bound once: a bound method made per request is an allocation per request.
         self._read_completion: Read = self.intake.completion
@@ -100,6 +111,15 @@ class Relay:
         self.accepting = True
         self._idle: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def costs_snapshot(self) -> dict[str, Any]:
+        """How prompts are counted: each model's tokenizer and learned characters per token,
+        the engines' counts, and the waiters re-costed."""
+        return {
+            **self.counter.snapshot(),
+            "chars_per_token": self.estimator.ratios.snapshot(),
+            "recosted": self.recosting.recosted,
+        }
 
     # ---- entry points ------------------------------------------------------------------------
 

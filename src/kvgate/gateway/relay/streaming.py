@@ -9,7 +9,8 @@ the next read. Either way a slow client slows the upstream read and memory stays
 `StreamTally` sees every read of a stream as bytes, without decoding them: it stamps the
 first token (which starts the idle deadline), counts the `data:` events so the core's books
 hold the tokens generated so far, and hands the final `usage` to the cost estimator, which
-learns how far its prompt estimate was from the engine's count. A stream that fails after
+learns how far its prompt estimate was from the engine's count (and to the prompt counter,
+which checks a tokenizer's exact count against it). A stream that fails after
 its 200 ends with an SSE `error` event (`end_stream_with_error`).
 """
 
@@ -24,7 +25,6 @@ from typing import Any
 import orjson
 
 from kvgate.core.admission import Outcome, Ticket
-from kvgate.core.cost import CostEstimator
 from kvgate.core.flow import FlowController
 from kvgate.gateway.http import splice
 from kvgate.gateway.http.asgi import Send
@@ -32,7 +32,9 @@ from kvgate.gateway.http.errors import GatewayError, UpstreamError, sse_error_ev
 from kvgate.gateway.http.h1client import H1Response
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.relay.call import AccessRecord, Call, ClientRequest
+from kvgate.gateway.relay.recost import Recosting
 from kvgate.gateway.relay.upstream import HOP_BY_HOP
+from kvgate.gateway.tokens.counting import PromptCounter
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +52,15 @@ class ResponseRelay:
         self,
         flow: FlowController,
         metrics: GatewayMetrics,
-        estimator: CostEstimator,
+        recosting: Recosting,
+        counter: PromptCounter,
         read_timeout_s: float,
     ) -> None:
         self.flow = flow
         self.metrics = metrics
-        self.estimator = estimator
+        self.recosting = recosting
+        self.estimator = recosting.estimator
+        self.counter = counter
         self.read_timeout_s = read_timeout_s
 
     async def whole(self, call: Call, response: H1Response, ticket: Ticket) -> Outcome:
@@ -129,11 +134,19 @@ class ResponseRelay:
         completion = usage.get("completion_tokens")
         if isinstance(prompt, int) and not isinstance(prompt, bool):
             record.prompt_tokens = prompt
-            # Only a completion's prompt was estimated (`estimated_prompt` stays 0 otherwise).
-            model = client.model
-            if model is not None and prompt > 0 and record.estimated_prompt > 0:
+            basis = record.basis  # a completion's (None for a pass-through request)
+            data = client.data
+            # A prompt the engine truncated is not the prompt that was counted.
+            if (
+                basis is not None
+                and prompt > 0
+                and data is not None
+                and (data.get("truncate_prompt_tokens") is None)
+            ):
                 try:
-                    self.estimator.learn(model, record.estimated_prompt, prompt)
+                    self.counter.check(basis, "messages" in data, prompt)
+                    if self.estimator.learn(basis, prompt):
+                        self.recosting.ratio_moved(basis.model)
                 except Exception:
                     log.debug("cost estimator could not learn", exc_info=True)
         if isinstance(completion, int) and not isinstance(completion, bool):
