@@ -8,6 +8,8 @@ what the engine saw (its preemption counter before and after, and, polled every 
 peak KV usage and peak running/waiting counts).
 
     python benchmarks/vllm_burst/run.py --prompts 32 --input 500 --output 500 --runs 2
+    python benchmarks/vllm_burst/run.py --prompts 16 --input 500 --output 1000 --runs 20 \
+        --modes kvgate   # through kvgate only: its preemptions, run after run
 
 The real engine is installed by scripts/install-real-vllm.sh and started here with
 scripts/real-vllm/serve.sh (or give `--engine-url` for one already running). The `vllm`
@@ -238,7 +240,9 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         gateway = start_gateway(engine, gw_port, work / "gateway.log")
         await wait_ready(gateway_url, "/readyz", 60)
         for i in range(1, args.runs + 1):
-            for mode, target in (("direct", engine), ("kvgate", gateway_url)):
+            targets = {"direct": engine, "kvgate": gateway_url}
+            for mode in args.modes.split(","):
+                target = targets[mode]
                 await wait_idle(engine)
                 row = await one_run(mode, target, engine, args, work, i)
                 rows.append(row)
@@ -259,6 +263,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--output", type=int, default=500)
     parser.add_argument("--range-ratio", type=float, default=0.0)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument(
+        "--modes", default="direct,kvgate", help="which of direct,kvgate to run, in this order"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-url", help="an engine already running (not stopped)")
     parser.add_argument("--json", type=Path, help="append the rows to this JSON file")
