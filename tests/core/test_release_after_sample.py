@@ -1,12 +1,10 @@
 """A request the engine freed before the last sample was taken is not freed a second
 time when the gateway reads its end.
 
-On release the policy counts a request's reflected tokens as freed but still in the last
-sample's `used` (`freed_unseen`). When that sample was taken after the engine had already
-freed them, counting them again makes the node look a whole request emptier than it is
-until the next sample (`benchmarks/replicas/live.py` saw one gateway reach KV 0.98 and
-preempt this way). Only a sample taken `reflect_margin_s` before the release surely still
-holds the request.
+A released hold leaves the plan at once, and the sample it may or may not be in is taken
+as it is: a sample taken after the engine freed the request no longer holds it, and
+nothing is subtracted from it again (`benchmarks/replicas/live.py` saw one gateway reach
+KV 0.98 and preempt when ended requests were subtracted from such a sample).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 A node's *envelope* (`kvgate.core.plan.envelope`) is built here from three sources: this
 replica's holds (`kvgate.core.plan.holds`), the other replicas' requests as of the last sync
-(`PeerState`, `kvgate.core.replicas.peers`), and what ended since the node's last sample
-(`NodeState.freed_unseen`: still in `used` but already free, a load that ends now). Its base
-is `now` (the sample's `used` plus what it cannot contain yet); each hold runs
+(`PeerState`, `kvgate.core.replicas.peers`). Its base is `now`: the sample's `used` (never
+less than what the holds take it to contain: `used`) plus what it cannot contain yet; each
+hold runs
 `R = E - output_so_far` more steps (`M - output_so_far` once it outlived `E`) holding
 `P + output_so_far + ovh`. A newcomer fits when the envelope's peak with it stays under its
 ceiling. Reserving `M` for a request's whole life leaves KV idle that nobody will use; the
@@ -117,11 +117,11 @@ class Forecast:
         book = self._holds.books.get(node_id)
         key = (-1 if book is None else book.version, self.peers_version)
         cached = self._envelopes.get(node_id)
-        if cached is not None and cached[0] == key and not node.freed_unseen:
+        if cached is not None and cached[0] == key:
             return cached[1]
         overhead = self._overhead
         loads: list[tuple[float, float]] = []
-        base = node.used
+        base = self.used(node)
         if book is not None:
             loads = [(h.remaining(), h.prompt + h.tok_cur + overhead) for h in book.holds.values()]
             base += book.now
@@ -129,11 +129,8 @@ class Forecast:
         if peers is not None:
             loads.extend(peers.loads)
             base += peers.unreflected
-        if node.freed_unseen:
-            loads.append((0, node.freed_unseen))
         env = Envelope(base, loads)
-        if not node.freed_unseen:
-            self._envelopes[node_id] = (key, env)
+        self._envelopes[node_id] = (key, env)
         return env
 
     def own_envelope(self, node_id: str) -> Envelope:
@@ -145,6 +142,19 @@ class Forecast:
         loads = [(h.remaining(), h.prompt + h.tok_cur + overhead) for h in book.holds.values()]
         return Envelope(sum(c for _, c in loads), loads)
 
+    def used(self, node: NodeState) -> float:
+        """The tokens the node's last sample holds, never taken to be fewer than what the
+        live requests' holds (this replica's and, as of the last sync, the others') take it
+        to contain. A sample rendered after the engine ended a request whose end has not
+        been read yet lacks that request's blocks; counted from the sample alone, they
+        would be freed a second time when the plan ends the request (a burst admitted into
+        a cache its running requests still fill). Its blocks count until the end is read."""
+        claimed: float = self._holds.reflected_on(node.node_id)
+        peers = self.peers.nodes.get(node.node_id)
+        if peers is not None:
+            claimed += sum(held for _, held in peers.loads) - peers.unreflected
+        return max(node.used, claimed)
+
     def peers_upper(self, node_id: str) -> float:
         """Other replicas' requests on the node if all grew to their end and none ended."""
         peers = self.peers.nodes.get(node_id)
@@ -154,7 +164,7 @@ class Forecast:
         """`now`: reported used tokens plus what the sample cannot contain yet."""
         if node.cap is None:
             return None
-        return node.used + self._holds.unreflected_now(node.node_id)
+        return self.used(node) + self._holds.unreflected_now(node.node_id)
 
     def usage_now(self, node: NodeState) -> float | None:
         """What the node holds now as a fraction of its capacity (the panic gate's measure:

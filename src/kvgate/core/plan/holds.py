@@ -25,12 +25,15 @@ sure; otherwise the node's envelope decides (`kvgate.core.plan.forecast`).
 
 Before the first token a hold counts its whole estimated prompt on top of the sample, which
 over-counts a prefill in progress: a little lost room for one sample period, never too
-little. A ticket released before the next sample drops its hold at once; its reflected
-blocks, still in the last sample's `used`, count as freed (`NodeState.freed_unseen`) only
-when that sample arrived `FREED_MARGIN_S` before the release: the engine frees a request a
-little before the gateway reads its end, and a sample rendered in between no longer
-contains it (counting it freed again would under-count the node by a whole request until
-the next sample). `sampled_at` should be the time the scrape was *sent* (the engine renders
+little. A ticket released drops its hold at once; its reflected blocks stay counted in the
+last sample's `used` until a sample shows them gone (the engine frees a request a little
+before the gateway reads its end, so a sample that arrived before the release may or may
+not hold them: only the next one can tell). The other way round, a sample rendered after
+the engine ended a request whose end the gateway has not read yet lacks blocks the hold
+says it contains: the forecast never takes a sample to hold less than its holds' reflected
+parts (`Holds.reflected_on`, `Forecast.used`), or such a request's blocks would be freed
+twice, once in the sample and again at the end the plan expects. `sampled_at` should be the
+time the scrape was *sent* (the engine renders
 its page after it); `reflect_margin_s` covers the engine's gauge lag and the scrape's own
 latency. `Holds.overlap` is the other side of that over-count: what the last sample most
 likely holds twice (every hold sent before it, its prompt and the output it had made).
@@ -65,10 +68,6 @@ from kvgate.core.settings import Tuning
 from kvgate.core.signals import NodeSample
 
 _NEG_INF = float("-inf")
-# The engine frees a request's blocks at most this long before the gateway reads its end
-# (the final chunk's relay, which adds 3-4 ms at p99: benchmarks/proxy_overhead); a sample
-# that arrived within it may already lack them.
-FREED_MARGIN_S = 0.02
 # Token-count checkpoints kept per request, at least a third of `reflect_margin_s` apart, so
 # a sample's cutoff (its time less the margin) always finds one however often counts come.
 _MARKS = 5
@@ -288,6 +287,11 @@ class Holds:
         """What the node's last sample cannot contain of its holds at their caps."""
         book = self.books.get(node_id)
         return book.upper if book else 0
+
+    def reflected_on(self, node_id: str) -> int:
+        """What the node's last sample is taken to hold of its live holds."""
+        book = self.books.get(node_id)
+        return book.full - book.upper if book else 0
 
     def unreflected_now(self, node_id: str) -> int:
         """What the node's last sample cannot contain of its holds as they are now."""

@@ -259,7 +259,8 @@ class AdaptivePolicy(BasePolicy):
         forecast = self.forecast
         if forecast.peers.isolated:
             return self._fit_isolated(node, limit, held, expected)
-        upper = node.used + self.holds.reserved_on(node_id) + forecast.peers_upper(node_id) + final
+        used = forecast.used(node)
+        upper = used + self.holds.reserved_on(node_id) + forecast.peers_upper(node_id) + final
         if upper <= limit:
             return _Fit((limit - upper) / cap)
         envelope = forecast.envelope(node)
@@ -276,7 +277,7 @@ class AdaptivePolicy(BasePolicy):
         assert node.cap is not None
         part = limit / max(1, self.forecast.peers.members)
         peak = self.forecast.own_envelope(node.node_id).peak(held, expected)
-        if peak > part or node.used + held > limit:
+        if peak > part or self.forecast.used(node) + held > limit:
             return _Fit(None, "full")
         return _Fit((part - peak) / node.cap)
 

@@ -30,7 +30,7 @@ from kvgate.core.admission import Admit, Decision, Outcome, Reject, StartEstimat
 from kvgate.core.clock import Clock
 from kvgate.core.nodes import NodeState, next_level
 from kvgate.core.plan.forecast import Forecast
-from kvgate.core.plan.holds import FREED_MARGIN_S, Holds
+from kvgate.core.plan.holds import Holds
 from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.plan.pace import Pace
 from kvgate.core.replicas.claims import Claims
@@ -156,11 +156,6 @@ class BasePolicy:
         self.forecast.released(node_id)
         self.generation += 1
         now = self.clock.now()
-        node = self.nodes.get(node_id)
-        if node is not None and node.heard_at <= now - FREED_MARGIN_S:
-            # The engine freed the blocks a little before this release: only a sample that
-            # arrived a margin earlier surely still holds them (else they are freed twice).
-            node.freed_unseen += hold.reflected
         self._refresh_level(node_id)
         self.forecast.freed.add(now, hold.full)
         if outcome is Outcome.DONE:
