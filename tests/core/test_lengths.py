@@ -67,6 +67,7 @@ def test_censored_lengths_are_read_as_kaplan_meier_does() -> None:
         lengths.learn("m", 200, 200)
         lengths.learn("m", 1000, 300)
     assert lengths.learned("m").quantile == 300
+    assert lengths.learned("m").median == 300  # two thirds still running past 100
     # Past the last ended length the estimate still has running requests: unknown.
     for _ in range(40):
         lengths.learn("m", 5000, 5000)
@@ -80,3 +81,12 @@ def test_the_window_forgets_old_requests() -> None:
     for _ in range(WINDOW):
         lengths.learn("m", 5000, 100)
     assert lengths.expected("m", 5000) == 100
+
+
+def test_the_likely_length_is_the_median() -> None:
+    lengths = OutputLengths()
+    assert lengths.likely("m", 1000) == 1000  # nothing known: what the plan takes
+    for i in range(100):
+        lengths.learn("m", 2000, 10 * (i + 1))  # 10 .. 1000
+    assert lengths.likely("m", 2000) == 500 and lengths.likely("m", 300) == 300
+    assert lengths.likely("m", 2000, exact=True) == 2000

@@ -1,5 +1,6 @@
 """The pace on its own: the streams' measured seconds per token once there are enough, else
-the samples' iteration latency, else the default; the healthy baseline when faster."""
+the engine's reported latency, else the streams' first measurements, else the prior (not a
+measurement); the healthy baseline when faster."""
 
 from __future__ import annotations
 
@@ -8,22 +9,29 @@ from kvgate.core.plan.pace import _PACE_MIN, DEFAULT_STEP_S, Pace
 from kvgate.core.rates import Ewma
 
 
-def test_a_node_nobody_measured_runs_at_the_default() -> None:
-    pace = Pace({})
+def test_a_node_nobody_measured_runs_at_the_prior_and_says_so() -> None:
+    pace = Pace({"a": NodeState("a")})
     assert pace.step_s("a") == DEFAULT_STEP_S == pace.fastest_step_s("a")
+    assert not pace.measured("a") and not pace.measured("unknown")
 
 
 def test_samples_then_streams_decide_the_pace() -> None:
     nodes = {"a": NodeState("a", step_s=0.03)}
     pace = Pace(nodes)
-    assert pace.step_s("a") == 0.03  # the samples' iteration latency
+    assert pace.step_s("a") == 0.03 and pace.measured("a")  # the engine's own latency
     for i in range(_PACE_MIN - 1):
         pace.record("a", float(i), 0.05)
-    assert pace.step_s("a") == 0.03  # not yet trusted
+    assert pace.step_s("a") == 0.03  # the streams: not yet preferred
     pace.record("a", float(_PACE_MIN), 0.05)
     assert abs(pace.step_s("a") - 0.05) < 1e-9
     pace.forget("a")
     assert pace.step_s("a") == 0.03
+
+
+def test_a_first_stream_measurement_beats_the_prior() -> None:
+    pace = Pace({"a": NodeState("a")})
+    pace.record("a", 1.0, 0.0027)  # the engine steps in 2.7 ms: never predict at 10 ms
+    assert pace.step_s("a") == 0.0027 and pace.measured("a")
 
 
 def test_the_fastest_pace_is_the_healthy_baseline_when_lower() -> None:

@@ -91,11 +91,15 @@ Decision = Admit | Reject
 class StartEstimate:
     """When a request could start on its best node: `seconds` at the node's recent step
     time, and `soonest_s` at its fastest healthy step time (a lower bound, for deciding that
-    a wait cannot be met without mistaking a slow moment for a slow engine)."""
+    a wait cannot be met without mistaking a slow moment for a slow engine). Not `measured`
+    when it rests on a prior: the node's pace was never measured, or when something running
+    there ends is a guess (its model's output lengths are not learned yet); a request is
+    never refused on such an estimate."""
 
     node_id: str
     seconds: float
     soonest_s: float
+    measured: bool = True
 
 
 class AdmissionPolicy(Protocol):
@@ -152,7 +156,13 @@ class AdmissionPolicy(Protocol):
         ...
 
     def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:
-        """Seconds until the candidates have freed `tokens` KV tokens; None if unknown."""
+        """Seconds until the candidates have likely freed `tokens` KV tokens; None if
+        unknown."""
+        ...
+
+    def measured(self, request: AdmissionRequest) -> bool:
+        """Do predictions on the request's candidates (its start, their drain) rest on
+        measurements alone, not on a prior (see `StartEstimate`)?"""
         ...
 
     def time_left(self, ticket: Ticket) -> float:

@@ -10,14 +10,18 @@ The shell (and the simulator) hand every request to `submit()` and get one of th
   `Reject`. The caller gives up on its own at `waiter.deadline` with `expire()` (a 429 whose
   Retry-After is the predicted remaining wait) or when its client leaves with `cancel()`.
 
-**Waiting is a prediction, not a hope.** A request is queued only if the placement policy
-predicts it can start within its bound (`queue.max_wait_s` for its priority, lowered by the
-client's `X-Kvgate-Max-Wait-Ms`): from the nodes' envelopes (when their running requests end,
-at each node's measured step time) and the tokens already waiting ahead of it. When the
-wait cannot be predicted to fit (no node could ever hold it next to what it cannot see
-draining, or the queue ahead takes longer than the bound), it is refused at once with a 429
-whose Retry-After is that prediction; clients are not held for a bound that was never going
-to be met. A waiter whose prediction later passes its deadline is refused then.
+**Waiting is a prediction, not a hope.** A request is queued unless the placement policy
+predicts it cannot start within its bound (`queue.max_wait_s` for its priority, lowered by
+the client's `X-Kvgate-Max-Wait-Ms`): from the nodes' envelopes (when their running requests
+end, at each node's measured step time) and the waiters ahead of it, each at its expected
+footprint (its learned output length, not its `max_tokens`). It is refused at once only when
+no node could ever hold it next to what it cannot see draining, or when even the optimistic
+prediction (every node at its fastest healthy pace) misses the bound; the 429's Retry-After
+is the likely prediction (the nodes' recent pace). Clients are not held for a bound that was
+never going to be met, and never refused for one that might: a prediction that rests on a
+prior (a pace nothing measured yet, output lengths not learned yet: a fresh gateway, a new
+model) queues the request, and a waiter whose measured prediction later passes its deadline
+is refused then, as is one whose deadline passes.
 
 **Order** (`queue.WaitQueue`): priority bands (critical, standard, sheddable), then fairness
 between tenants (`fairness.TokenFairness`, VTC's token counters), then arrival order.
@@ -54,7 +58,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvgate.core.admission import AdmissionPolicy, Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.flow.fairness import Fairness, TokenFairness
@@ -74,6 +78,24 @@ MAX_MISSES = 16
 SAMPLE_WALK_S = 0.01
 # Retry-After when nothing predicts a wait (no rate measured, nothing running to end).
 DEFAULT_RETRY_S = 2.0
+
+
+class _Ahead(NamedTuple):
+    """The waiters an arrival would be served after."""
+
+    tokens: int  # their costs (prompt + max_tokens): 0 when none waits ahead
+    expected: float  # their expected footprints (learned output lengths)
+    informed: bool  # every one of those lengths is learned, none a guess
+
+
+class _Wait(NamedTuple):
+    """A predicted wait: `seconds` at the nodes' recent pace (the likely one, a refusal's
+    Retry-After), `soonest` at their fastest healthy pace, and whether it rests on
+    measurements alone (a request is never refused on a prior)."""
+
+    seconds: float
+    soonest: float
+    measured: bool
 
 
 class FlowController:
@@ -121,13 +143,13 @@ class FlowController:
         self.exchange.arrived(now, tokens)
         bound = self._bound(request)
         blocked = self.tenants.check(request.tenant, tokens)
-        ahead = self._tokens_ahead(request)
+        ahead = self._ahead(request)
         decision: Decision | None = None
         quiet = self._walked[0] == self.policy.generation  # nothing changed since the walk
-        if blocked is None and (ahead == 0 or quiet):
+        if blocked is None and (not ahead.tokens or quiet):
             # With waiters ahead and nothing changed since the last walk, this request is
             # the only one that might start now: against the walk's promises, as backfill.
-            decision = self.policy.admit(request, self._promised if ahead else None)
+            decision = self.policy.admit(request, self._promised if ahead.tokens else None)
             if isinstance(decision, Admit):
                 self._started(decision.ticket, now, 0.0)
                 return decision
@@ -136,11 +158,11 @@ class FlowController:
         if bound <= 0:
             return self._refusal_now(request, decision, blocked, ahead, now)
         wait = self._predicted_wait(request, ahead, blocked, now)
-        if wait is None or wait > bound:
+        if wait is None or (wait.measured and wait.soonest > bound):
             return self._refusal_now(request, decision, blocked, ahead, now, wait)
         full = self._make_room(request)
         if full is not None:
-            return self._refusal("queue_full", full, request, wait)
+            return self._refusal("queue_full", full, request, wait.seconds)
         waiter = Waiter(
             request=request,
             enqueued_at=now,
@@ -149,7 +171,7 @@ class FlowController:
             tokens=tokens,
         )
         self.queue.push(waiter)
-        if ahead and not quiet:
+        if ahead.tokens and not quiet:
             self.dispatch()
         if waiter.decision is not None:
             return waiter.decision
@@ -170,10 +192,10 @@ class FlowController:
         now = self.clock.now()
         request = waiter.request
         blocked = self.tenants.check(request.tenant, waiter.tokens)
-        wait = self._predicted_wait(request, self._tokens_ahead(request), blocked, now)
+        wait = self._predicted_wait(request, self._ahead(request), blocked, now)
         reason = "tenant_limit" if blocked is not None else "queue_timeout"
         message = _TIMEOUT_MESSAGE.format(waited=now - waiter.enqueued_at)
-        decision = self._refusal(reason, message, request, wait)
+        decision = self._refusal(reason, message, request, None if wait is None else wait.seconds)
         self._decide(waiter, decision, WaitState.REFUSED)
         return decision
 
@@ -227,7 +249,7 @@ class FlowController:
                 break
             estimate = policy.start_estimate(request)
             if estimate is not None:
-                if now + estimate.soonest_s > waiter.deadline:
+                if estimate.measured and now + estimate.soonest_s > waiter.deadline:
                     refusal = self._refusal(
                         "wait_exceeded", _EXCEEDED_MESSAGE, request, estimate.seconds
                     )
@@ -345,46 +367,90 @@ class FlowController:
             bound = min(bound, max(0.0, request.max_wait_s))
         return bound
 
-    def _tokens_ahead(self, request: AdmissionRequest) -> int:
-        """Tokens waiting that would be served before this request: every more important
+    def _ahead(self, request: AdmissionRequest) -> _Ahead:
+        """The waiters that would be served before this request: every more important
         band, and its own band as its tenant's fair share would order it."""
         priority = request.priority
-        ahead = 0
+        tokens = 0
+        expected = 0.0
+        informed = True
         for band in Priority:
             if band >= priority:
                 break
-            ahead += self.queue.band_tokens(band)
+            if self.queue.band_count(band):
+                tokens += self.queue.band_tokens(band)
+                band_expected, band_informed = self._expected(band, request)
+                expected += band_expected
+                informed = informed and band_informed
         same = self.queue.band_tokens(priority)
-        if same and self.queue.fairness.name != "fcfs":
-            own = self.queue.tenant_count(priority, request.tenant)
-            tenants = max(1, self.queue.backlogged_tenants(priority))
-            count = max(1, self.queue.band_count(priority))
-            share = same * min(1.0, (own + 1) * tenants / count)
-            same = int(share)
-        return ahead + same
+        if same:
+            share = 1.0
+            if self.queue.fairness.name != "fcfs":
+                own = self.queue.tenant_count(priority, request.tenant)
+                tenants = max(1, self.queue.backlogged_tenants(priority))
+                count = max(1, self.queue.band_count(priority))
+                share = min(1.0, (own + 1) * tenants / count)
+            band_expected, band_informed = self._expected(priority, request)
+            tokens += int(same * share)
+            expected += band_expected * share
+            informed = informed and band_informed
+        return _Ahead(tokens, expected, informed)
+
+    def _expected(self, band: Priority, request: AdmissionRequest) -> tuple[float, bool]:
+        """A band's waiters at their expected footprints (prompt, learned output length and
+        the policy's overhead; per model at most its waiters' count times the learned
+        length), and whether every one of those lengths is informed."""
+        queue = self.queue
+        lengths = self.policy.lengths
+        overhead = self.policy.footprint(request, 0) - request.cost.prompt_tokens
+        tokens = float(queue.band_tokens(band) + overhead * queue.band_count(band))
+        informed = True
+        for model, outputs in queue.outputs(band).items():
+            quantile = lengths.learned(model).quantile
+            if quantile is not None:
+                tokens -= outputs.total - min(outputs.total, outputs.count * max(1, quantile))
+            informed = informed and lengths.informed(model, outputs.largest)
+        return tokens, informed
 
     def _predicted_wait(
         self,
         request: AdmissionRequest,
-        ahead: int,
+        ahead: _Ahead,
         blocked: TenantRefusal | None,
         now: float,
-    ) -> float | None:
-        """Seconds until the request could start, or None when nothing predicts it."""
-        estimate = self.policy.start_estimate(request)
+    ) -> _Wait | None:
+        """When the request could start (see `_Wait`), or None when nothing predicts that
+        it ever could (no candidate could hold it even once all that runs has ended)."""
+        policy = self.policy
+        estimate = policy.start_estimate(request)
         if estimate is None:
             return None
-        wait = estimate.seconds
-        if ahead:
-            drain = self.policy.drain_time(ahead + request.cost.total, request.candidates)
+        wait = _Wait(estimate.seconds, estimate.soonest_s, estimate.measured)
+        if ahead.tokens:
+            cost = request.cost
+            expected = policy.lengths.expected(
+                request.model, cost.max_output_tokens, request.exact_output
+            )
+            own = policy.footprint(request, expected)
+            need = ahead.expected + own
+            drain = policy.drain_time(need, request.candidates)
             if drain is None:
-                return None
-            wait = max(wait, drain)
+                # Nothing runs that could free room for those ahead (they wait for a sync,
+                # a late node, their tenants): when is not known.
+                wait = wait._replace(measured=False)
+            else:
+                wait = _Wait(
+                    max(wait.seconds, drain),
+                    max(wait.soonest, drain),
+                    wait.measured and ahead.informed and policy.measured(request),
+                )
         if blocked is not None:
             tenant_wait = self._tenant_wait(request, blocked, now)
             if tenant_wait is None:
                 return None
-            wait = max(wait, tenant_wait)
+            wait = _Wait(
+                max(wait.seconds, tenant_wait), max(wait.soonest, tenant_wait), wait.measured
+            )
         return wait
 
     def _tenant_wait(
@@ -411,19 +477,20 @@ class FlowController:
         request: AdmissionRequest,
         decision: Decision | None,
         blocked: TenantRefusal | None,
-        ahead: int,
+        ahead: _Ahead,
         now: float,
-        wait: float | None = None,
+        wait: _Wait | None = None,
     ) -> Reject:
         """The 429 for a request that may not wait (bound 0, or its wait will not fit)."""
         if wait is None:
             wait = self._predicted_wait(request, ahead, blocked, now)
+        seconds = None if wait is None else wait.seconds
         if blocked is not None:
             self.tenants.refused(request.tenant)
-            return self._refusal("tenant_limit", blocked.message, request, wait)
+            return self._refusal("tenant_limit", blocked.message, request, seconds)
         if isinstance(decision, Reject):
-            return self._refusal(decision.reason, decision.message, request, wait)
-        return self._refusal("wait_exceeded", _EXCEEDED_MESSAGE, request, wait)
+            return self._refusal(decision.reason, decision.message, request, seconds)
+        return self._refusal("wait_exceeded", _EXCEEDED_MESSAGE, request, seconds)
 
     def _refusal(
         self, reason: str, message: str, request: AdmissionRequest, wait: float | None

@@ -20,6 +20,10 @@ expectation is expected to run to `max_tokens` from then on (the caller's rule:
 all run long at once, is what the margin between the ceilings and a full cache, and the
 gate that closes at the panic watermark on measured usage, are for.
 
+Likely (`likely`). The plan's quantile says how long a request may run; when room is likely
+to free is read from the median (`MEDIAN`) instead: the flow controller refuses a request
+at arrival only when even an optimistic prediction misses its bound.
+
 Known or guessed (`informed`). The plan takes `max_tokens` for a model it knows nothing
 about; a prediction of *when* something ends must not (`kvgate.core.flow`: a prediction
 made on a guess queues a request rather than refuse it). An expectation is informed when
@@ -35,28 +39,30 @@ from collections import OrderedDict, deque
 from typing import NamedTuple
 
 QUANTILE = 0.9
+MEDIAN = 0.5
 WINDOW = 512
 MIN_SAMPLES = 16
 MAX_MODELS = 256
 _EPS = 1e-9
-# With censored lengths in the window, its quantile is recomputed after this share of it.
+# With censored lengths in the window, its quantiles are recomputed after this share of it.
 _RECOMPUTE = 32
 
 
 class Learned(NamedTuple):
-    """What a model's recent requests say: the quantile to plan for (None: not known), how
-    many finished, and the longest output any of them reached."""
+    """What a model's recent requests say: the quantile to plan for and the median (None:
+    not known), how many finished, and the longest output any of them reached."""
 
     quantile: int | None
+    median: int | None
     finished: int
     longest: int
 
 
-_NOTHING = Learned(None, 0, 0)
+_NOTHING = Learned(None, None, 0, 0)
 
 
 class _History:
-    __slots__ = ("capped", "order", "quantile", "sorted", "unread")
+    __slots__ = ("capped", "order", "quantiles", "sorted", "unread")
 
     def __init__(self) -> None:
         self.order: deque[tuple[int, bool]] = deque()
@@ -64,8 +70,8 @@ class _History:
         # request censored at t was still running when another ended at t).
         self.sorted: list[tuple[int, bool]] = []
         self.capped = 0
-        self.quantile: int | None = None
-        self.unread = 0  # requests added since `quantile` was computed
+        self.quantiles: tuple[int | None, int | None] = (None, None)  # QUANTILE, MEDIAN
+        self.unread = 0  # requests added since `quantiles` were computed
 
     def add(self, length: int, capped: bool) -> None:
         if len(self.order) >= WINDOW:
@@ -85,20 +91,21 @@ class _History:
         n = len(entries)
         self.unread += 1
         if self.unread >= n // _RECOMPUTE or not self.capped:
-            self.quantile = self._quantile()
+            self.quantiles = self._quantiles()
             self.unread = 0
-        return Learned(self.quantile, n, entries[-1][0] if entries else 0)
+        return Learned(*self.quantiles, n, entries[-1][0] if entries else 0)
 
-    def _quantile(self) -> int | None:
-        """The Kaplan-Meier `QUANTILE`: the shortest length by which the estimated share
-        of requests still running has fallen to `1 - QUANTILE`."""
+    def _quantiles(self) -> tuple[int | None, int | None]:
+        """The Kaplan-Meier `QUANTILE` and `MEDIAN`: the shortest lengths by which the
+        estimated share of requests still running has fallen to `1 - QUANTILE` and half."""
         entries = self.sorted
         n = len(entries)
         if n - self.capped < MIN_SAMPLES:
-            return None
-        if not self.capped:  # nothing censored: the plain order statistic
-            return entries[max(0, math.ceil(QUANTILE * n - _EPS) - 1)][0]
-        target = 1.0 - QUANTILE + _EPS
+            return None, None
+        if not self.capped:  # nothing censored: the plain order statistics
+            return _order(entries, QUANTILE), _order(entries, MEDIAN)
+        high, half = 1.0 - QUANTILE + _EPS, 1.0 - MEDIAN + _EPS
+        median: int | None = None
         running = 1.0  # estimated share still running past the current length
         at_risk = n
         i = 0
@@ -113,10 +120,17 @@ class _History:
                 i += 1
             if ended:
                 running *= 1.0 - ended / at_risk
-                if running <= target:
-                    return length
+                if median is None and running <= half:
+                    median = length
+                if running <= high:
+                    return length, median
             at_risk -= ended + censored
-        return None
+        return None, median
+
+
+def _order(entries: list[tuple[int, bool]], level: float) -> int:
+    """The smallest length at or below which a share `level` of `entries` lies."""
+    return entries[max(0, math.ceil(level * len(entries) - _EPS) - 1)][0]
 
 
 class OutputLengths:
@@ -134,6 +148,14 @@ class OutputLengths:
         if q is None:
             return max_tokens
         return min(max_tokens, max(1, q))
+
+    def likely(self, model: str, max_tokens: int, exact: bool = False) -> int:
+        """Output tokens the request most likely makes: the median when known, else what
+        `expected` plans for."""
+        median = None if exact else self._cache.get(model, _NOTHING).median
+        if median is None or max_tokens <= 0:
+            return self.expected(model, max_tokens, exact)
+        return min(max_tokens, max(1, median))
 
     def informed(self, model: str, max_tokens: int, exact: bool = False) -> bool:
         """Does `expected` rest on what the model's requests did, not on a guess (see the

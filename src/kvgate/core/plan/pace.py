@@ -1,11 +1,17 @@
 """The pace of each node: how many seconds a request running there takes per output token.
 
 The forecast turns steps into seconds with it (`kvgate.core.plan.forecast`): when a running
-request will end, when a waiter could start. It is measured on the node's own streams (the
-checkpoints of `kvgate.core.plan.holds`), as an EWMA over `PACE_HALFLIFE_S` so that the
-prefill steps that interrupt decoding count at their share of time; before
-`_PACE_MIN` measurements it falls back on the iteration latency the node's samples report,
-and before any of those on `DEFAULT_STEP_S`.
+request will end, when a waiter could start. What the node shows comes first, a prior last:
+
+1. the node's own streams (the checkpoints of `kvgate.core.plan.holds`), once
+   `_PACE_MIN` measurements were taken: an EWMA over `PACE_HALFLIFE_S`, so that the
+   prefill steps that interrupt decoding count at their share of time;
+2. the inter-token latency the engine reports (`NodeState.step_s`, from its samples; a
+   first sample brings the mean of the engine's whole history);
+3. the streams' first measurements, fewer than `_PACE_MIN`;
+4. `DEFAULT_STEP_S`, when nothing was measured at all (a fresh engine that never made a
+   token). A prediction on that prior is not a measurement (`measured`): the flow
+   controller queues a request on it rather than refuse it (`kvgate.core.flow`).
 """
 
 from __future__ import annotations
@@ -18,12 +24,9 @@ from kvgate.core.rates import Ewma
 # How fast requests progress on a node is measured over this half-life: long enough that a
 # long prompt's prefill, which slows every decode for seconds, counts at its share of time.
 PACE_HALFLIFE_S = 10.0
-_PACE_MIN = 8  # measurements before the pace is trusted
+_PACE_MIN = 8  # stream measurements before they are preferred to the engine's own figure
 # Seconds per token assumed for a node before anything measured it (no stream has run on
-# it and its samples report no iteration latency: a fresh gateway, an idle engine). An
-# optimistic prior on purpose: a prediction made on a guess should queue a request rather
-# than refuse it; once requests run, their measured pace replaces it, and a waiter whose
-# wait then cannot be met is refused with the measured prediction.
+# it and its samples report no latency). Predictions made on it are not measurements.
 DEFAULT_STEP_S = 0.01
 
 
@@ -47,15 +50,24 @@ class Pace:
         self._paces.pop(node_id, None)
 
     def step_s(self, node_id: str) -> float:
-        """Seconds per token of a request running on the node: measured on its streams
-        (prefill steps that interrupt decoding included, averaged over `PACE_HALFLIFE_S`),
-        else from its samples' iteration latency, else a default."""
-        pace = self._paces.get(node_id)
-        if pace is not None and pace.value is not None and pace.count >= _PACE_MIN:
-            return pace.value
+        """Seconds per token of a request running on the node (see the module docstring)."""
+        streams = self._paces.get(node_id)
+        measured = None if streams is None else streams.value
+        if measured is not None and streams is not None and streams.count >= _PACE_MIN:
+            return measured
         node = self._nodes.get(node_id)
         step = None if node is None else node.step_s
-        return step if step is not None and step > 0 else DEFAULT_STEP_S
+        if step is not None and step > 0:
+            return step
+        return measured if measured is not None and measured > 0 else DEFAULT_STEP_S
+
+    def measured(self, node_id: str) -> bool:
+        """Is the node's pace measured (its streams or its engine), not the prior?"""
+        streams = self._paces.get(node_id)
+        if streams is not None and streams.value is not None and streams.value > 0:
+            return True
+        node = self._nodes.get(node_id)
+        return node is not None and node.step_s is not None and node.step_s > 0
 
     def fastest_step_s(self, node_id: str) -> float:
         """The node's healthy step time (its latency baseline) when lower than the recent."""

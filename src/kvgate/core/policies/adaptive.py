@@ -392,6 +392,9 @@ class AdaptivePolicy(BasePolicy):
             request.model, request.cost.max_output_tokens, request.exact_output
         )
         final = self.footprint(request, expected)
+        informed = self.lengths.informed(
+            request.model, request.cost.max_output_tokens, request.exact_output
+        )
         best: StartEstimate | None = None
         for node_id in request.candidates:
             node = self.nodes.get(node_id)
@@ -400,7 +403,7 @@ class AdaptivePolicy(BasePolicy):
             if not node.is_live(now, self.settings) and not node.is_late(now, self.settings):
                 continue  # a late node's start is predicted from its last sample
             limit = self.ceiling(node, request.priority) * node.cap
-            estimate = self.forecast.start_estimate(node, final, limit)
+            estimate = self.forecast.start_estimate(node, final, limit, informed)
             if estimate is not None and (best is None or estimate.seconds < best.seconds):
                 best = estimate
         return best
