@@ -69,12 +69,33 @@ class Admit:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedPeak:
+    """The plan that found no room for a request, on the candidate that came closest: the
+    KV peak planned there with the request and the ceiling it would pass, as fractions of
+    the node's capacity, and the usage its engine last reported (None: no gauge)."""
+
+    node_id: str
+    peak: float
+    ceiling: float
+    usage: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node_id,
+            "planned_peak": round(self.peak, 4),
+            "ceiling": round(self.ceiling, 4),
+            "kv_usage": None if self.usage is None else round(self.usage, 4),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Reject:
     """A refusal.
 
     `status` 429: no room now (`waitable`: the flow controller may queue the request until
     room frees); 503: no backend can take it now (none fresh, none serves the model); 400:
-    it can never be served as sent (larger than any backend holds).
+    it can never be served as sent (larger than any backend holds). `planned`: the plan
+    that found no room, when that is the cause.
     """
 
     status: int
@@ -82,6 +103,7 @@ class Reject:
     retry_after_s: float
     message: str
     waitable: bool = False
+    planned: PlannedPeak | None = None
 
 
 Decision = Admit | Reject

@@ -10,18 +10,18 @@ The shell (and the simulator) hand every request to `submit()` and get one of th
   `Reject`. The caller gives up on its own at `waiter.deadline` with `expire()` (a 429 whose
   Retry-After is the predicted remaining wait) or when its client leaves with `cancel()`.
 
-**Waiting is a prediction, not a hope.** A request is queued unless the placement policy
-predicts it cannot start within its bound (`queue.max_wait_s` for its priority, lowered by
-the client's `X-Kvgate-Max-Wait-Ms`): from the nodes' envelopes (when their running requests
-end, at each node's measured step time) and the waiters ahead of it, each at its expected
-footprint (its learned output length, not its `max_tokens`). It is refused at once only when
+**Waiting is a prediction, not a hope** (`kvgate.core.flow.waits`). A request is queued
+unless the placement policy predicts it cannot start within its bound (`queue.max_wait_s`
+for its priority, lowered by the client's `X-Kvgate-Max-Wait-Ms`): from the nodes'
+envelopes (when their running requests end, at each node's measured step time) and the
+waiters ahead of it, each at its expected footprint (its learned output length, not its
+`max_tokens`), with what runs ending at its likely length. It is refused at once only when
 no node could ever hold it next to what it cannot see draining, or when even the optimistic
-prediction (every node at its fastest healthy pace) misses the bound; the 429's Retry-After
-is the likely prediction (the nodes' recent pace). Clients are not held for a bound that was
-never going to be met, and never refused for one that might: a prediction that rests on a
-prior (a pace nothing measured yet, output lengths not learned yet: a fresh gateway, a new
-model) queues the request, and a waiter whose measured prediction later passes its deadline
-is refused then, as is one whose deadline passes.
+prediction misses the bound; the 429's Retry-After is the likely one. Clients are not held
+for a bound that was never going to be met, and never refused for one that might: a
+prediction that rests on a prior (a pace nothing measured yet, output lengths not learned
+yet: a fresh gateway, a new model) queues the request, and a waiter is refused once its
+measured prediction passes its deadline, or the deadline itself passes.
 
 **Order** (`queue.WaitQueue`): priority bands (critical, standard, sheddable), then fairness
 between tenants (`fairness.TokenFairness`, VTC's token counters), then arrival order.
@@ -58,11 +58,21 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from kvgate.core.admission import AdmissionPolicy, Admit, Decision, Outcome, Reject, Ticket
+from kvgate.core.admission import (
+    AdmissionPolicy,
+    Admit,
+    Decision,
+    Outcome,
+    PlannedPeak,
+    Reject,
+    Ticket,
+)
+from kvgate.core.flow import waits
 from kvgate.core.flow.fairness import Fairness, TokenFairness
 from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
+from kvgate.core.flow.waits import Ahead, Wait
 from kvgate.core.replicas.exchange import ReplicaExchange
 from kvgate.core.replicas.view import PeerView
 from kvgate.core.request import AdmissionRequest, Priority
@@ -78,24 +88,6 @@ MAX_MISSES = 16
 SAMPLE_WALK_S = 0.01
 # Retry-After when nothing predicts a wait (no rate measured, nothing running to end).
 DEFAULT_RETRY_S = 2.0
-
-
-class _Ahead(NamedTuple):
-    """The waiters an arrival would be served after."""
-
-    tokens: int  # their costs (prompt + max_tokens): 0 when none waits ahead
-    expected: float  # their expected footprints (learned output lengths)
-    informed: bool  # every one of those lengths is learned, none a guess
-
-
-class _Wait(NamedTuple):
-    """A predicted wait: `seconds` at the nodes' recent pace (the likely one, a refusal's
-    Retry-After), `soonest` at their fastest healthy pace, and whether it rests on
-    measurements alone (a request is never refused on a prior)."""
-
-    seconds: float
-    soonest: float
-    measured: bool
 
 
 class FlowController:
@@ -130,6 +122,9 @@ class FlowController:
         self._walked: tuple[int, float] = (-1, float("-inf"))
         self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
         self.wait_total_s = 0.0
+        # The last refusal whose cause was the plan (its planned peak over the ceiling):
+        # when, of which priority, and the plan (for /admin/state and the dashboard).
+        self.refused_peak: tuple[float, Priority, PlannedPeak] | None = None
 
     # --- the three answers ---------------------------------------------------------------------
 
@@ -143,7 +138,7 @@ class FlowController:
         self.exchange.arrived(now, tokens)
         bound = self._bound(request)
         blocked = self.tenants.check(request.tenant, tokens)
-        ahead = self._ahead(request)
+        ahead = waits.ahead(self.queue, self.policy, request)
         decision: Decision | None = None
         quiet = self._walked[0] == self.policy.generation  # nothing changed since the walk
         if blocked is None and (not ahead.tokens or quiet):
@@ -192,7 +187,8 @@ class FlowController:
         now = self.clock.now()
         request = waiter.request
         blocked = self.tenants.check(request.tenant, waiter.tokens)
-        wait = self._predicted_wait(request, self._ahead(request), blocked, now)
+        ahead = waits.ahead(self.queue, self.policy, request)
+        wait = self._predicted_wait(request, ahead, blocked, now)
         reason = "tenant_limit" if blocked is not None else "queue_timeout"
         message = _TIMEOUT_MESSAGE.format(waited=now - waiter.enqueued_at)
         decision = self._refusal(reason, message, request, None if wait is None else wait.seconds)
@@ -334,7 +330,20 @@ class FlowController:
         snap["queue"] = self.queue_snapshot()
         snap["tenants"] = self.tenants.snapshot()
         snap["cluster"] = self.exchange.snapshot()
+        snap["refused_peak"] = self._refused_peak_snapshot()
         return snap
+
+    def _refused_peak_snapshot(self) -> dict[str, Any] | None:
+        """The last refusal by the plan: how long ago, the priority, the node that came
+        closest, its planned peak, the ceiling and the usage its engine reported."""
+        if self.refused_peak is None:
+            return None
+        at, priority, planned = self.refused_peak
+        return {
+            "age_s": round(self.clock.now() - at, 3),
+            "priority": priority.label,
+            **planned.as_dict(),
+        }
 
     def queue_snapshot(self) -> dict[str, Any]:
         now = self.clock.now()
@@ -367,91 +376,21 @@ class FlowController:
             bound = min(bound, max(0.0, request.max_wait_s))
         return bound
 
-    def _ahead(self, request: AdmissionRequest) -> _Ahead:
-        """The waiters that would be served before this request: every more important
-        band, and its own band as its tenant's fair share would order it."""
-        priority = request.priority
-        tokens = 0
-        expected = 0.0
-        informed = True
-        for band in Priority:
-            if band >= priority:
-                break
-            if self.queue.band_count(band):
-                tokens += self.queue.band_tokens(band)
-                band_expected, band_informed = self._expected(band, request)
-                expected += band_expected
-                informed = informed and band_informed
-        same = self.queue.band_tokens(priority)
-        if same:
-            share = 1.0
-            if self.queue.fairness.name != "fcfs":
-                own = self.queue.tenant_count(priority, request.tenant)
-                tenants = max(1, self.queue.backlogged_tenants(priority))
-                count = max(1, self.queue.band_count(priority))
-                share = min(1.0, (own + 1) * tenants / count)
-            band_expected, band_informed = self._expected(priority, request)
-            tokens += int(same * share)
-            expected += band_expected * share
-            informed = informed and band_informed
-        return _Ahead(tokens, expected, informed)
-
-    def _expected(self, band: Priority, request: AdmissionRequest) -> tuple[float, bool]:
-        """A band's waiters at their expected footprints (prompt, learned output length and
-        the policy's overhead; per model at most its waiters' count times the learned
-        length), and whether every one of those lengths is informed."""
-        queue = self.queue
-        lengths = self.policy.lengths
-        overhead = self.policy.footprint(request, 0) - request.cost.prompt_tokens
-        tokens = float(queue.band_tokens(band) + overhead * queue.band_count(band))
-        informed = True
-        for model, outputs in queue.outputs(band).items():
-            quantile = lengths.learned(model).quantile
-            if quantile is not None:
-                tokens -= outputs.total - min(outputs.total, outputs.count * max(1, quantile))
-            informed = informed and lengths.informed(model, outputs.largest)
-        return tokens, informed
-
     def _predicted_wait(
         self,
         request: AdmissionRequest,
-        ahead: _Ahead,
+        ahead: Ahead,
         blocked: TenantRefusal | None,
         now: float,
-    ) -> _Wait | None:
-        """When the request could start (see `_Wait`), or None when nothing predicts that
-        it ever could (no candidate could hold it even once all that runs has ended)."""
-        policy = self.policy
-        estimate = policy.start_estimate(request)
-        if estimate is None:
+    ) -> Wait | None:
+        """When the request could start (`waits.predict`), its tenant's wait included."""
+        wait = waits.predict(self.policy, request, ahead)
+        if wait is None or blocked is None:
+            return wait
+        tenant_wait = self._tenant_wait(request, blocked, now)
+        if tenant_wait is None:
             return None
-        wait = _Wait(estimate.seconds, estimate.soonest_s, estimate.measured)
-        if ahead.tokens:
-            cost = request.cost
-            expected = policy.lengths.expected(
-                request.model, cost.max_output_tokens, request.exact_output
-            )
-            own = policy.footprint(request, expected)
-            need = ahead.expected + own
-            drain = policy.drain_time(need, request.candidates)
-            if drain is None:
-                # Nothing runs that could free room for those ahead (they wait for a sync,
-                # a late node, their tenants): when is not known.
-                wait = wait._replace(measured=False)
-            else:
-                wait = _Wait(
-                    max(wait.seconds, drain),
-                    max(wait.soonest, drain),
-                    wait.measured and ahead.informed and policy.measured(request),
-                )
-        if blocked is not None:
-            tenant_wait = self._tenant_wait(request, blocked, now)
-            if tenant_wait is None:
-                return None
-            wait = _Wait(
-                max(wait.seconds, tenant_wait), max(wait.soonest, tenant_wait), wait.measured
-            )
-        return wait
+        return Wait(max(wait.seconds, tenant_wait), max(wait.soonest, tenant_wait), wait.measured)
 
     def _tenant_wait(
         self, request: AdmissionRequest, blocked: TenantRefusal, now: float
@@ -477,9 +416,9 @@ class FlowController:
         request: AdmissionRequest,
         decision: Decision | None,
         blocked: TenantRefusal | None,
-        ahead: _Ahead,
+        ahead: Ahead,
         now: float,
-        wait: _Wait | None = None,
+        wait: Wait | None = None,
     ) -> Reject:
         """The 429 for a request that may not wait (bound 0, or its wait will not fit)."""
         if wait is None:
@@ -489,11 +428,20 @@ class FlowController:
             self.tenants.refused(request.tenant)
             return self._refusal("tenant_limit", blocked.message, request, seconds)
         if isinstance(decision, Reject):
-            return self._refusal(decision.reason, decision.message, request, seconds)
+            if decision.planned is not None:
+                self.refused_peak = (now, request.priority, decision.planned)
+            return self._refusal(
+                decision.reason, decision.message, request, seconds, decision.planned
+            )
         return self._refusal("wait_exceeded", _EXCEEDED_MESSAGE, request, seconds)
 
     def _refusal(
-        self, reason: str, message: str, request: AdmissionRequest, wait: float | None
+        self,
+        reason: str,
+        message: str,
+        request: AdmissionRequest,
+        wait: float | None,
+        planned: PlannedPeak | None = None,
     ) -> Reject:
         """A 429 whose Retry-After is the predicted wait (a drain estimate or a small
         default when nothing predicts one), jittered, never the clamp by default."""
@@ -505,7 +453,7 @@ class FlowController:
         centre = min(max(MIN_RETRY_AFTER_S, centre), top)
         self.counts[f"refused:{reason}"] += 1
         delay = jittered(centre, self.policy.rng, top)
-        return Reject(429, reason, delay, message)
+        return Reject(429, reason, delay, message, planned=planned)
 
     def _make_room(self, request: AdmissionRequest) -> str | None:
         """None when the request may join the queue (after evicting a less important waiter
