@@ -8,6 +8,8 @@ from kvgate.core.nodes import NodeState
 from kvgate.core.plan.pace import _PACE_MIN, DEFAULT_STEP_S, Pace
 from kvgate.core.rates import Ewma
 
+from .helpers import make, sample
+
 
 def test_a_node_nobody_measured_runs_at_the_prior_and_says_so() -> None:
     pace = Pace({"a": NodeState("a")})
@@ -42,3 +44,12 @@ def test_the_fastest_pace_is_the_healthy_baseline_when_lower() -> None:
     assert pace.step_s("a") == 0.04 and abs(pace.fastest_step_s("a") - 0.01) < 1e-12
     nodes["a"].step_s = 0.005  # faster than its baseline now: the recent pace stands
     assert pace.fastest_step_s("a") == 0.005
+
+
+def test_admin_state_shows_each_nodes_pace_and_whether_it_is_measured() -> None:
+    policy, clock = make()
+    policy.observe("a", sample(clock, usage=0.0, capacity=4096, latency=None))
+    policy.observe("b", sample(clock, usage=0.0, capacity=4096, latency=0.0027))
+    nodes = policy.snapshot()["nodes"]
+    assert nodes["a"]["pace_s"] == DEFAULT_STEP_S and nodes["a"]["pace_measured"] is False
+    assert nodes["b"]["pace_s"] == 0.0027 and nodes["b"]["pace_measured"] is True

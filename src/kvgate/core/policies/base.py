@@ -268,6 +268,10 @@ class BasePolicy:
         entry["reserved_tokens"] = self.holds.reserved_on(node.node_id)
         entry["in_flight"] = self.holds.in_flight_on(node.node_id)
         entry["predicted_usage"] = self.forecast.usage_now(node)
+        # The pace the forecast turns steps into seconds with, and whether it is measured
+        # (a prediction on the prior never refuses a request).
+        entry["pace_s"] = self.pace.step_s(node.node_id)
+        entry["pace_measured"] = self.pace.measured(node.node_id)
         return entry
 
     # --- what the baselines share -------------------------------------------------------------
