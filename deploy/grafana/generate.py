@@ -255,8 +255,8 @@ def admission(lay: Layout) -> None:
     lay.add(
         timeseries(
             "Rejected per second, by reason",
-            "kv_high_watermark: backpressure; kv_panic: a node above the panic watermark; "
-            "no_fresh_node: every candidate is stale.",
+            "kv_planned_peak: backpressure (the planned peak passes the ceiling); kv_panic: a"
+            " node above the panic watermark; no_fresh_node: every candidate is stale.",
             [(f"sum by (reason) (rate({REJECTED}[{RI}]))", "{{reason}}")],
             "reqps",
             stack=True,

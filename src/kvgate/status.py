@@ -214,6 +214,7 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
         "scrape": _obj(raw.get("scrape")) or _obj(raw.get("scraper")),
         "cluster": _obj(raw.get("cluster")),
         "tenants": _obj(raw.get("tenants")),
+        "refused_peak": _obj(base.get("refused_peak")),
     }
 
 
@@ -264,6 +265,9 @@ def render(state: dict[str, Any], per_second: dict[str, float] | None = None) ->
     """The whole screen: cluster summary, then one row per node (worst first)."""
     state = normalize(state)
     parts: list[RenderableType] = [_cluster_table(state, per_second)]
+    refused = _refused_peak(state["refused_peak"])
+    if refused is not None:
+        parts.append(refused)
     if state["cluster"]:
         parts.append(_replica_table(state["cluster"]))
     tenants = _tenant_table(state["tenants"])
@@ -271,6 +275,23 @@ def render(state: dict[str, Any], per_second: dict[str, float] | None = None) ->
         parts.append(tenants)
     parts.append(_node_table(state))
     return Group(*parts)
+
+
+def _refused_peak(refused: dict[str, Any]) -> Text | None:
+    """The planned peak of the last refusal by the plan (None before any): the node that
+    came closest, what the plan foresaw there with the request, and what it reported."""
+    peak = _num(refused.get("planned_peak"))
+    if peak is None:
+        return None
+    usage = _num(refused.get("kv_usage"))
+    reported = "" if usage is None else f" (its engine reported {_pct(usage)})"
+    return Text(
+        f"last refused by the plan ({refused.get('priority', '?')},"
+        f" {_fmt(_num(refused.get('age_s')))} s ago): {refused.get('node', '?')} planned"
+        f" {_pct(peak)} of its KV cache with it, over its"
+        f" {_pct(_num(refused.get('ceiling')))} ceiling{reported}",
+        style="yellow",
+    )
 
 
 def _tenant_table(tenants: dict[str, Any]) -> Table | None:

@@ -20,7 +20,8 @@ def test_vllm_real_page() -> None:
     assert sample.kv_capacity_tokens == 128 * 32  # num_gpu_blocks x block_size labels
     assert (sample.running, sample.waiting) == (0, 0)
     assert sample.preemptions_total == 42.0
-    assert sample.iteration_latency_s is None  # first scrape: no delta yet
+    # First scrape: the mean of everything the engine's histogram holds.
+    assert sample.iteration_latency_s == pytest.approx(233.51562482099848 / 28989.0)
     assert sample.sampled_at == 12.5
 
 
@@ -58,14 +59,17 @@ def _vllm_with(usage: str, running: str, waiting: str, count: str, total: str) -
 def test_vllm_iteration_latency_is_the_delta_between_scrapes() -> None:
     adapter = adapter_for("vllm")
     first = adapter.parse(_vllm_with("0.5", "7.0", "2.0", "1000.0", "8.0"), now=1.0)
-    assert first.iteration_latency_s is None
+    assert first.iteration_latency_s == pytest.approx(8.0 / 1000)  # its history's mean
     second = adapter.parse(_vllm_with("0.75", "6.0", "4.0", "1100.0", "8.5"), now=1.05)
     assert second.iteration_latency_s == pytest.approx(0.5 / 100)
     assert (second.kv_usage, second.running, second.waiting) == (0.75, 6, 4)
     idle = adapter.parse(_vllm_with("0.75", "6.0", "4.0", "1100.0", "8.5"), now=1.1)
     assert idle.iteration_latency_s is None  # no token in between: no latency, not zero
     restarted = adapter.parse(_vllm_with("0.0", "0.0", "0.0", "3.0", "0.01"), now=1.2)
-    assert restarted.iteration_latency_s is None  # counters went back: engine restarted
+    # Counters went back: the engine restarted, and its new history's mean counts.
+    assert restarted.iteration_latency_s == pytest.approx(0.01 / 3)
+    fresh = adapter_for("vllm").parse(_vllm_with("0.0", "0.0", "0.0", "0.0", "0.0"), now=1.0)
+    assert fresh.iteration_latency_s is None  # an engine that never made a token
 
 
 def test_vllm_falls_back_to_the_old_usage_name() -> None:
@@ -336,11 +340,12 @@ def test_scanner_rejects_a_malformed_wanted_line() -> None:
 
 def test_histogram_delta() -> None:
     delta = HistogramDelta()
-    assert delta.update(1.0, 10) is None
-    assert delta.update(2.0, 20) == pytest.approx(0.1)
-    assert delta.update(2.0, 20) is None
-    assert delta.update(0.5, 5) is None  # reset
+    assert delta.update(1.0, 10) == pytest.approx(0.1)  # first: the whole history's mean
+    assert delta.update(3.0, 20) == pytest.approx(0.2)
+    assert delta.update(3.0, 20) is None
+    assert delta.update(0.5, 5) == pytest.approx(0.1)  # reset: the new history's mean
     assert delta.update(0.7, 7) == pytest.approx(0.1)
+    assert HistogramDelta().update(0.0, 0) is None
     assert not math.isnan(delta.update(0.7, 7) or 0.0)
 
 

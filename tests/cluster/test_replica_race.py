@@ -128,3 +128,23 @@ async def test_requests_queue_behind_a_waiter_when_the_room_is_held_by_another_r
     assert cluster.started() == 5
     more = [b.submit(request(f"m{i}", 500, 120)) for i in range(3)]
     assert all(isinstance(x, Waiter) for x in more), [getattr(x, "reason", x) for x in more]
+
+
+async def test_requests_larger_than_the_replicas_claim_wait_for_the_next_sync() -> None:
+    """Each replica may add about half of the room before its next sync; a request larger
+    than that waits for the sync that gives it its room (not `wait_exceeded` at arrival,
+    as the second of a burst was when nothing ran yet to predict its wait from)."""
+    cluster = Cluster(2, phases=[0.0, 0.025], limits={})
+    await cluster.run(2, [])  # the replicas have exchanged views with nothing held
+    a = cluster.flows[0]
+    allowance = a.policy.claims.allowance("a")
+    assert allowance is not None and allowance < 2016 < 3768  # over its part, not the node's
+    burst = [(0.001 * k, 0, request(f"big{k}", 1000, 1000)) for k in range(3)]
+    await cluster.run(4, burst)
+    assert all(isinstance(x, Waiter) for x in cluster.answers), cluster.answers
+    first = cluster.answers[0]
+    # Its replica's next sync publishes its need; the other replica's next claim is made
+    # on the views it read before, the one after yields the room, and this replica's
+    # following sync claims it: three sync periods.
+    assert isinstance(first, Waiter) and isinstance(first.decision, Admit)
+    assert first.decision.ticket.admitted_at - first.enqueued_at <= 3 * SYNC_PERIOD_S + 1e-9

@@ -37,7 +37,7 @@ def test_burst_inside_one_scrape_period_never_plans_past_panic() -> None:
     last = admit(policy, "late", cost(3000, 1000), Priority.CRITICAL, ("a", "b"))
     assert isinstance(last, Reject) and last.status == 429 and last.waitable
     # The nodes hold 0.8 now (their peak will be 0.9): full for this request, not at panic.
-    assert last.reason == "kv_high_watermark"
+    assert last.reason == "kv_planned_peak"
     for t in admitted:
         policy.release(t, Outcome.DONE)
     assert_books_empty(policy)
@@ -388,7 +388,7 @@ def test_a_new_sample_moves_the_planned_peak_of_a_node_without_requests() -> Non
     policy.observe("a", sample(clock, usage=0.85, capacity=100_000))  # traffic it cannot see
     assert _peak(policy, "a") == 0.85
     refused = admit(policy, "s", cost(2500, 2500), Priority.SHEDDABLE)
-    assert isinstance(refused, Reject) and refused.reason == "kv_high_watermark"
+    assert isinstance(refused, Reject) and refused.reason == "kv_planned_peak"
 
 
 def test_a_node_whose_requests_all_ended_is_planned_from_its_new_requests() -> None:
@@ -439,7 +439,7 @@ def test_refused_until_room_appears_and_a_503_once_the_node_is_stale() -> None:
     assert isinstance(first, Admit)
     for i in range(3):
         refused = admit(policy, f"x{i}", cost(400, 400), Priority.CRITICAL)
-        assert isinstance(refused, Reject) and refused.reason == "kv_high_watermark"
+        assert isinstance(refused, Reject) and refused.reason == "kv_planned_peak"
         assert refused.waitable
     small = admit(policy, "small", cost(50, 50), Priority.CRITICAL)
     assert isinstance(small, Admit)  # a smaller request still fits
@@ -506,7 +506,7 @@ def test_a_refusal_names_panic_only_when_every_node_is_there() -> None:
     policy.observe("hot", sample(clock, usage=0.99))
     policy.observe("calm", sample(clock, usage=0.45))
     too_big = admit(policy, "big", cost(4_000, 1_000), Priority.STANDARD, ("hot", "calm"))
-    assert isinstance(too_big, Reject) and too_big.reason == "kv_high_watermark"
+    assert isinstance(too_big, Reject) and too_big.reason == "kv_planned_peak"
     policy.observe("calm", sample(clock, usage=0.99))
     clock.advance(0.05)
     at_panic = admit(policy, "big2", cost(4_000, 1_000), Priority.STANDARD, ("hot", "calm"))

@@ -119,7 +119,7 @@ def test_refused_at_once_when_the_wait_cannot_fit_its_bound() -> None:
     decision = bench.submit(500, 500, max_wait_s=1.0)
     assert isinstance(decision, Reject)
     assert decision.status == 429
-    assert decision.reason == "kv_high_watermark"
+    assert decision.reason == "kv_planned_peak"
     # The predicted wait: the running requests end after 500 steps of 10 ms.
     assert 3.5 <= decision.retry_after_s <= 6.5
 

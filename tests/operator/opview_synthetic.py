@@ -74,7 +74,7 @@ class SyntheticCluster:
             self.admitted[p] += admit * dt
             shed = max(0.0, demand - admit)
             if shed:
-                reason = "kv_high" if p != "critical" else "kv_panic"
+                reason = "kv_planned_peak" if p != "critical" else "kv_panic"
                 self.rejected[p][reason] = self.rejected[p].get(reason, 0.0) + shed * dt
                 self.retry_count += shed * dt
                 self.retry_sum += shed * dt * (2.0 if p == "sheddable" else 1.0)
@@ -130,6 +130,18 @@ class SyntheticCluster:
             "expected_output": {"sim-llama": 180},
             "queue": self._queue(),
             "tenants": {},
+            "refused_peak": (
+                {
+                    "age_s": 0.4,
+                    "priority": "standard",
+                    "node": self.ids[-1],
+                    "planned_peak": 0.97,
+                    "ceiling": 0.92,
+                    "kv_usage": 0.88,
+                }
+                if self.overload
+                else None
+            ),
         }
         return {
             "time": now,

@@ -90,7 +90,7 @@ def test_dashboard_renders_64_nodes_charts_an_overload_and_flags_a_stale_node(
         # Worst first: the stale node is at the top, above the merely high ones.
         assert page.locator("#node-rows tr.node").first.get_attribute("data-node") == "node-17"
         assert page.locator("#t-rejected").inner_text() not in ("–", "0")
-        assert "kv_high" in page.locator("#reasons").inner_text()
+        assert "kv_planned_peak" in page.locator("#reasons").inner_text()
         assert "STALE" in page.locator("#node-summary").inner_text().upper()
 
         # The page stays responsive: re-sorting 64 rows takes effect at once.
@@ -105,6 +105,20 @@ def test_dashboard_renders_64_nodes_charts_an_overload_and_flags_a_stale_node(
 
         cluster.stale.clear()
         page.wait_for_function("kvgate.staleNodes().length === 0", timeout=WAIT_MS)
+    assert page.kvgate_errors == []
+
+
+def test_the_planned_peak_that_refused_a_request_is_shown(browser_page: Any) -> None:
+    page = browser_page
+    cluster = SyntheticCluster(4)
+    with serve(router(cluster.state)) as url:
+        _load(page, url, updates=2)
+        assert page.locator("#refused-peak").is_hidden()  # calm: nothing refused yet
+        cluster.overload = True
+        page.wait_for_function("!document.getElementById('refused-peak').hidden", timeout=WAIT_MS)
+        text = page.locator("#refused-peak").inner_text()
+    assert "node-03" in text and "97%" in text and "92%" in text, text
+    assert "88%" in text and "standard" in text, text
     assert page.kvgate_errors == []
 
 

@@ -67,8 +67,14 @@ def test_status_prints_every_node_and_flags_the_stale_one() -> None:
         "25",
         "65",
     ]
-    assert "rejected by reason: kv_high" in out
+    assert "rejected by reason: kv_planned_peak" in out
     assert "Retry-After handed out" in out and "(mean " in out
+    # The planned peak that refused the last request, where and against which ceiling.
+    words = " ".join(out.split())
+    assert (
+        "last refused by the plan (standard, 0.4 s ago): node-04 planned 97% of its KV cache"
+        " with it, over its 92% ceiling (its engine reported 88%)" in words
+    )
 
 
 def test_status_sends_the_admin_token(capsys: pytest.CaptureFixture[str]) -> None:

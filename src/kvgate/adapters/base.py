@@ -259,8 +259,10 @@ def capacity_weighted_usage(parts: list[tuple[float, int | None]]) -> float:
 class HistogramDelta:
     """Mean of a histogram between two scrapes: (sum_now - sum_prev) / (count_now - count_prev).
 
-    Stateful per node. Returns None on the first scrape, when no observation was made in
-    between, and when the counters went backwards (engine restart): then it starts over.
+    Stateful per node. On the first scrape, and after the counters went backwards (engine
+    restart: it starts over), the mean of everything the histogram holds: an engine that
+    has run before says how fast it steps before the gateway sees it step. None when no
+    observation was made in between (or ever).
     """
 
     __slots__ = ("_count", "_sum")
@@ -272,13 +274,11 @@ class HistogramDelta:
     def update(self, hist_sum: float, hist_count: float) -> float | None:
         prev_sum, prev_count = self._sum, self._count
         self._sum, self._count = hist_sum, hist_count
-        if prev_sum is None or prev_count is None:
-            return None
-        d_count = hist_count - prev_count
-        d_sum = hist_sum - prev_sum
-        if d_count < 0 or d_sum < 0:
-            return None  # counter reset: the engine restarted
-        if d_count == 0:
+        d_count, d_sum = hist_count, hist_sum
+        if prev_sum is not None and prev_count is not None:
+            if hist_count >= prev_count and hist_sum >= prev_sum:
+                d_count, d_sum = hist_count - prev_count, hist_sum - prev_sum
+        if d_count <= 0 or d_sum < 0:
             return None
         return d_sum / d_count
 

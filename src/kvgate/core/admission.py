@@ -69,12 +69,33 @@ class Admit:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedPeak:
+    """The plan that found no room for a request, on the candidate that came closest: the
+    KV peak planned there with the request and the ceiling it would pass, as fractions of
+    the node's capacity, and the usage its engine last reported (None: no gauge)."""
+
+    node_id: str
+    peak: float
+    ceiling: float
+    usage: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node_id,
+            "planned_peak": round(self.peak, 4),
+            "ceiling": round(self.ceiling, 4),
+            "kv_usage": None if self.usage is None else round(self.usage, 4),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Reject:
     """A refusal.
 
     `status` 429: no room now (`waitable`: the flow controller may queue the request until
     room frees); 503: no backend can take it now (none fresh, none serves the model); 400:
-    it can never be served as sent (larger than any backend holds).
+    it can never be served as sent (larger than any backend holds). `planned`: the plan
+    that found no room, when that is the cause.
     """
 
     status: int
@@ -82,6 +103,7 @@ class Reject:
     retry_after_s: float
     message: str
     waitable: bool = False
+    planned: PlannedPeak | None = None
 
 
 Decision = Admit | Reject
@@ -91,11 +113,15 @@ Decision = Admit | Reject
 class StartEstimate:
     """When a request could start on its best node: `seconds` at the node's recent step
     time, and `soonest_s` at its fastest healthy step time (a lower bound, for deciding that
-    a wait cannot be met without mistaking a slow moment for a slow engine)."""
+    a wait cannot be met without mistaking a slow moment for a slow engine). Not `measured`
+    when it rests on a prior: the node's pace was never measured, or when something running
+    there ends is a guess (its model's output lengths are not learned yet); a request is
+    never refused on such an estimate."""
 
     node_id: str
     seconds: float
     soonest_s: float
+    measured: bool = True
 
 
 class AdmissionPolicy(Protocol):
@@ -152,7 +178,13 @@ class AdmissionPolicy(Protocol):
         ...
 
     def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:
-        """Seconds until the candidates have freed `tokens` KV tokens; None if unknown."""
+        """Seconds until the candidates have likely freed `tokens` KV tokens; None if
+        unknown."""
+        ...
+
+    def measured(self, request: AdmissionRequest) -> bool:
+        """Do predictions on the request's candidates (its start, their drain) rest on
+        measurements alone, not on a prior (see `StartEstimate`)?"""
         ...
 
     def time_left(self, ticket: Ticket) -> float:

@@ -140,9 +140,10 @@ class QueueSettings(BaseModel):
 
     max_wait_s: dict[BandName, float] = Field(
         default_factory=_default_waits,
-        description="Longest wait per priority before a 429 (a request is queued only if it"
-        " is predicted to start within it; `X-Kvgate-Max-Wait-Ms` may lower it; 0: never"
-        " wait). Priorities left out keep their defaults.",
+        description="Longest wait per priority before a 429 (a request is refused at once"
+        " only when a measured prediction says it cannot start within it;"
+        " `X-Kvgate-Max-Wait-Ms` may lower it; 0: never wait). Priorities left out keep"
+        " their defaults.",
     )
     max_waiting: dict[BandName, int | None] = Field(
         default_factory=_default_waiting,

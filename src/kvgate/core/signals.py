@@ -14,7 +14,9 @@ class NodeSample:
     `kv_usage` is None for engines that export no KV gauge (llama.cpp); the controller
     then falls back on queue and latency signals and on its own reservations.
     `iteration_latency_s` is the mean inter-token latency *between this sample and the
-    previous one* (delta of histogram sum / delta of count), None when no token was made.
+    previous one* (delta of histogram sum / delta of count; on a node's first sample, and
+    after its engine restarted, the mean of the whole histogram), None when no token was
+    made.
     `sampled_at` is on the core's clock, not the engine's.
     """
 

@@ -10,14 +10,18 @@ The shell (and the simulator) hand every request to `submit()` and get one of th
   `Reject`. The caller gives up on its own at `waiter.deadline` with `expire()` (a 429 whose
   Retry-After is the predicted remaining wait) or when its client leaves with `cancel()`.
 
-**Waiting is a prediction, not a hope.** A request is queued only if the placement policy
-predicts it can start within its bound (`queue.max_wait_s` for its priority, lowered by the
-client's `X-Kvgate-Max-Wait-Ms`): from the nodes' envelopes (when their running requests end,
-at each node's measured step time) and the tokens already waiting ahead of it. When the
-wait cannot be predicted to fit (no node could ever hold it next to what it cannot see
-draining, or the queue ahead takes longer than the bound), it is refused at once with a 429
-whose Retry-After is that prediction; clients are not held for a bound that was never going
-to be met. A waiter whose prediction later passes its deadline is refused then.
+**Waiting is a prediction, not a hope** (`kvgate.core.flow.waits`). A request is queued
+unless the placement policy predicts it cannot start within its bound (`queue.max_wait_s`
+for its priority, lowered by the client's `X-Kvgate-Max-Wait-Ms`): from the nodes'
+envelopes (when their running requests end, at each node's measured step time) and the
+waiters ahead of it, each at its expected footprint (its learned output length, not its
+`max_tokens`), with what runs ending at its likely length. It is refused at once only when
+no node could ever hold it next to what it cannot see draining, or when even the optimistic
+prediction misses the bound; the 429's Retry-After is the likely one. Clients are not held
+for a bound that was never going to be met, and never refused for one that might: a
+prediction that rests on a prior (a pace nothing measured yet, output lengths not learned
+yet: a fresh gateway, a new model) queues the request, and a waiter is refused once its
+measured prediction passes its deadline, or the deadline itself passes.
 
 **Order** (`queue.WaitQueue`): priority bands (critical, standard, sheddable), then fairness
 between tenants (`fairness.TokenFairness`, VTC's token counters), then arrival order.
@@ -57,9 +61,19 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from kvgate.core.admission import AdmissionPolicy, Admit, Decision, Outcome, Reject, Ticket
+from kvgate.core.admission import (
+    AdmissionPolicy,
+    Admit,
+    Decision,
+    Outcome,
+    PlannedPeak,
+    Reject,
+    Ticket,
+)
+from kvgate.core.flow import waits
 from kvgate.core.flow.fairness import Fairness, TokenFairness
 from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
+from kvgate.core.flow.waits import Ahead, Wait
 from kvgate.core.replicas.exchange import ReplicaExchange
 from kvgate.core.replicas.view import PeerView
 from kvgate.core.request import AdmissionRequest, Priority
@@ -109,6 +123,9 @@ class FlowController:
         self._walked: tuple[int, float] = (-1, float("-inf"))
         self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
         self.wait_total_s = 0.0
+        # The last refusal whose cause was the plan (its planned peak over the ceiling):
+        # when, of which priority, and the plan (for /admin/state and the dashboard).
+        self.refused_peak: tuple[float, Priority, PlannedPeak] | None = None
 
     # --- the three answers ---------------------------------------------------------------------
 
@@ -122,13 +139,13 @@ class FlowController:
         self.exchange.arrived(now, tokens)
         bound = self._bound(request)
         blocked = self.tenants.check(request.tenant, tokens)
-        ahead = self._tokens_ahead(request)
+        ahead = waits.ahead(self.queue, self.policy, request)
         decision: Decision | None = None
         quiet = self._walked[0] == self.policy.generation  # nothing changed since the walk
-        if blocked is None and (ahead == 0 or quiet):
+        if blocked is None and (not ahead.tokens or quiet):
             # With waiters ahead and nothing changed since the last walk, this request is
             # the only one that might start now: against the walk's promises, as backfill.
-            decision = self.policy.admit(request, self._promised if ahead else None)
+            decision = self.policy.admit(request, self._promised if ahead.tokens else None)
             if isinstance(decision, Admit):
                 self._started(decision.ticket, now, 0.0)
                 return decision
@@ -137,11 +154,11 @@ class FlowController:
         if bound <= 0:
             return self._refusal_now(request, decision, blocked, ahead, now)
         wait = self._predicted_wait(request, ahead, blocked, now)
-        if wait is None or wait > bound:
+        if wait is None or (wait.measured and wait.soonest > bound):
             return self._refusal_now(request, decision, blocked, ahead, now, wait)
         full = self._make_room(request)
         if full is not None:
-            return self._refusal("queue_full", full, request, wait)
+            return self._refusal("queue_full", full, request, wait.seconds)
         waiter = Waiter(
             request=request,
             enqueued_at=now,
@@ -150,7 +167,7 @@ class FlowController:
             tokens=tokens,
         )
         self.queue.push(waiter)
-        if ahead and not quiet:
+        if ahead.tokens and not quiet:
             self.dispatch()
         if waiter.decision is not None:
             return waiter.decision
@@ -171,10 +188,11 @@ class FlowController:
         now = self.clock.now()
         request = waiter.request
         blocked = self.tenants.check(request.tenant, waiter.tokens)
-        wait = self._predicted_wait(request, self._tokens_ahead(request), blocked, now)
+        ahead = waits.ahead(self.queue, self.policy, request)
+        wait = self._predicted_wait(request, ahead, blocked, now)
         reason = "tenant_limit" if blocked is not None else "queue_timeout"
         message = _TIMEOUT_MESSAGE.format(waited=now - waiter.enqueued_at)
-        decision = self._refusal(reason, message, request, wait)
+        decision = self._refusal(reason, message, request, None if wait is None else wait.seconds)
         self._decide(waiter, decision, WaitState.REFUSED)
         return decision
 
@@ -242,7 +260,7 @@ class FlowController:
                 break
             estimate = policy.start_estimate(request)
             if estimate is not None:
-                if now + estimate.soonest_s > waiter.deadline:
+                if estimate.measured and now + estimate.soonest_s > waiter.deadline:
                     refusal = self._refusal(
                         "wait_exceeded", _EXCEEDED_MESSAGE, request, estimate.seconds
                     )
@@ -327,7 +345,20 @@ class FlowController:
         snap["queue"] = self.queue_snapshot()
         snap["tenants"] = self.tenants.snapshot()
         snap["cluster"] = self.exchange.snapshot()
+        snap["refused_peak"] = self._refused_peak_snapshot()
         return snap
+
+    def _refused_peak_snapshot(self) -> dict[str, Any] | None:
+        """The last refusal by the plan: how long ago, the priority, the node that came
+        closest, its planned peak, the ceiling and the usage its engine reported."""
+        if self.refused_peak is None:
+            return None
+        at, priority, planned = self.refused_peak
+        return {
+            "age_s": round(self.clock.now() - at, 3),
+            "priority": priority.label,
+            **planned.as_dict(),
+        }
 
     def queue_snapshot(self) -> dict[str, Any]:
         now = self.clock.now()
@@ -360,47 +391,21 @@ class FlowController:
             bound = min(bound, max(0.0, request.max_wait_s))
         return bound
 
-    def _tokens_ahead(self, request: AdmissionRequest) -> int:
-        """Tokens waiting that would be served before this request: every more important
-        band, and its own band as its tenant's fair share would order it."""
-        priority = request.priority
-        ahead = 0
-        for band in Priority:
-            if band >= priority:
-                break
-            ahead += self.queue.band_tokens(band)
-        same = self.queue.band_tokens(priority)
-        if same and self.queue.fairness.name != "fcfs":
-            own = self.queue.tenant_count(priority, request.tenant)
-            tenants = max(1, self.queue.backlogged_tenants(priority))
-            count = max(1, self.queue.band_count(priority))
-            share = same * min(1.0, (own + 1) * tenants / count)
-            same = int(share)
-        return ahead + same
-
     def _predicted_wait(
         self,
         request: AdmissionRequest,
-        ahead: int,
+        ahead: Ahead,
         blocked: TenantRefusal | None,
         now: float,
-    ) -> float | None:
-        """Seconds until the request could start, or None when nothing predicts it."""
-        estimate = self.policy.start_estimate(request)
-        if estimate is None:
+    ) -> Wait | None:
+        """When the request could start (`waits.predict`), its tenant's wait included."""
+        wait = waits.predict(self.policy, request, ahead)
+        if wait is None or blocked is None:
+            return wait
+        tenant_wait = self._tenant_wait(request, blocked, now)
+        if tenant_wait is None:
             return None
-        wait = estimate.seconds
-        if ahead:
-            drain = self.policy.drain_time(ahead + request.cost.total, request.candidates)
-            if drain is None:
-                return None
-            wait = max(wait, drain)
-        if blocked is not None:
-            tenant_wait = self._tenant_wait(request, blocked, now)
-            if tenant_wait is None:
-                return None
-            wait = max(wait, tenant_wait)
-        return wait
+        return Wait(max(wait.seconds, tenant_wait), max(wait.soonest, tenant_wait), wait.measured)
 
     def _tenant_wait(
         self, request: AdmissionRequest, blocked: TenantRefusal, now: float
@@ -426,22 +431,32 @@ class FlowController:
         request: AdmissionRequest,
         decision: Decision | None,
         blocked: TenantRefusal | None,
-        ahead: int,
+        ahead: Ahead,
         now: float,
-        wait: float | None = None,
+        wait: Wait | None = None,
     ) -> Reject:
         """The 429 for a request that may not wait (bound 0, or its wait will not fit)."""
         if wait is None:
             wait = self._predicted_wait(request, ahead, blocked, now)
+        seconds = None if wait is None else wait.seconds
         if blocked is not None:
             self.tenants.refused(request.tenant)
-            return self._refusal("tenant_limit", blocked.message, request, wait)
+            return self._refusal("tenant_limit", blocked.message, request, seconds)
         if isinstance(decision, Reject):
-            return self._refusal(decision.reason, decision.message, request, wait)
-        return self._refusal("wait_exceeded", _EXCEEDED_MESSAGE, request, wait)
+            if decision.planned is not None:
+                self.refused_peak = (now, request.priority, decision.planned)
+            return self._refusal(
+                decision.reason, decision.message, request, seconds, decision.planned
+            )
+        return self._refusal("wait_exceeded", _EXCEEDED_MESSAGE, request, seconds)
 
     def _refusal(
-        self, reason: str, message: str, request: AdmissionRequest, wait: float | None
+        self,
+        reason: str,
+        message: str,
+        request: AdmissionRequest,
+        wait: float | None,
+        planned: PlannedPeak | None = None,
     ) -> Reject:
         """A 429 whose Retry-After is the predicted wait (a drain estimate or a small
         default when nothing predicts one), jittered, never the clamp by default."""
@@ -453,7 +468,7 @@ class FlowController:
         centre = min(max(MIN_RETRY_AFTER_S, centre), top)
         self.counts[f"refused:{reason}"] += 1
         delay = jittered(centre, self.policy.rng, top)
-        return Reject(429, reason, delay, message)
+        return Reject(429, reason, delay, message, planned=planned)
 
     def _make_room(self, request: AdmissionRequest) -> str | None:
         """None when the request may join the queue (after evicting a less important waiter

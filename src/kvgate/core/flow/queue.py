@@ -5,7 +5,9 @@ keeps, per band (critical, standard, sheddable), one FIFO per tenant, and yields
 dispatch order: the most important band first; within it, the tenant the fairness policy
 puts first (`fairness.key`, ties to the earlier arrival); within the tenant, arrival order.
 Removal is lazy: a waiter that leaves (admitted, refused, cancelled) is marked and skipped,
-while the counts and token sums are kept exact at once.
+while the counts and token sums are kept exact at once. Each band also sums, per model, the
+output caps of its waiters whose length is to be predicted (`outputs`), so that the flow
+controller can count the waiters ahead of an arrival at their expected footprint.
 """
 
 from __future__ import annotations
@@ -48,12 +50,24 @@ class Waiter:
         return self.state is WaitState.WAITING
 
 
+class Outputs:
+    """One band's waiters of one model whose output length is predicted (not exact)."""
+
+    __slots__ = ("count", "largest", "total")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0  # their output caps (`max_output_tokens`) summed
+        self.largest = 0  # the largest of those caps (until the model has no waiter left)
+
+
 class _Band:
-    __slots__ = ("count", "live", "tenants", "tokens")
+    __slots__ = ("count", "live", "outputs", "tenants", "tokens")
 
     def __init__(self) -> None:
         self.tenants: dict[str, deque[Waiter]] = {}  # may hold departed waiters until compacted
         self.live: dict[str, int] = {}  # waiting waiters per tenant
+        self.outputs: dict[str, Outputs] = {}  # per model, of the waiters not exact
         self.count = 0
         self.tokens = 0
 
@@ -92,6 +106,10 @@ class WaitQueue:
     def tenant_count(self, priority: Priority, tenant: str) -> int:
         return self._bands[priority].live.get(tenant, 0)
 
+    def outputs(self, priority: Priority) -> dict[str, Outputs]:
+        """The band's waiters whose length is predicted, per model (see `Outputs`)."""
+        return self._bands[priority].outputs
+
     def backlogged_tenants(self, priority: Priority) -> int:
         return sum(1 for n in self._bands[priority].live.values() if n)
 
@@ -110,6 +128,15 @@ class WaitQueue:
         band.tokens += waiter.tokens
         self.count += 1
         self.tokens += waiter.tokens
+        request = waiter.request
+        if not request.exact_output:
+            outputs = band.outputs.get(request.model)
+            if outputs is None:
+                outputs = band.outputs[request.model] = Outputs()
+            cap = request.cost.max_output_tokens
+            outputs.count += 1
+            outputs.total += cap
+            outputs.largest = max(outputs.largest, cap)
 
     def remove(self, waiter: Waiter, state: WaitState) -> None:
         """Take a waiting waiter out. It stays in its FIFO, marked, until the next walk
@@ -128,6 +155,13 @@ class WaitQueue:
         band.tokens -= waiter.tokens
         self.count -= 1
         self.tokens -= waiter.tokens
+        request = waiter.request
+        outputs = band.outputs.get(request.model)
+        if not request.exact_output and outputs is not None:
+            outputs.count -= 1
+            outputs.total -= request.cost.max_output_tokens
+            if not outputs.count:
+                del band.outputs[request.model]
 
     def update(self, waiter: Waiter, request: AdmissionRequest) -> None:
         """Give a waiting waiter a new request of the same band and tenant (a new cost),

@@ -16,9 +16,13 @@ adds itself to the cached one (O(n), no re-sort) and a request that grows raises
 
 Time comes from the pace (`kvgate.core.plan.pace`): the *drain schedule* of a set of nodes
 (when each running request ends and what it frees then) answers when `tokens` will have been
-freed (`drain_time`); a newcomer's *start estimate* is the first end after which it fits
+freed (`drain_time`: this replica's requests end at their likely lengths, a prediction of
+when, not a plan); a newcomer's *start estimate* is the first end after which it fits
 (`Envelope.start_step`) at the node's recent and fastest pace. The measured rate at which
-tokens are freed (`freed`) answers when nothing runs to end.
+tokens are freed (`freed`) answers when nothing runs to end. A prediction is `measured`
+only when the pace of its nodes is and no request running there has a guessed length
+(`Hold.guessed`; the other replicas' requests count as guessed while the caller's own model
+is: they send the same traffic, and their views do not say).
 """
 
 from __future__ import annotations
@@ -191,10 +195,13 @@ class Forecast:
         """Seconds until the hold's request is expected to end."""
         return hold.remaining() * self._pace.step_s(hold.node_id)
 
-    def start_estimate(self, node: NodeState, final: float, limit: float) -> StartEstimate | None:
+    def start_estimate(
+        self, node: NodeState, final: float, limit: float, informed: bool = True
+    ) -> StartEstimate | None:
         """When a newcomer that will hold at most `final` tokens could start on the node
         under `limit` tokens (what its last sample most likely holds twice does not count):
-        None when it would not fit even once everything running has ended."""
+        None when it would not fit even once everything running has ended. `informed`: the
+        newcomer's model's output lengths are learned (see the module docstring)."""
         limit += self.unseen_overlap(node)
         steps = self.envelope(node).start_step(final, limit)
         if steps is None:
@@ -202,16 +209,27 @@ class Forecast:
         node_id = node.node_id
         pace = self._pace
         return StartEstimate(
-            node_id, steps * pace.step_s(node_id), steps * pace.fastest_step_s(node_id)
+            node_id,
+            steps * pace.step_s(node_id),
+            steps * pace.fastest_step_s(node_id),
+            steps == 0 or self.measured(node_id, informed),
         )
+
+    def measured(self, node_id: str, informed: bool = True) -> bool:
+        """Do predictions on the node rest on measurements (see the module docstring)?"""
+        if not self._pace.measured(node_id) or self._holds.guessed_on(node_id):
+            return False
+        return informed or node_id not in self.peers.nodes
 
     def drain_time(
         self, tokens: float, candidates: tuple[str, ...], generation: int
     ) -> float | None:
-        """When the candidates will have freed `tokens`: from the envelope's ends (each
-        hold frees its final footprint after its remaining steps), extrapolated past the
-        last end at the average rate of those ends; else from the measured freeing rate.
-        `generation` names the policy's state, for the cached schedule."""
+        """When the candidates will have freed `tokens`: from the ends of what runs there
+        (this replica's requests at their likely lengths, `Hold.likely_remaining`, each
+        freeing the final footprint the plan holds for it; the others' as their views
+        said), extrapolated past the last end at the average rate of those ends; else from
+        the measured freeing rate. `generation` names the policy's state, for the cached
+        schedule."""
         if tokens <= 0:
             return 0.0
         times, freed = self._drain_schedule(candidates, generation)
@@ -242,8 +260,7 @@ class Forecast:
                 continue
             step = self._pace.step_s(node_id)
             for hold in book.holds.values() if book else ():
-                remaining = hold.remaining()
-                ends.append((remaining * step, current(hold) + remaining))
+                ends.append((hold.likely_remaining() * step, current(hold) + hold.remaining()))
             for steps, held in () if peers is None else peers.loads:
                 ends.append((steps * step, held + steps))  # other replicas' requests
         ends.sort()

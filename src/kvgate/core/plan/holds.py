@@ -85,7 +85,9 @@ class Hold:
         "cut",
         "expected",
         "full",
+        "guessed",
         "key",
+        "likely",
         "live",
         "marks",
         "max_out",
@@ -108,6 +110,10 @@ class Hold:
         self.prompt = prompt
         self.max_out = max_out
         self.expected = ticket.expected_output
+        # Its expected length is the cap only because its model's lengths are unknown yet
+        # (`OutputLengths.informed`): when it ends is a guess, not a prediction.
+        self.guessed = False
+        self.likely = self.expected  # its most likely length (`OutputLengths.likely`)
         self.full = prompt + max_out + overhead
         self.reflected = 0
         self.prefilled = False  # its first token came: its prompt is no longer queued
@@ -132,6 +138,12 @@ class Hold:
         done = self.tok_cur
         target = self.expected if done < self.expected else self.max_out
         return max(0, target - done)
+
+    def likely_remaining(self) -> int:
+        """Steps it most likely still runs: to its likely length while short of it, else
+        as `remaining`."""
+        done = self.tok_cur
+        return self.likely - done if done < self.likely else self.remaining()
 
 
 class Wakeups:
@@ -167,6 +179,7 @@ class Book:
 
     __slots__ = (
         "full",
+        "guessed",
         "holds",
         "now",
         "overlap",
@@ -183,6 +196,7 @@ class Book:
         self.upper = 0  # sum of P + M + ovh - reflected
         self.now = 0  # sum of P + output so far + ovh - reflected
         self.prefill = 0  # prompt tokens of the holds still waiting for their first token
+        self.guessed = 0  # holds whose length is a guess (`Hold.guessed`)
         # `Holds.overlap` as of the sample taken at `overlap_for` (None: not computed).
         self.overlap = 0.0
         self.overlap_for: float | None = None
@@ -204,13 +218,18 @@ class Holds:
 
     # --- a hold's life ------------------------------------------------------------------------
 
-    def open(self, ticket: Ticket) -> Hold:
-        """Hold the admitted ticket's prompt (and, at its cap, its output) on its node."""
+    def open(self, ticket: Ticket, guessed: bool = False, likely: int | None = None) -> Hold:
+        """Hold the admitted ticket's prompt (and, at its cap, its output) on its node;
+        `guessed`: its expected length is a guess (`Hold.guessed`); `likely`: its most
+        likely length (its expected one when not given)."""
         cost = ticket.request.cost
         node_id = ticket.node_id
         key = ticket.key
         overhead = self.overhead
         hold = Hold(key, ticket, node_id, cost.prompt_tokens, cost.max_output_tokens, overhead)
+        hold.guessed = guessed
+        if likely is not None:
+            hold.likely = min(likely, hold.expected)
         self.live[key] = hold
         book = self.books.get(node_id)
         if book is None:
@@ -220,6 +239,7 @@ class Holds:
         book.upper += hold.full
         book.now += hold.prompt + overhead
         book.prefill += hold.prompt
+        book.guessed += guessed
         self.tokens += hold.full
         return hold
 
@@ -268,6 +288,7 @@ class Holds:
         book.now -= self.current(hold) - hold.reflected
         if not hold.prefilled:
             book.prefill -= hold.prompt
+        book.guessed -= hold.guessed
         if not book.holds:
             del self.books[hold.node_id]
         self.tokens -= hold.full
@@ -297,6 +318,11 @@ class Holds:
         """What the node's last sample cannot contain of its holds as they are now."""
         book = self.books.get(node_id)
         return book.now if book else 0
+
+    def guessed_on(self, node_id: str) -> int:
+        """Holds on the node whose expected length is a guess (`Hold.guessed`)."""
+        book = self.books.get(node_id)
+        return book.guessed if book else 0
 
     def prefill_backlog(self, node_id: str) -> int:
         """Prompt tokens sent to the node that have not produced a first token yet: what a

@@ -1,11 +1,22 @@
 """The pace of each node: how many seconds a request running there takes per output token.
 
 The forecast turns steps into seconds with it (`kvgate.core.plan.forecast`): when a running
-request will end, when a waiter could start. It is measured on the node's own streams (the
-checkpoints of `kvgate.core.plan.holds`), as an EWMA over `PACE_HALFLIFE_S` so that the
-prefill steps that interrupt decoding count at their share of time; before
-`_PACE_MIN` measurements it falls back on the iteration latency the node's samples report,
-and before any of those on `DEFAULT_STEP_S`.
+request will end, when a waiter could start. It is what the node shows, never slower than
+the engine's own figure, and a prior only when nothing was measured:
+
+- the node's own streams (the checkpoints of `kvgate.core.plan.holds`), once `_PACE_MIN`
+  measurements were taken: an EWMA over `PACE_HALFLIFE_S`, so that the prefill steps that
+  interrupt decoding count at their share of time, where a sample's latency spikes with a
+  long prompt's prefill;
+- the inter-token latency the engine reports (`NodeState.step_s`, from its samples; a first
+  sample brings the mean of the engine's whole history): the pace is the lower of the two.
+  A stream's events can count fewer tokens than the engine made (an engine that merges the
+  tokens of a lagging stream into one event: vLLM's under load), so the streams alone
+  would predict waits several times too long;
+- the streams' first measurements, fewer than `_PACE_MIN`, when the engine reports none;
+- `DEFAULT_STEP_S`, when nothing was measured at all (a fresh engine that never made a
+  token). A prediction on that prior is not a measurement (`measured`): the flow
+  controller queues a request on it rather than refuse it (`kvgate.core.flow`).
 """
 
 from __future__ import annotations
@@ -18,12 +29,9 @@ from kvgate.core.rates import Ewma
 # How fast requests progress on a node is measured over this half-life: long enough that a
 # long prompt's prefill, which slows every decode for seconds, counts at its share of time.
 PACE_HALFLIFE_S = 10.0
-_PACE_MIN = 8  # measurements before the pace is trusted
+_PACE_MIN = 8  # stream measurements before they may lower the engine's own figure
 # Seconds per token assumed for a node before anything measured it (no stream has run on
-# it and its samples report no iteration latency: a fresh gateway, an idle engine). An
-# optimistic prior on purpose: a prediction made on a guess should queue a request rather
-# than refuse it; once requests run, their measured pace replaces it, and a waiter whose
-# wait then cannot be met is refused with the measured prediction.
+# it and its samples report no latency). Predictions made on it are not measurements.
 DEFAULT_STEP_S = 0.01
 
 
@@ -47,15 +55,26 @@ class Pace:
         self._paces.pop(node_id, None)
 
     def step_s(self, node_id: str) -> float:
-        """Seconds per token of a request running on the node: measured on its streams
-        (prefill steps that interrupt decoding included, averaged over `PACE_HALFLIFE_S`),
-        else from its samples' iteration latency, else a default."""
-        pace = self._paces.get(node_id)
-        if pace is not None and pace.value is not None and pace.count >= _PACE_MIN:
-            return pace.value
+        """Seconds per token of a request running on the node (see the module docstring)."""
         node = self._nodes.get(node_id)
-        step = None if node is None else node.step_s
-        return step if step is not None and step > 0 else DEFAULT_STEP_S
+        engine = None if node is None else node.step_s
+        if engine is not None and engine <= 0:
+            engine = None
+        streams = self._paces.get(node_id)
+        measured = None if streams is None else streams.value
+        if measured is None or measured <= 0 or streams is None:
+            return DEFAULT_STEP_S if engine is None else engine
+        if engine is None:
+            return measured
+        return min(measured, engine) if streams.count >= _PACE_MIN else engine
+
+    def measured(self, node_id: str) -> bool:
+        """Is the node's pace measured (its streams or its engine), not the prior?"""
+        streams = self._paces.get(node_id)
+        if streams is not None and streams.value is not None and streams.value > 0:
+            return True
+        node = self._nodes.get(node_id)
+        return node is not None and node.step_s is not None and node.step_s > 0
 
     def fastest_step_s(self, node_id: str) -> float:
         """The node's healthy step time (its latency baseline) when lower than the recent."""

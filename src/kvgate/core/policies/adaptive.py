@@ -28,9 +28,15 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    that grows while the excess lasts and decays once it is gone, down to half the high
    watermark at most.
 
-Refusals (`Reject.reason`, also the `X-Kvgate-Reason` header); the flow controller turns the
-waitable ones into a wait when the request's bound allows:
-  * 429 `kv_high_watermark` (waitable) - no node has room under the request's ceiling now;
+Refusals (`Reject.reason`, also the `X-Kvgate-Reason` header; the words of the ones that
+find no room are `kvgate.core.policies.refusals`'); the flow controller turns the waitable
+ones into a wait when the request's bound allows:
+  * 429 `kv_planned_peak` (waitable) - on no node does the planned peak with the request
+    stay under its ceiling now (the message names the closest: its planned peak, the
+    ceiling, and what its engine reports);
+  * 429 `replica_claim` (waitable) - the other replicas hold the rest of the room until
+    their next sync;
+  * 429 `engine_queue` (waitable) - no node has a KV gauge and each has requests queued;
   * 429 `kv_panic` (waitable) - every node with a KV gauge holds at least the panic watermark;
   * 429 `thrashing` (waitable) - every fresh candidate is thrashing;
   * 429 `node_late` (waitable) - no candidate is fresh or lagging, but one is only late
@@ -54,6 +60,7 @@ they rank behind any node with measurable headroom.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvgate.core.admission import Reject, StartEstimate
@@ -62,6 +69,7 @@ from kvgate.core.nodes import LEVEL_PANIC, NodeState
 from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.plan.margin import MarginController
 from kvgate.core.policies.base import BasePolicy
+from kvgate.core.policies.refusals import Fit, no_room, planned_peak
 from kvgate.core.request import AdmissionRequest, Priority
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered
 from kvgate.core.settings import AdmissionSettings
@@ -76,16 +84,6 @@ _MEMO_KEYS = 256
 _MEMO_SIZES = 8
 # Headroom score of a queue-gated node (no capacity known): behind any measurable headroom.
 _UNKNOWN_HEADROOM = -1.0
-
-
-class _Fit:
-    """The outcome of checking one request against one node."""
-
-    __slots__ = ("headroom", "reason")
-
-    def __init__(self, headroom: float | None, reason: str = "") -> None:
-        self.headroom = headroom  # fraction of capacity left after it; None: does not fit
-        self.reason = reason
 
 
 class AdaptivePolicy(BasePolicy):
@@ -147,19 +145,19 @@ class AdaptivePolicy(BasePolicy):
                 return node_id
         best: str | None = None
         best_score = (float("inf"), float("inf"))
-        reasons: list[str] = []
+        misses: list[Fit] = []
         backlog = self.holds.prefill_backlog
         for node_id in candidates:
             fit = self._fit(now, node_id, request, expected, promised)
             if fit.headroom is None:
-                reasons.append(fit.reason)
+                misses.append(fit)
                 continue
             score = (backlog(node_id), -fit.headroom)
             if score < best_score:
                 best, best_score = node_id, score
         if best is not None:
             return best
-        refusal = self._refuse(now, request, expected, reasons)
+        refusal = self._refuse(now, request, expected, misses)
         if not promised and isinstance(refusal, Reject) and refusal.waitable:
             self._remember_refusal(now, memo_key, held, expected, refusal)
         return refusal
@@ -231,59 +229,66 @@ class AdaptivePolicy(BasePolicy):
         request: AdmissionRequest,
         expected: int,
         promised: Mapping[str, float],
-    ) -> _Fit:
+    ) -> Fit:
         """Does the request fit on the node now; with how much headroom left, or why not."""
         node = self.nodes.get(node_id)
         if node is None or not node.is_live(now, self.settings):
             late = node is not None and node.is_late(now, self.settings)
-            return _Fit(None, "late" if late else "stale")
+            return Fit(None, "late" if late else "stale")
         if node.thrashing:
-            return _Fit(None, "thrashing")
+            return Fit(None, "thrashing")
         until = promised.get(node_id)
         if until is not None and now + expected * self.pace.step_s(node_id) > until:
-            return _Fit(None, "promised")
+            return Fit(None, "promised")
         cap = node.cap
         if cap is None:
             sample = node.sample
-            if node.level == LEVEL_PANIC or (sample is not None and sample.waiting):
-                return _Fit(None, "full")
-            return _Fit(_UNKNOWN_HEADROOM)
+            if node.level == LEVEL_PANIC:
+                return Fit(None, "panic")
+            if sample is not None and sample.waiting:
+                return Fit(None, "queue")
+            return Fit(_UNKNOWN_HEADROOM)
         if node.level == LEVEL_PANIC:
-            return _Fit(None, "panic")
+            return Fit(None, "panic")
         limit = self.ceiling(node, request.priority) * cap
         held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
         final = held + expected
         allowance = self.claims.left.get(node_id)
         if allowance is not None and final > allowance:
-            return _Fit(None, "share")  # other replicas hold the rest until the next sync
+            return Fit(None, "share")  # other replicas hold the rest until the next sync
         forecast = self.forecast
         if forecast.peers.isolated:
             return self._fit_isolated(node, limit, held, expected)
         used = forecast.used(node)
         upper = used + self.holds.reserved_on(node_id) + forecast.peers_upper(node_id) + final
         if upper <= limit:
-            return _Fit((limit - upper) / cap)
+            return Fit((limit - upper) / cap)
         envelope = forecast.envelope(node)
-        if envelope.floor(held, expected) > limit:
-            return _Fit(None, "full")  # not now, and not even once all that runs has ended
+        floor = envelope.floor(held, expected)
+        if floor > limit:  # not now, and not even once all that runs has ended
+            return planned_peak(node, floor, limit)
         peak = envelope.peak(held, expected)
         if peak > limit:
-            return _Fit(None, "full")
-        return _Fit((limit - peak) / cap)
+            return planned_peak(node, peak, limit)
+        return Fit((limit - peak) / cap)
 
-    def _fit_isolated(self, node: NodeState, limit: float, held: int, expected: int) -> _Fit:
+    def _fit_isolated(self, node: NodeState, limit: float, held: int, expected: int) -> Fit:
         """Without the other replicas' views: this replica's own requests against its
         static part of the node, under the panic gate the measured usage keeps."""
         assert node.cap is not None
         part = limit / max(1, self.forecast.peers.members)
         peak = self.forecast.own_envelope(node.node_id).peak(held, expected)
-        if peak > part or self.forecast.used(node) + held > limit:
-            return _Fit(None, "full")
-        return _Fit((part - peak) / node.cap)
+        if peak > part:
+            return planned_peak(node, peak, part)
+        used = self.forecast.used(node)
+        if used + held > limit:
+            return planned_peak(node, used + held, limit)
+        return Fit((part - peak) / node.cap)
 
     def _refuse(
-        self, now: float, request: AdmissionRequest, expected: int, reasons: list[str]
+        self, now: float, request: AdmissionRequest, expected: int, misses: list[Fit]
     ) -> str | Reject:
+        reasons = [fit.reason for fit in misses]
         if all(reason in ("stale", "late") for reason in reasons):
             if "late" in reasons and self.settings.fail_mode == "closed":
                 return self._late()
@@ -302,8 +307,8 @@ class AdaptivePolicy(BasePolicy):
                 f" model holds ({self._most_held(request)} tokens for"
                 f" {request.priority.label} requests). Shorten the prompt or lower max_tokens.",
             )
-        fresh = [r for r in reasons if r not in ("stale", "late")]
-        if fresh and all(r == "thrashing" for r in fresh):
+        fresh = [fit for fit in misses if fit.reason not in ("stale", "late")]
+        if fresh and all(fit.reason == "thrashing" for fit in fresh):
             return self.reject_shed(
                 "thrashing",
                 "Every backend for this model is thrashing (preempting); retry later.",
@@ -311,18 +316,9 @@ class AdaptivePolicy(BasePolicy):
                 need,
                 waitable=True,
             )
-        if any(r == "panic" for r in fresh) and all(r in ("panic", "thrashing") for r in fresh):
-            reason, what = "kv_panic", "at its panic watermark"
-        else:
-            reason, what = "kv_high_watermark", "too full"
-        return self.reject_shed(
-            reason,
-            f"The KV cache of every backend for this model is {what}"
-            f" for {request.priority.label} requests; retry later.",
-            now,
-            need,
-            waitable=True,
-        )
+        reason, message, planned = no_room(fresh, request.priority)
+        refusal = self.reject_shed(reason, message, now, need, waitable=True)
+        return refusal if planned is None else replace(refusal, planned=planned)
 
     def _most_held(self, request: AdmissionRequest) -> int:
         """The largest footprint any candidate could hold for this request's priority."""
@@ -393,6 +389,9 @@ class AdaptivePolicy(BasePolicy):
             request.model, request.cost.max_output_tokens, request.exact_output
         )
         final = self.footprint(request, expected)
+        informed = self.lengths.informed(
+            request.model, request.cost.max_output_tokens, request.exact_output
+        )
         best: StartEstimate | None = None
         for node_id in request.candidates:
             node = self.nodes.get(node_id)
@@ -401,7 +400,7 @@ class AdaptivePolicy(BasePolicy):
             if not node.is_live(now, self.settings) and not node.is_late(now, self.settings):
                 continue  # a late node's start is predicted from its last sample
             limit = self.ceiling(node, request.priority) * node.cap
-            estimate = self.forecast.start_estimate(node, final, limit)
+            estimate = self.forecast.start_estimate(node, final, limit, informed)
             if estimate is not None and (best is None or estimate.seconds < best.seconds):
                 best = estimate
         return best

@@ -102,6 +102,25 @@ class BasePolicy:
         """When the candidates will have freed `tokens` (`Forecast.drain_time`)."""
         return self.forecast.drain_time(tokens, tuple(candidates), self.generation)
 
+    def measured(self, request: AdmissionRequest) -> bool:
+        """Do predictions on the request's candidates rest on measurements alone
+        (`Forecast.measured`)? Only the candidates a prediction may name count: those
+        whose capacity is known and that are live or only late."""
+        now = self.clock.now()
+        cost = request.cost
+        informed = self.lengths.informed(
+            request.model, cost.max_output_tokens, request.exact_output
+        )
+        for node_id in request.candidates:
+            node = self.nodes.get(node_id)
+            if node is None or node.cap is None:
+                continue
+            if not node.is_live(now, self.settings) and not node.is_late(now, self.settings):
+                continue
+            if not self.forecast.measured(node_id, informed):
+                return False
+        return True
+
     def time_left(self, ticket: Ticket) -> float:
         """Seconds until the ticket's request is expected to end (0 once released)."""
         hold = self.holds.live.get(ticket.key)
@@ -244,6 +263,10 @@ class BasePolicy:
         entry["reserved_tokens"] = self.holds.reserved_on(node.node_id)
         entry["in_flight"] = self.holds.in_flight_on(node.node_id)
         entry["predicted_usage"] = self.forecast.usage_now(node)
+        # The pace the forecast turns steps into seconds with, and whether it is measured
+        # (a prediction on the prior never refuses a request).
+        entry["pace_s"] = self.pace.step_s(node.node_id)
+        entry["pace_measured"] = self.pace.measured(node.node_id)
         return entry
 
     # --- what the baselines share -------------------------------------------------------------
@@ -302,7 +325,10 @@ class BasePolicy:
         ticket = Ticket(
             request=request, node_id=node_id, admitted_at=now, key=key, expected_output=expected
         )
-        hold = self.holds.open(ticket)
+        cost, model, exact = request.cost, request.model, request.exact_output
+        guessed = not self.lengths.informed(model, cost.max_output_tokens, exact)
+        likely = self.lengths.likely(model, cost.max_output_tokens, exact)
+        hold = self.holds.open(ticket, guessed, likely)
         self.forecast.opened(hold)
         if node_id in self.claims.left:
             self.claims.spend(node_id, self.footprint(request, expected))

@@ -202,6 +202,7 @@
       counters: obj(raw.counters) || obj(raw.gateway) || {},
       scrape: obj(raw.scrape) || obj(raw.scraper) || {},
       cluster: obj(raw.cluster),
+      refused_peak: obj(base.refused_peak),
       raw,
     };
   }
@@ -661,6 +662,22 @@
     if (el.innerHTML !== text) el.innerHTML = text;
   }
 
+  /** The planned peak of the last refusal by the plan (`refused_peak`): which node came
+   * closest, what the plan foresaw there with the request, and what its engine reported. */
+  function renderRefusedPeak(state) {
+    const el = $("refused-peak");
+    const r = state.refused_peak;
+    const peak = r ? num(r.planned_peak) : null;
+    if (el.hidden !== (peak === null)) el.hidden = peak === null;
+    if (peak === null) return;
+    const pct = (v) => (num(v) === null ? "–" : `${Math.round(num(v) * 100)}%`);
+    const usage = num(r.kv_usage) === null ? "" : `; its engine reported ${pct(r.kv_usage)}`;
+    const text = `Last refused by the plan (${r.priority ?? "?"}, ${fmtNum(num(r.age_s))} s ago):` +
+      ` on ${r.node ?? "?"} the KV peak planned with it was ${pct(peak)} of the cache,` +
+      ` over its ${pct(r.ceiling)} ceiling${usage}.`;
+    if (el.textContent !== text) el.textContent = text;
+  }
+
   // ---------- replicas ----------
   function selfMember(state) {
     const members = state.cluster && Array.isArray(state.cluster.members) ? state.cluster.members : [];
@@ -731,6 +748,7 @@
     renderReplicas(lastState);
     renderTenants(lastState);
     renderReasons();
+    renderRefusedPeak(lastState);
     renders++;
     renderMs.push(performance.now() - t0);
     if (renderMs.length > 600) renderMs.shift();

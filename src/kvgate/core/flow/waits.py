@@ -1,0 +1,113 @@
+"""Predicted waits: when a request that cannot start now could start, and whether to trust it.
+
+The flow controller (`kvgate.core.flow.controller`) queues a request unless a measured
+prediction says it cannot start within its bound. The prediction is the later of two
+times: when the request's own best node will have room for it (`AdmissionPolicy
+.start_estimate`: the node's envelope at its recent pace, and at its fastest healthy pace),
+and, with others waiting ahead, when the candidates will have freed room for those and for
+this one (`AdmissionPolicy.drain_time`: what runs there ending at its likely lengths).
+
+The waiters ahead count at their expected footprints (`ahead`): a waiter's prompt, the
+policy's overhead and its model's learned output length, never more than its own cap. A
+band keeps its waiters' output caps per model (`WaitQueue.outputs`), so this costs a look
+per model, not per waiter (a model's waiters count at most its count times its length).
+
+A prediction is `measured` only when nothing in it is a prior: the pace of the nodes is
+measured, no request running on them or waiting ahead has a length still to be learned,
+and something runs there to predict the drain from. Otherwise the request waits, and is
+refused once its deadline really passes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvgate.core.admission import AdmissionPolicy
+from kvgate.core.flow.queue import WaitQueue
+from kvgate.core.request import AdmissionRequest, Priority
+
+
+class Ahead(NamedTuple):
+    """The waiters an arrival would be served after."""
+
+    tokens: int  # their costs (prompt + max_tokens): 0 when none waits ahead
+    expected: float  # their expected footprints (learned output lengths)
+    informed: bool  # every one of those lengths is learned, none a guess
+
+
+class Wait(NamedTuple):
+    """A predicted wait: `seconds` at the nodes' recent pace (the likely one, a refusal's
+    Retry-After), `soonest` at their fastest healthy pace, and whether it rests on
+    measurements alone (a request is never refused on a prior)."""
+
+    seconds: float
+    soonest: float
+    measured: bool
+
+
+def ahead(queue: WaitQueue, policy: AdmissionPolicy, request: AdmissionRequest) -> Ahead:
+    """The waiters that would be served before `request`: every more important band, and
+    its own band as its tenant's fair share would order it."""
+    priority = request.priority
+    tokens = 0
+    expected = 0.0
+    informed = True
+    for band in Priority:
+        if band >= priority:
+            break
+        if queue.band_count(band):
+            tokens += queue.band_tokens(band)
+            band_expected, band_informed = _expected(queue, policy, band, request)
+            expected += band_expected
+            informed = informed and band_informed
+    same = queue.band_tokens(priority)
+    if same:
+        share = 1.0
+        if queue.fairness.name != "fcfs":
+            own = queue.tenant_count(priority, request.tenant)
+            tenants = max(1, queue.backlogged_tenants(priority))
+            count = max(1, queue.band_count(priority))
+            share = min(1.0, (own + 1) * tenants / count)
+        band_expected, band_informed = _expected(queue, policy, priority, request)
+        tokens += int(same * share)
+        expected += band_expected * share
+        informed = informed and band_informed
+    return Ahead(tokens, expected, informed)
+
+
+def predict(policy: AdmissionPolicy, request: AdmissionRequest, waiting: Ahead) -> Wait | None:
+    """When the request could start (see `Wait`), or None when nothing predicts that it
+    ever could (no candidate could hold it even once all that runs has ended)."""
+    estimate = policy.start_estimate(request)
+    if estimate is None:
+        return None
+    wait = Wait(estimate.seconds, estimate.soonest_s, estimate.measured)
+    if not waiting.tokens:
+        return wait
+    cost = request.cost
+    expected = policy.lengths.expected(request.model, cost.max_output_tokens, request.exact_output)
+    drain = policy.drain_time(waiting.expected + policy.footprint(request, expected),
+                              request.candidates)  # fmt: skip
+    if drain is None:
+        # Nothing runs that could free room for those ahead (they wait for a sync, a late
+        # node, their tenants): when is not known.
+        return wait._replace(measured=False)
+    measured = wait.measured and waiting.informed and policy.measured(request)
+    return Wait(max(wait.seconds, drain), max(wait.soonest, drain), measured)
+
+
+def _expected(
+    queue: WaitQueue, policy: AdmissionPolicy, band: Priority, request: AdmissionRequest
+) -> tuple[float, bool]:
+    """A band's waiters at their expected footprints, and whether every one of those
+    lengths is informed (see the module docstring)."""
+    lengths = policy.lengths
+    overhead = policy.footprint(request, 0) - request.cost.prompt_tokens
+    tokens = float(queue.band_tokens(band) + overhead * queue.band_count(band))
+    informed = True
+    for model, outputs in queue.outputs(band).items():
+        quantile = lengths.learned(model).quantile
+        if quantile is not None:
+            tokens -= outputs.total - min(outputs.total, outputs.count * max(1, quantile))
+        informed = informed and lengths.informed(model, outputs.largest)
+    return tokens, informed
