@@ -75,6 +75,9 @@ def test_a_sample_is_never_taken_to_hold_less_than_the_holds_it_reflects() -> No
     assert env.base_after_all() == 0  # freed once, at its end
     rig.node.accept(NodeSample(2000 / CAP, CAP, 1, 0, STEP_S, rig.clock.now()), 11.0, rig.settings)
     assert rig.forecast.used(rig.node) == 2000  # a page that holds more is taken as it is
+    rig.holds.release("x")
+    rig.node.freed_unseen += 300  # what the policy's release does
+    assert rig.forecast.used(rig.node) == 1700  # freed at once, from the page that held it
 
 
 def test_the_cached_envelope_takes_starts_and_goes_with_a_sample() -> None:

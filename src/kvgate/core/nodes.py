@@ -113,6 +113,9 @@ class NodeState:
     # Recent seconds per decode step (EWMA of the samples' iteration latency); None until a
     # sample reports one.
     step_s: float | None = None
+    # Reflected tokens of requests released since the last sample: in `used` if the sample
+    # was rendered before the engine freed them, already gone from it if after.
+    freed_unseen: int = 0
 
     def age(self, now: float) -> float | None:
         if self.sample is None:
@@ -219,6 +222,7 @@ class NodeState:
             return False
         self.previous, self.sample = self.sample, sample
         self.consecutive_failures = 0
+        self.freed_unseen = 0
         self.cap = self.capacity(settings)
         usage = sample.kv_usage
         self.used = usage * self.cap if usage is not None and self.cap is not None else 0.0

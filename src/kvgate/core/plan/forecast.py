@@ -2,9 +2,10 @@
 
 A node's *envelope* (`kvgate.core.plan.envelope`) is built here from three sources: this
 replica's holds (`kvgate.core.plan.holds`), the other replicas' requests as of the last sync
-(`PeerState`, `kvgate.core.replicas.peers`). Its base is `now`: the sample's `used` (never
-less than what the holds take it to contain: `used`) plus what it cannot contain yet; each
-hold runs
+(`PeerState`, `kvgate.core.replicas.peers`), and what was released since the node's last
+sample (`NodeState.freed_unseen`). Its base is `now`: the sample's `used` less what was
+released since, never less than what the holds take it to contain (`used`), plus what it
+cannot contain yet; each hold runs
 `R = E - output_so_far` more steps (`M - output_so_far` once it outlived `E`) holding
 `P + output_so_far + ovh`. A newcomer fits when the envelope's peak with it stays under its
 ceiling. Reserving `M` for a request's whole life leaves KV idle that nobody will use; the
@@ -121,7 +122,7 @@ class Forecast:
         book = self._holds.books.get(node_id)
         key = (-1 if book is None else book.version, self.peers_version)
         cached = self._envelopes.get(node_id)
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == key and not node.freed_unseen:
             return cached[1]
         overhead = self._overhead
         loads: list[tuple[float, float]] = []
@@ -134,7 +135,8 @@ class Forecast:
             loads.extend(peers.loads)
             base += peers.unreflected
         env = Envelope(base, loads)
-        self._envelopes[node_id] = (key, env)
+        if not node.freed_unseen:
+            self._envelopes[node_id] = (key, env)
         return env
 
     def own_envelope(self, node_id: str) -> Envelope:
@@ -147,17 +149,22 @@ class Forecast:
         return Envelope(sum(c for _, c in loads), loads)
 
     def used(self, node: NodeState) -> float:
-        """The tokens the node's last sample holds, never taken to be fewer than what the
-        live requests' holds (this replica's and, as of the last sync, the others') take it
-        to contain. A sample rendered after the engine ended a request whose end has not
-        been read yet lacks that request's blocks; counted from the sample alone, they
-        would be freed a second time when the plan ends the request (a burst admitted into
-        a cache its running requests still fill). Its blocks count until the end is read."""
+        """What the node holds as of its last sample, less what was released since
+        (`NodeState.freed_unseen`: freed now), and never less than what the live requests'
+        holds take the sample to contain (this replica's and, as of the last sync, the
+        others': `Holds.reflected_on`).
+
+        The engine frees a request a little before the gateway reads its end, so a sample
+        may or may not still hold a released request; and a sample rendered after the
+        engine ended a request whose end has not been read yet lacks blocks its hold says
+        the sample contains. The floor covers both: a request's blocks are freed once, at
+        its release, never a second time at the end the plan expects.
+        """
         claimed: float = self._holds.reflected_on(node.node_id)
         peers = self.peers.nodes.get(node.node_id)
         if peers is not None:
             claimed += sum(held for _, held in peers.loads) - peers.unreflected
-        return max(node.used, claimed)
+        return max(node.used - node.freed_unseen, claimed)
 
     def peers_upper(self, node_id: str) -> float:
         """Other replicas' requests on the node if all grew to their end and none ended."""

@@ -25,14 +25,13 @@ sure; otherwise the node's envelope decides (`kvgate.core.plan.forecast`).
 
 Before the first token a hold counts its whole estimated prompt on top of the sample, which
 over-counts a prefill in progress: a little lost room for one sample period, never too
-little. A ticket released drops its hold at once; its reflected blocks stay counted in the
-last sample's `used` until a sample shows them gone (the engine frees a request a little
-before the gateway reads its end, so a sample that arrived before the release may or may
-not hold them: only the next one can tell). The other way round, a sample rendered after
-the engine ended a request whose end the gateway has not read yet lacks blocks the hold
-says it contains: the forecast never takes a sample to hold less than its holds' reflected
-parts (`Holds.reflected_on`, `Forecast.used`), or such a request's blocks would be freed
-twice, once in the sample and again at the end the plan expects. `sampled_at` should be the
+little. A ticket released drops its hold at once, and its reflected blocks free at once
+(`NodeState.freed_unseen`). The engine frees a request a little before the gateway reads its
+end, so the last sample may or may not still hold them; and a sample rendered after the
+engine ended a request whose end the gateway has not read yet lacks blocks the hold says it
+contains. The forecast takes the sample less what was released since, but never less than
+the reflected parts of the live holds (`Holds.reflected_on`, `Forecast.used`), so a
+request's blocks are freed once, never twice. `sampled_at` should be the
 time the scrape was *sent* (the engine renders
 its page after it); `reflect_margin_s` covers the engine's gauge lag and the scrape's own
 latency. `Holds.overlap` is the other side of that over-count: what the last sample most

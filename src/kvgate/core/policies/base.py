@@ -175,6 +175,9 @@ class BasePolicy:
         self.forecast.released(node_id)
         self.generation += 1
         now = self.clock.now()
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.freed_unseen += hold.reflected  # freed now (`Forecast.used`)
         self._refresh_level(node_id)
         self.forecast.freed.add(now, hold.full)
         if outcome is Outcome.DONE:
