@@ -1,10 +1,11 @@
 """An inference-engine simulator that behaves like vLLM where overload is decided.
 
 - `engine`: the pure engine model (paged KV blocks, continuous batching in vLLM v1's order,
-  chunked prefill, recompute preemption, aborts, zombies, roofline step latency), built of
-  `config` (what defines an engine), `sequences` (a request inside it, the waiting queue),
-  `scheduler` (vLLM's schedule() and the KV block pool), `decoding` (the decoding
-  sequences in aggregate) and `histogram` (its latency histograms).
+  chunked prefill, recompute preemption, prefix caching, aborts, zombies, roofline step
+  latency), built of `config` (what defines an engine), `sequences` (a request inside it,
+  the waiting queue), `scheduler` (vLLM's schedule() and the KV block pool), `prefix` (the
+  pool's prefix cache and its KV events), `decoding` (the decoding sequences in aggregate)
+  and `histogram` (its latency histograms).
 - `presets`: `cpu-tiny` (calibrated to the real vLLM CPU build) and `gpu-8b` (Llama-3.1-8B
   on one H100-class GPU).
 - `metrics`: the vLLM-named Prometheus page (plus `sim:` counters).
