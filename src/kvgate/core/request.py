@@ -3,7 +3,9 @@
 The shell builds one `AdmissionRequest` per client request, once the request is parsed,
 costed and its candidate nodes known, and hands it to the core's flow controller; every
 answer (admit now, wait, refuse) and every ticket refers back to it. It is immutable: a
-retry on other nodes is a copy (`dataclasses.replace`) naming them.
+retry on other nodes is a copy (`dataclasses.replace`) naming them, and so is a waiting
+request re-costed when a better count of its prompt arrives
+(`kvgate.core.flow.FlowController.recost`).
 """
 
 from __future__ import annotations
@@ -44,13 +46,16 @@ class RequestCost:
     `prompt_floor` is the fewest it can plausibly be (exact counts, or text at its usual
     ratio without the safety factor), for refusals that say a request can never fit.
     `open_output`: the client named no output cap, so `max_output_tokens` is the engine's
-    own limit (the rest of the context), not an amount anyone asked for.
+    own limit (the rest of the context, or a fixed default), not an amount anyone asked for.
+    `prompt_exact`: `prompt_tokens` is the engine's own count (token ids, the model's
+    tokenizer or the engine's `/tokenize`), not an estimate.
     """
 
     prompt_tokens: int
     max_output_tokens: int
     prompt_floor: int | None = None
     open_output: bool = False
+    prompt_exact: bool = False
 
     @property
     def floor_total(self) -> int:
@@ -77,6 +82,13 @@ class AdmissionRequest:
     engine to ignore end-of-sequence), so the envelope need not predict its length.
     `max_wait_s` is the client's own bound on queueing (None: the priority's default; the
     client may lower it, never raise it). `candidates` are the node ids that serve its model.
+
+    `prompt_ids`: the prompt's token ids as the engine will see them (chat template and
+    special tokens applied), when they are known: from token ids in the body, the model's
+    tokenizer or the engine's `/tokenize`; None otherwise (an estimate, a batch of several
+    prompts). A tuple, so that slices of it (a KV block's worth) hash as they are. Its
+    length is the prompt's exact count; an exact count known without ids is
+    `cost.prompt_exact` with `prompt_ids` None.
     """
 
     request_id: str
@@ -87,3 +99,4 @@ class AdmissionRequest:
     candidates: tuple[str, ...] = ()
     exact_output: bool = False
     max_wait_s: float | None = None
+    prompt_ids: tuple[int, ...] | None = None
