@@ -12,13 +12,15 @@ batch (`KVEventBatch`: a timestamp, the events in order, the data-parallel rank)
 
 A consumer names blocks by kvgate's own hashes (`kvgate.core.prefix.blocks`): the parent's
 kvgate hash (kept per engine key) chained over `token_ids` gives each stored block's.
-The simulated engines produce these records in virtual time, and the live simulator sends
-them in vLLM's wire format (`kvgate.sim.kv_publisher`).
+The simulated engines produce these records; in virtual time they reach a `KVEventSink`
+in-process, and the live simulator sends them in vLLM's wire format
+(`kvgate.sim.kv_publisher`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 #: An engine's key for a block (vLLM's `ExternalBlockHash`).
 EngineBlockHash = bytes | int
@@ -55,3 +57,11 @@ class KVEventBatch:
     events: tuple[KVEvent, ...]
     seq: int = 0
     data_parallel_rank: int | None = 0
+
+
+@runtime_checkable
+class KVEventSink(Protocol):
+    """What takes an engine's KV events: the virtual runner hands each engine's batches
+    to every policy that implements it, as they are published."""
+
+    def kv_events(self, node_id: str, batch: KVEventBatch) -> None: ...
