@@ -2,13 +2,19 @@
 
 Prompt length comes from the request: token ids count one each, text counts
 `len(text) / chars_per_token` (a chat message adds the tokens its template's role markers
-take), so a 32k-token prompt is cheap to send. An invalid request raises `BadRequest`,
-which the server answers with an OpenAI-style error.
+take), so a 32k-token prompt is cheap to send. `prompt_ids` gives the ids of that many
+tokens, as the server's `/tokenize` answers them: token ids as sent, a text token's id a
+hash of its characters (the same text, the same ids). A completion without `max_tokens`
+generates `COMPLETION_DEFAULT_TOKENS`, as vLLM's do (its chats run to the end of the
+context). An invalid request raises `BadRequest`, which the server answers with an
+OpenAI-style error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +22,10 @@ import orjson
 from aiohttp import web
 
 _CHAT_TOKENS_PER_MESSAGE = 4  # role markers and separators a chat template adds
+#: What vLLM's `/v1/completions` generates when `max_tokens` is absent (OpenAI's default).
+COMPLETION_DEFAULT_TOKENS = 16
+#: The simulated vocabulary's size: text token ids are below it.
+VOCAB = 32000
 
 
 class BadRequest(Exception):
@@ -45,9 +55,16 @@ def check_model(body: dict[str, Any], model_name: str) -> None:
         raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
 
 
-def completion_request(body: dict[str, Any], chars_per_token: float) -> ParsedRequest:
-    """A `/v1/completions` body."""
-    return _parse_common(body, _completion_prompt_tokens(body.get("prompt"), chars_per_token))
+def completion_request(
+    body: dict[str, Any], chars_per_token: float, max_model_len: int
+) -> ParsedRequest:
+    """A `/v1/completions` body; without `max_tokens` it generates 16 tokens, fewer where
+    the context ends first (as vLLM clamps its default)."""
+    parsed = _parse_common(body, _completion_prompt_tokens(body.get("prompt"), chars_per_token))
+    if parsed.max_tokens is None:
+        room = max(1, max_model_len - parsed.prompt_tokens)
+        parsed = dataclasses.replace(parsed, max_tokens=min(COMPLETION_DEFAULT_TOKENS, room))
+    return parsed
 
 
 def chat_request(body: dict[str, Any], chars_per_token: float) -> ParsedRequest:
@@ -55,8 +72,46 @@ def chat_request(body: dict[str, Any], chars_per_token: float) -> ParsedRequest:
     return _parse_common(body, _chat_prompt_tokens(body.get("messages"), chars_per_token))
 
 
+def prompt_ids(body: dict[str, Any], chars_per_token: float) -> list[int]:
+    """The ids of the tokens the engine counts for a completion or chat body (`/tokenize`):
+    as many as `completion_request` or `chat_request` count. Raises `BadRequest`."""
+    if "messages" in body:
+        _chat_prompt_tokens(body.get("messages"), chars_per_token)  # validates
+        ids: list[int] = []
+        for message in body["messages"]:
+            role = str(message.get("role"))
+            ids += [_text_id(f"<|{role}|>{i}") for i in range(_CHAT_TOKENS_PER_MESSAGE)]
+            ids += _text_ids(_content_text(message.get("content")), chars_per_token)
+        return ids
+    prompt = body.get("prompt")
+    _completion_prompt_tokens(prompt, chars_per_token)  # validates
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return _text_ids(prompt, chars_per_token)
+    return [int(t) for t in prompt or ()]
+
+
+def _text_ids(text: str, chars_per_token: float) -> list[int]:
+    count = _text_tokens(text, chars_per_token)
+    cut = [min(len(text), math.floor(i * chars_per_token)) for i in range(count + 1)]
+    cut[-1] = len(text)
+    return [_text_id(text[cut[i] : cut[i + 1]]) for i in range(count)]
+
+
+def _text_id(piece: str) -> int:
+    return zlib.crc32(piece.encode("utf-8", "surrogatepass")) % VOCAB
+
+
 def _text_tokens(text: str, chars_per_token: float) -> int:
     return max(1, math.ceil(len(text) / chars_per_token)) if text else 0
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        return "".join(t for t in texts if isinstance(t, str))
+    return content if isinstance(content, str) else ""
 
 
 def _completion_prompt_tokens(prompt: Any, chars_per_token: float) -> int:
@@ -79,12 +134,9 @@ def _chat_prompt_tokens(messages: Any, chars_per_token: float) -> int:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest("each message needs a role and content", "messages")
         content = message.get("content")
-        if isinstance(content, list):
-            texts = [p.get("text", "") for p in content if isinstance(p, dict)]
-            content = "".join(t for t in texts if isinstance(t, str))
-        if content is not None and not isinstance(content, str):
+        if content is not None and not isinstance(content, str | list):
             raise BadRequest("message content must be a string or parts", "messages")
-        total += _text_tokens(content or "", chars_per_token) + _CHAT_TOKENS_PER_MESSAGE
+        total += _text_tokens(_content_text(content), chars_per_token) + _CHAT_TOKENS_PER_MESSAGE
     return total
 
 

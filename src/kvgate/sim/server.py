@@ -9,10 +9,11 @@ What a client sees follows vLLM: `cmpl-<X-Request-Id>` / `chatcmpl-<X-Request-Id
 (engine ids `cmpl-<id>-0` and `chatcmpl-<id>`, the ones `POST /inference/v1/abort_requests`
 takes; a reused X-Request-Id gets a `-dupN` engine id until its namesake's end was reported,
 and an abort reaches both, as vLLM's random id suffixes make it), `usage` and
-`stream_options.include_usage`, `ignore_eos` and `priority` extensions,
-OpenAI-style JSON errors. What the engine reads of a request (prompt length, options) is
-parsed in `kvgate.sim.openai_request`. The generated text is filler; one token is one
-short word.
+`stream_options.include_usage`, `ignore_eos` and `priority` extensions, `POST /tokenize`
+(vLLM's answer: the ids of the tokens the engine counts for a prompt or a chat, so that a
+gateway counts exactly what the simulator will), OpenAI-style JSON errors. What the
+engine reads of a request (prompt length, options) is parsed in
+`kvgate.sim.openai_request`. The generated text is filler; one token is one short word.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvgate.sim.openai_request import (
     chat_request,
     check_model,
     completion_request,
+    prompt_ids,
     read_json,
 )
 
@@ -150,6 +152,7 @@ class SimServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/metrics/", self._metrics_named)
         app.router.add_post("/inference/v1/abort_requests", self._abort_requests)
+        app.router.add_post("/tokenize", self._tokenize)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -286,6 +289,15 @@ class SimServer:
         }
         return _json({"object": "list", "data": [card]})
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/tokenize`: `{"model", "prompt"}` or `{"model", "messages"}` to
+        `{"count", "max_model_len", "tokens"}`, counted as a request's prompt is."""
+        body = await read_json(request)
+        check_model(body, self.model_name)
+        tokens = prompt_ids(body, self.chars_per_token)
+        limit = self.engine.config.max_model_len
+        return _json({"count": len(tokens), "max_model_len": limit, "tokens": tokens})
+
     async def _abort_requests(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         ids = body.get("request_ids")
@@ -306,7 +318,7 @@ class SimServer:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         check_model(body, self.model_name)
-        parsed = completion_request(body, self.chars_per_token)
+        parsed = completion_request(body, self.chars_per_token, self.engine.config.max_model_len)
         xid = self._request_id(request)
         return await self._generate(request, parsed, f"cmpl-{xid}", f"cmpl-{xid}-0", chat=False)
 
