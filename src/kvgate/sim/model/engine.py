@@ -411,7 +411,8 @@ class Engine:
         result.preempted = flight.preempted
         result.aborted = flight.aborted
         if flight.duration == 0.0:
-            result.kv_events = self.take_kv_events()
+            if self._cache is not None:
+                result.kv_events = self._cache.take_events()
             return result
         self.steps_total += 1
         self.busy_seconds_total += flight.duration
@@ -428,7 +429,8 @@ class Engine:
             self._apply_prefill(seq, chunk, end, result)
         self._pop_finished(end, result)
         self._last_step_end = end
-        result.kv_events = self.take_kv_events()
+        if self._cache is not None:
+            result.kv_events = self._cache.take_events()
         return result
 
     def _apply_prefill(self, seq: Seq, chunk: int, end: float, result: StepResult) -> None:

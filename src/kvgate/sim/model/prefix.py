@@ -74,6 +74,8 @@ class PrefixCache:
     def hashes(self, seq: Seq, blocks: int) -> list[int]:
         """`seq`'s first `blocks` block hashes (fewer without ids), computed once."""
         known = seq.hashes
+        if known is None:
+            known = seq.hashes = []
         if seq.ids is None or len(known) >= blocks:
             return known
         bs = self.block_size
@@ -113,7 +115,7 @@ class PrefixCache:
     def touch(self, seq: Seq, blocks: int) -> None:
         """`seq` takes its first `blocks` blocks from the cache (found by `lookup`)."""
         refs, lru = self.refs, self.lru
-        taken = seq.hashes[:blocks]
+        taken = self.hashes(seq, blocks)[:blocks]
         for h in taken:
             held = refs[h]
             if held == 0:
@@ -143,7 +145,10 @@ class PrefixCache:
         if seq.ids is None or full <= start:
             return
         hashes = self.hashes(seq, full)
-        refs, mine = self.refs, seq.refs
+        refs = self.refs
+        mine = seq.refs
+        if mine is None:
+            mine = seq.refs = []
         runs: list[tuple[int, int]] = []
         run = -1
         for i in range(start, full):
@@ -176,13 +181,13 @@ class PrefixCache:
         """`seq` frees its cached blocks, last first; returns how many became free."""
         refs, lru = self.refs, self.lru
         freed = 0
-        for h in reversed(seq.refs):
+        for h in reversed(seq.refs or ()):
             held = refs[h] - 1
             refs[h] = held
             if held == 0:
                 lru[h] = None
                 freed += 1
-        seq.refs = []
+        seq.refs = None
         seq.cached_upto = 0
         return freed
 

@@ -62,7 +62,10 @@ class Scheduler:
             prefills.append((seq, chunk))
             need += self._ceil(seq.computed + chunk) - self._ceil(seq.computed)
         if need <= self.usable - self.used:
-            self._take(need)
+            if self.cache is None:
+                self.used += need
+            else:
+                self._take(need)
         elif self.config.scheduling == "fcfs" and self.cache is None:
             prefills, budget = self._preempt_from_tail(prefills, budget, preempted)
         else:  # which cached blocks are evicted depends on the walk's order: walk it
@@ -235,13 +238,13 @@ class Scheduler:
 
     def _free(self, seq: Seq) -> None:
         """Free a sequence's blocks (its full blocks stay cached, free, with caching on)."""
-        held = self._ceil(seq.computed)
+        held = -(-seq.computed // self._bs)
         cache = self.cache
         if cache is None:
             self.used -= held
             return
         cache.store(seq, seq.computed)
-        private = held - len(seq.refs)
+        private = held - len(seq.refs or ())
         self.used -= private + cache.release(seq)
 
     def reset_prefix_cache(self) -> bool:
@@ -256,7 +259,7 @@ class Scheduler:
         shared: set[int] = set()
         private = 0
         for seq in self.running.values():
-            refs = seq.refs
+            refs = seq.refs or ()
             shared.update(refs)
             private += self.blocks_of(seq) - len(refs)
         return private + len(shared)

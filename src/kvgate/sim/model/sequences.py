@@ -11,7 +11,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
 
@@ -46,8 +46,8 @@ class Seq:
     # shares nothing), its block hashes known so far, the cached blocks it holds by
     # reference, and how many of its leading blocks were looked at for caching.
     ids: tuple[int, ...] | None = None
-    hashes: list[int] = field(default_factory=list)
-    refs: list[int] = field(default_factory=list)
+    hashes: list[int] | None = None
+    refs: list[int] | None = None
     cached_upto: int = 0
 
 
