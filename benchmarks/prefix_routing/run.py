@@ -10,18 +10,20 @@ Eight `gpu-8b` engines with prefix caching on (`kvgate.sim.model.prefix`) serve:
 * **hot prefix**: open-loop traffic, 80 % of it on one 1k-token prefix and the rest on 7
   others, 200-token suffixes, 300 tokens out.
 
-under each routing of `ROUTINGS`:
+under each routing of `ROUTINGS` (`kvgate.bench.prefix`, which `kvgate bench prefix` runs
+too):
 
 * `round-robin`, `least-loaded`: no admission control, each request straight to the next
   engine / to the one with the fewest requests in flight (the `round-robin` and `none`
   baselines);
 * `headroom-only`: kvgate's `adaptive` policy behind its queue (routing by headroom);
 * `prefix-aware`: kvgate with the prefix-aware routing part, once it exists: add it to
-  `ROUTINGS` (one line: its policy name, its settings, `kv_events=True` if it reads the
-  engines' KV events, which the runner then hands to it in-process).
+  `kvgate.bench.prefix.ROUTINGS` (one line: its policy name, its settings, `kv_events=True`
+  if it reads the engines' KV events, which the runner then hands to it in-process).
 
-Scored per routing: output throughput (output tokens of answered requests / time from the
-first arrival to the last answer), TTFT p90, the engines' prefix-cache hit rate
+Traffic starts at 1 s, after the gateway's first scrape. Scored per routing
+(`kvgate.bench.prefix.score`): output throughput (output tokens of answered requests / time
+from the first arrival to the last answer), TTFT p90, the engines' prefix-cache hit rate
 (`prefix_cache_hits / prefix_cache_queries`) against the ideal (one unbounded cache on the
 same trace, `ideal_hit_rate`), preemptions; for the hot prefix, each engine's KV peak and
 the time it sat idle while another engine or the gateway's queue held waiting requests.
@@ -35,108 +37,41 @@ writes results.json, results.md and routing.png next to this file.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.core.policies.baselines import PolicyName
-from kvgate.core.settings import AdmissionSettings, QueueSettings
-from kvgate.sim.model.engine import EngineConfig
-from kvgate.sim.prefix_workloads import Chats, ChatSpec, hot_prefix, ideal_hit_rate, prefix_mix
-from kvgate.sim.presets import GPU_8B
-from kvgate.sim.runs import NO_QUEUE, ClientModel, VirtualConfig, VirtualResult
-from kvgate.sim.virtual import VirtualCluster
-from kvgate.sim.workload import RequestSpec, WorkloadSpec
+from kvgate.bench.prefix import (
+    HEAD,
+    ROUTINGS,
+    RULE,
+    Routing,
+    brief,
+    caching,
+    chats,
+    engine_table,
+    hot,
+    open_loop,
+    row,
+    run,
+)
+from kvgate.sim.prefix_workloads import ChatSpec
 
 HERE = Path(__file__).resolve().parent
-ENGINE: EngineConfig = dataclasses.replace(GPU_8B, enable_prefix_caching=True)
+ENGINE = caching("gpu-8b")
 NODES = 8
 SEED = 1
-CLIENT = ClientModel(timeout_s=600.0, max_attempts=20, max_429_tries=20)
 
-
-@dataclass(frozen=True)
-class Routing:
-    """How requests are placed: a policy by name, its settings, the gateway's queue."""
-
-    policy: PolicyName
-    queue: QueueSettings = field(default_factory=QueueSettings)
-    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
-    kv_events: bool = False  # the policy reads the engines' KV events (`KVEventSink`)
-
-
-ROUTINGS: dict[str, Routing] = {
-    "round-robin": Routing("round-robin", NO_QUEUE),
-    "least-loaded": Routing("none", NO_QUEUE),
-    "headroom-only": Routing("adaptive"),
-}
-
-
-def _config(routing: Routing, horizon_s: float, series_s: float) -> VirtualConfig:
-    return VirtualConfig(
-        engine=ENGINE, workload=WorkloadSpec(), duration_s=horizon_s, nodes=NODES,
-        policy=routing.policy, admission=routing.admission, queue=routing.queue,
-        client=CLIENT, kv_events=routing.kv_events, series_interval_s=series_s, seed=SEED,
-    )  # fmt: skip
-
-
-def score(result: VirtualResult, issued: dict[str, RequestSpec]) -> dict[str, Any]:
-    """The headline figures of one run (see the module docstring)."""
-    ok = [o for o in result.outcomes if o.status == "ok"]
-    first = min(o.arrival for o in result.outcomes)
-    end = max((o.completed_at or 0.0) for o in ok)
-    ttfts = sorted(o.ttft for o in ok if o.ttft is not None)
-    started = sorted(
-        (o.tries[-1].start, issued[o.id].prompt_ids or (), o.output_tokens) for o in ok
-    )
-    queries, hits = ideal_hit_rate(((ids, n) for _, ids, n in started), ENGINE.block_size)
-    totals = result.engine_totals
-    hit_rate = totals["prefix_cache_hits"] / max(1, totals["prefix_cache_queries"])
-    ideal = hits / max(1, queries)
-    return {
-        "requests": len(result.outcomes),
-        "ok": len(ok),
-        "duration_s": end - first,
-        "output_tok_per_s": sum(o.output_tokens for o in ok) / (end - first),
-        "ttft_p50_s": ttfts[len(ttfts) // 2],
-        "ttft_p90_s": ttfts[int(0.9 * len(ttfts))],
-        "hit_rate": hit_rate,
-        "ideal_hit_rate": ideal,
-        "hit_vs_ideal": hit_rate / ideal if ideal else 0.0,
-        "preemptions": totals["preemptions"],
-        "refused_429": sum(o.rejections_429 for o in result.outcomes),
-        "wall_s": result.wall_s,
-    }
+__all__ = ["ROUTINGS", "Routing"]
 
 
 def run_chats(routing: Routing, spec: ChatSpec) -> dict[str, Any]:
-    chats = Chats(spec, seed=SEED)
-    cluster = VirtualCluster(_config(routing, 1200.0, 1.0), chats.first_turns(), chats)
-    result = cluster.run()
-    return score(result, chats.issued)
+    return run(routing, chats(spec, SEED), ENGINE, NODES, SEED, series_s=1.0)
 
 
 def run_hot(routing: Routing, rate_rps: float, duration_s: float) -> dict[str, Any]:
-    mix = hot_prefix(rate_rps, prefixes=8, hot=0.8, prefix_tokens=1000, suffix_tokens=200,
-                     output_tokens=300)  # fmt: skip
-    arrivals = list(prefix_mix(mix, duration_s, SEED))
-    interval = 0.1
-    config = dataclasses.replace(_config(routing, duration_s, interval), drain_s=600.0)
-    result = VirtualCluster(config, arrivals).run()
-    out = score(result, {a.id: a for a in arrivals})
-    panic = routing.admission.panic_watermark
-    peaks = [max(p.node_kv_usage[i] for p in result.series) for i in range(NODES)]
-    idle = [0.0] * NODES
-    for p in result.series:
-        for i in range(NODES):
-            others = sum(p.node_waiting) - p.node_waiting[i] + p.queued
-            if p.node_running[i] == 0 and others > 0:
-                idle[i] += interval
-    out.update(kv_peak=peaks, above_panic=sum(k > panic for k in peaks), idle_while_queued_s=idle)
-    return out
+    return run(routing, open_loop(hot(rate_rps), duration_s, SEED), ENGINE, NODES, SEED, 0.1)
 
 
 def main() -> None:
@@ -158,13 +93,13 @@ def main() -> None:
         spec = ChatSpec(conversations=n)
         for name in args.routings:
             t0 = time.perf_counter()
-            row = run_chats(ROUTINGS[name], spec)
-            results["chats"].setdefault(str(n), {})[name] = row
-            print(f"chats {n} {name}: {_brief(row)} ({time.perf_counter() - t0:.0f} s)")
+            r = run_chats(ROUTINGS[name], spec)
+            results["chats"].setdefault(str(n), {})[name] = r
+            print(f"chats {n} {name}: {brief(r)} ({time.perf_counter() - t0:.0f} s)")
     for name in args.routings:
-        row = run_hot(ROUTINGS[name], args.hot_rate, args.hot_seconds)
-        results["hot"][name] = row
-        print(f"hot {name}: {_brief(row)} kv peak {max(row['kv_peak']):.2f}")
+        r = run_hot(ROUTINGS[name], args.hot_rate, args.hot_seconds)
+        results["hot"][name] = r
+        print(f"hot {name}: {brief(r)} kv peak {max(r['kv_peak']):.2f}")
     results["setup"] = {"conversations": args.conversations, "hot_rate_rps": args.hot_rate,
                         "hot_seconds": args.hot_seconds, "nodes": NODES, "seed": SEED}  # fmt: skip
     (HERE / "results.json").write_text(json.dumps(results, indent=1))
@@ -184,28 +119,20 @@ def report(results: dict[str, Any]) -> None:
         "/run.py`).",
         "",
     ]
-    head = ("| routing | output tok/s | TTFT p50 | TTFT p90 | hit rate | ideal | hit / ideal "
-            "| preemptions | ok / requests | 429s |")  # fmt: skip
-    rule = "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     for load, rows in results["chats"].items():
-        lines += [f"## Multi-turn chats: {load} conversations x 5 turns", "", head, rule]
-        lines += [_row(name, row) for name, row in rows.items()]
+        lines += [f"## Multi-turn chats: {load} conversations x 5 turns", "", HEAD, RULE]
+        lines += [row(name, r) for name, r in rows.items()]
         lines.append("")
     lines += [
         f"## Hot prefix: 80 % of {setup['hot_rate_rps']:g} requests/s on one prefix, "
         f"{setup['hot_seconds']:g} s",
         "",
-        head,
-        rule,
-        *(_row(name, row) for name, row in results["hot"].items()),
+        HEAD,
+        RULE,
+        *(row(name, r) for name, r in results["hot"].items()),
         "",
-        "| routing | KV peak per engine | engines above panic | idle while others queue (s) |",
-        "| --- | --- | ---: | --- |",
+        *engine_table(results["hot"]),
     ]
-    for name, row in results["hot"].items():
-        peaks = " ".join(f"{k:.2f}" for k in row["kv_peak"])
-        idle = " ".join(f"{t:.1f}" for t in row["idle_while_queued_s"])
-        lines.append(f"| {name} | {peaks} | {row['above_panic']} | {idle} |")
     lines += ["", *NOTES]
     (HERE / "results.md").write_text("\n".join(lines) + "\n")
 
@@ -227,23 +154,6 @@ NOTES = [
     "- A turn that fails ends its conversation: the few missing requests of headroom-only",
     "  are conversations that stopped there.",
 ]
-
-
-def _row(name: str, r: dict[str, Any]) -> str:
-    return (
-        f"| {name} | {r['output_tok_per_s']:,.0f} | {r['ttft_p50_s']:.3f} | "
-        f"{r['ttft_p90_s']:.3f} | {r['hit_rate']:.1%} | {r['ideal_hit_rate']:.1%} | "
-        f"{r['hit_vs_ideal']:.2f} | {r['preemptions']} | {r['ok']} / {r['requests']} | "
-        f"{r['refused_429']} |"
-    )
-
-
-def _brief(row: dict[str, Any]) -> str:
-    return (
-        f"{row['output_tok_per_s']:.0f} tok/s, TTFT p90 {row['ttft_p90_s']:.2f} s, "
-        f"hits {row['hit_rate']:.0%} of ideal {row['ideal_hit_rate']:.0%}, "
-        f"{row['preemptions']} preemptions, {row['ok']}/{row['requests']} ok"
-    )
 
 
 def _plot(results: dict[str, Any]) -> None:
