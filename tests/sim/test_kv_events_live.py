@@ -49,6 +49,18 @@ async def _batches(sub: zmq.asyncio.Socket, until: int) -> list[tuple[bytes, int
     return out
 
 
+async def _joined(sub: zmq.asyncio.Socket, http: httpx.AsyncClient) -> int:
+    """Reset the (empty) cache until `sub` receives the `AllBlocksCleared` batch that
+    publishes (a SUB socket misses what is sent before it has joined); the next sequence
+    number."""
+    while True:
+        assert (await http.post("/reset_prefix_cache")).json() == {"reset": True}
+        if await sub.poll(200):
+            _, seq, payload = await sub.recv_multipart()
+            assert decode_batch(payload).events == (AllBlocksCleared(),)
+            return int.from_bytes(seq, "big") + 1
+
+
 async def test_events_are_published_replayed_and_the_hits_counted() -> None:
     config = KVEventsConfig(
         endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic="kv"
@@ -62,9 +74,9 @@ async def test_events_are_published_replayed_and_the_hits_counted() -> None:
     sub = ctx.socket(zmq.SUB)
     sub.connect(publisher.endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    await asyncio.sleep(0.3)  # a SUB socket misses what is sent before it joins
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as http:
+            n = await _joined(sub, http)
             for tail in ([1, 2, 3], [4, 5, 6]):
                 body = {"model": "sim-llama", "prompt": PREFIX + tail, "max_tokens": 4,
                         "ignore_eos": True}  # fmt: skip
@@ -78,16 +90,16 @@ async def test_events_are_published_replayed_and_the_hits_counted() -> None:
             assert (await http.post("/reset_prefix_cache")).json() == {"reset": True}
             (cleared,) = await _batches(sub, 1)
         assert all(topic == b"kv" for topic, _, _ in got)
-        assert [n for _, n, _ in got] == [0]
+        assert [number for _, number, _ in got] == [n]
         first = got[0][2].events[0]
         assert isinstance(first, BlockStored) and first.parent_block_hash is None
         assert list(first.token_ids) == PREFIX and len(first.block_hashes) == 10
-        assert cleared[1] == 1 and cleared[2].events == (AllBlocksCleared(),)
+        assert cleared[1] == n + 1 and cleared[2].events == (AllBlocksCleared(),)
         # The replay socket resends from a sequence number on, then the end marker.
         assert publisher.replay_endpoint is not None
         req = ctx.socket(zmq.DEALER)
         req.connect(publisher.replay_endpoint)
-        await req.send_multipart((b"", (0).to_bytes(8, "big")))
+        await req.send_multipart((b"", n.to_bytes(8, "big")))
         replayed = []
         while True:
             _, topic, seq, payload = await asyncio.wait_for(req.recv_multipart(), 10)
@@ -95,7 +107,7 @@ async def test_events_are_published_replayed_and_the_hits_counted() -> None:
                 assert topic == b"" and payload == b""
                 break
             replayed.append(int.from_bytes(seq, "big"))
-        assert replayed == [0, 1]
+        assert replayed == [n, n + 1]
         req.close(linger=0)
     finally:
         sub.close(linger=0)

@@ -96,8 +96,12 @@ def run(args: argparse.Namespace) -> int:
             args.kv_events = KVEventsConfig.from_json(args.kv_events_config)
         else:
             args.kv_events = None
-    except ImportError as exc:
-        print(f"kvgate sim: --kv-events-config needs the kv-events extra: {exc}", file=sys.stderr)
+    except ModuleNotFoundError as exc:
+        print(
+            f"kvgate sim: --kv-events-config needs the Python package {exc.name!r}: "
+            "pip install 'kvgate[kv-events]'",
+            file=sys.stderr,
+        )
         return 2
     except (KeyError, ValueError) as exc:
         print(f"kvgate sim: {exc}", file=sys.stderr)
