@@ -10,8 +10,11 @@
   on one H100-class GPU).
 - `metrics`: the vLLM-named Prometheus page (plus `sim:` counters).
 - `server` + `openai_request` + `cli`: live mode, `kvgate sim --nodes N`: OpenAI-compatible
-  HTTP engines.
-- `workload` + `virtual` + `runs`: virtual-time mode, a discrete-event cluster of engine
+  HTTP engines; `kv_publisher`: their KV events over ZMQ in vLLM's wire format
+  (`--enable-prefix-caching --kv-events-config`).
+- `workload` (Poisson arrivals) and `prefix_workloads` (prompts that share prefixes, as
+  token ids: multi-turn chats, RAG, a system prompt per tenant, a hot prefix) + `virtual` +
+  `runs`: virtual-time mode, a discrete-event cluster of engine
   models behind kvgate admission policies (`virtual`), for long and large experiments; a
   run's configuration and what it records (`runs`)::
 
