@@ -50,6 +50,8 @@ def test_sim_cli_starts_n_engines_and_exits_cleanly_on_sigterm() -> None:
         (["--kv-events-config", "{not json"], "--kv-events-config "),
         (["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "kafka"}'],
          "--kv-events-config"),
+        (["--nodes", "3", "--kv-events-config", '{"enable_kv_cache_events": true, '
+          '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5559"}'], "--kv-events-config"),
     ],
 )  # fmt: skip
 def test_sim_cli_rejects_bad_options(options: list[str], message: str) -> None:

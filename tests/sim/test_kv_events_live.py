@@ -40,6 +40,18 @@ def test_the_flag_takes_vllms_json_and_moves_ports_per_engine() -> None:
         KVEventsConfig.from_json('{"enable_kv_cache_events": true, "endpont": "x"}')
 
 
+async def test_a_taken_endpoint_is_an_os_error_naming_it() -> None:
+    first = KVPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:0"))
+    first.start()
+    try:
+        second = KVPublisher(KVEventsConfig(endpoint=first.endpoint))
+        with pytest.raises(OSError, match=first.endpoint):
+            second.start()
+        await second.close()
+    finally:
+        await first.close()
+
+
 async def _batches(sub: zmq.asyncio.Socket, until: int) -> list[tuple[bytes, int, KVEventBatch]]:
     out = []
     while len(out) < until:

@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             from kvgate.sim.kv_publisher import KVEventsConfig
 
             args.kv_events = KVEventsConfig.from_json(args.kv_events_config)
+            if args.kv_events is not None:
+                args.kv_events.check(args.nodes)
         else:
             args.kv_events = None
     except ModuleNotFoundError as exc:

@@ -1,7 +1,7 @@
 """The live simulator's KV event publisher: vLLM's ZMQ sockets, fed by the engine's steps.
 
 `kvgate sim --enable-prefix-caching --kv-events-config '{"enable_kv_cache_events": true,
-"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5657",
 "topic": "kv"}'` takes vLLM's flag and keys (`endpoint`, `replay_endpoint`,
 `buffer_steps`, `hwm`, `topic`). Each engine step that changed the cache is published as
 one batch, in vLLM's wire format (`kvgate.adapters.vllm_kv_events`): topic, sequence
@@ -61,6 +61,19 @@ class KVEventsConfig:
                                       "topic") if k in raw}  # fmt: skip
         return cls(**fields)
 
+    def check(self, engines: int) -> None:
+        """Refuse endpoints whose ports would collide across `engines` engines (each adds
+        its index to both). Raises ValueError."""
+        if self.replay_endpoint is None or engines < 2:
+            return
+        a, b = _port(self.endpoint), _port(self.replay_endpoint)
+        if a and b and abs(a - b) < engines:
+            raise ValueError(
+                f"--kv-events-config: engine i publishes on port {a} + i and replays on "
+                f"{b} + i: with {engines} engines the ports collide; keep them "
+                f">= {engines} apart"
+            )
+
     def for_engine(self, index: int) -> KVEventsConfig:
         """Engine `index`'s endpoints: both ports moved up by `index`."""
         return dataclasses.replace(
@@ -68,6 +81,12 @@ class KVEventsConfig:
             endpoint=_offset(self.endpoint, index),
             replay_endpoint=_offset(self.replay_endpoint, index) if self.replay_endpoint else None,
         )
+
+
+def _port(endpoint: str) -> int:
+    """The endpoint's TCP port (0: none, or any)."""
+    port = endpoint.rpartition(":")[2]
+    return int(port) if port.isdigit() else 0
 
 
 def _offset(endpoint: str, index: int) -> str:
@@ -136,7 +155,11 @@ class KVPublisher:
 
 
 def _bind(socket: Any, endpoint: str) -> str:
-    """Bind `endpoint` (`tcp://*:0`: any free port) and return the endpoint bound."""
-    socket.bind(endpoint)
+    """Bind `endpoint` (`tcp://*:0`: any free port) and return the endpoint bound. Raises
+    OSError."""
+    try:
+        socket.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise OSError(exc.errno, exc.strerror) from None  # it names the address
     bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
     return str(bound).replace("0.0.0.0", "127.0.0.1")
