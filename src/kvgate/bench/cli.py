@@ -105,7 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs", type=int, default=1, help="parallel processes for virtual runs (default 1)"
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    prefix = parser.add_argument_group("prefix mode")
+    prefix = parser.add_argument_group(
+        "prefix mode",
+        "also --preset (gpu-8b, with prefix caching), --nodes (8), --duration (rag, tenants, "
+        "hot-prefix: 60 s of arrivals), --policies (routings: all), --seeds (1), --out, --quick",
+    )
     prefix.add_argument(
         "--workload", default="chats", help="chats, rag, tenants or hot-prefix (chats)"
     )
