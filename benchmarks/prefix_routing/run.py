@@ -151,8 +151,8 @@ NOTES = [
     "- Hot prefix: a prefix-blind routing spreads the hot prefix evenly, so no engine is",
     "  hot; the scenario is there for the prefix-aware routing, which must not pile the hot",
     "  prefix on one engine (no engine above panic, none idle while others queue).",
-    "- A turn that fails ends its conversation: the few missing requests of headroom-only",
-    "  are conversations that stopped there.",
+    "- Every request is answered under every routing (traffic starts at 1 s, once the",
+    "  gateway has scraped the engines; clients wait as long as it takes).",
 ]
 
 
