@@ -29,7 +29,7 @@ same trace, `ideal_hit_rate`), preemptions; for the hot prefix, each engine's KV
 the time it sat idle while another engine or the gateway's queue held waiting requests.
 
     python benchmarks/prefix_routing/run.py [--conversations N ...] [--quick]
-    python benchmarks/prefix_routing/run.py --report  # results.md again from results.json
+    python benchmarks/prefix_routing/run.py --report  # results.md, routing.png from results.json
 
 writes results.json, results.md and routing.png next to this file.
 """
@@ -53,6 +53,7 @@ from kvgate.bench.prefix import (
     engine_table,
     hot,
     open_loop,
+    plot,
     row,
     run,
 )
@@ -81,10 +82,14 @@ def main() -> None:
     parser.add_argument("--hot-seconds", type=float, default=60.0)
     parser.add_argument("--quick", action="store_true", help="small loads, to try the script")
     parser.add_argument("--routings", nargs="+", default=list(ROUTINGS))
-    parser.add_argument("--report", action="store_true", help="only rewrite results.md")
+    parser.add_argument(
+        "--report", action="store_true", help="only redraw results.md and routing.png"
+    )
     args = parser.parse_args()
     if args.report:
-        report(json.loads((HERE / "results.json").read_text()))
+        results = json.loads((HERE / "results.json").read_text())
+        _plot(results)
+        report(results)
         return
     if args.quick:
         args.conversations, args.hot_rate, args.hot_seconds = [200], 40.0, 10.0
@@ -157,28 +162,9 @@ NOTES = [
 
 
 def _plot(results: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    loads = list(results["chats"])
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    metrics = (("output_tok_per_s", "output tokens/s"), ("ttft_p90_s", "TTFT p90 (s)"),
-               ("hit_vs_ideal", "hit rate / ideal"))  # fmt: skip
-    for ax, (key, label) in zip(axes, metrics, strict=True):
-        names = list(results["chats"][loads[0]])
-        width = 0.8 / max(1, len(names))
-        for j, name in enumerate(names):
-            xs = [i + j * width for i in range(len(loads))]
-            ax.bar(xs, [results["chats"][n][name][key] for n in loads], width, label=name)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(loads))])
-        ax.set_xticklabels([f"{n} chats" for n in loads])
-        ax.set_title(label)
-    axes[0].legend()
-    fig.suptitle(f"multi-turn chats on {NODES} gpu-8b engines with prefix caching")
-    fig.tight_layout()
-    fig.savefig(HERE / "routing.png", dpi=110)
+    groups = {f"{n} chats": rows for n, rows in results["chats"].items()}
+    title = f"multi-turn chats on {NODES} gpu-8b engines with prefix caching"
+    plot(groups, title, HERE / "routing.png")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def test_kvgate_bench_prefix_writes_its_report(tmp_path: Path) -> None:
     assert "| round-robin |" in text and "| headroom-only |" in text
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert set(runs["1"]) == {"round-robin", "headroom-only"}
+    assert (tmp_path / "routing.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ not. The overload modes measure the sustainable capacity first (or take
 write `report.md`, PNG plots and `results.json` into `--out`. `prefix` runs a
 shared-prefix workload (multi-turn chats, RAG, a system prompt per tenant, a hot prefix) in
 virtual time on engines with prefix caching under each routing x seed, and writes
-`report.md` and `results.json` (`kvgate.bench.prefix`).
+`report.md`, `routing.png` and `results.json` (`kvgate.bench.prefix`).
 """
 
 from __future__ import annotations

@@ -248,11 +248,41 @@ def brief(r: dict[str, Any]) -> str:
     )
 
 
+def plot(groups: dict[str, dict[str, dict[str, Any]]], title: str, path: Path) -> None:
+    """Bars of throughput, TTFT p90 and hit rate / ideal: one group of routings per key of
+    `groups` (a load, a seed). Needs matplotlib (the bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(groups)
+    names = list(groups[keys[0]])
+    width = 0.8 / max(1, len(names))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    metrics = (("output_tok_per_s", "output tokens/s"), ("ttft_p90_s", "TTFT p90 (s)"),
+               ("hit_vs_ideal", "hit rate / ideal"))  # fmt: skip
+    for ax, (metric, label) in zip(axes, metrics, strict=True):
+        for j, name in enumerate(names):
+            xs = [i + j * width for i in range(len(keys))]
+            ax.bar(xs, [groups[k][name][metric] for k in keys], width, label=name)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
+        ax.set_xticklabels(keys)
+        ax.set_title(label)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(names))
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0.0, 0.07, 1.0, 1.0))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_report(
     out: Path, title: str, command: str, setup: dict[str, Any],
     results: dict[str, dict[str, dict[str, Any]]],
 ) -> Path:  # fmt: skip
-    """`results.json` and `report.md` in `out`: one table per seed (`results[seed][routing]`)."""
+    """`results.json`, `report.md` and `routing.png` in `out`: one table per seed
+    (`results[seed][routing]`)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"setup": setup, "runs": results}, indent=1))
     lines = [f"# {title}", "", f"    {command}", ""]
@@ -262,6 +292,7 @@ def write_report(
         lines += ["", *engine_table(rows)]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
+    plot({f"seed {seed}": rows for seed, rows in results.items()}, title, out / "routing.png")
     return report
 
 
