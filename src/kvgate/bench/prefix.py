@@ -267,7 +267,7 @@ def plot(groups: dict[str, dict[str, dict[str, Any]]], title: str, path: Path) -
             xs = [i + j * width for i in range(len(keys))]
             ax.bar(xs, [groups[k][name][metric] for k in keys], width, label=name)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
-        ax.set_xticklabels(keys)
+        ax.set_xticklabels([k.replace(", ", "\n") for k in keys])  # a line per part
         ax.set_title(label)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(names))
