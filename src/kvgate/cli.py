@@ -18,7 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("kvgate.sim.cli", "run simulated vLLM engines (OpenAI-compatible, vLLM metrics)"),
     "bench": (
         "kvgate.bench.cli",
-        "run the overload benchmark and write a report (needs pip install 'kvgate[bench]')",
+        "run a benchmark (overload, routings on shared prefixes) and write a report "
+        "(needs pip install 'kvgate[bench]')",
     ),
     "status": ("kvgate.status", "show what a running gateway sees (a table; --watch refreshes)"),
     "config-doc": ("kvgate.config_doc", "print every config key with its default and meaning"),

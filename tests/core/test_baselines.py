@@ -53,6 +53,22 @@ def test_a_benchmark_names_its_policy_and_quotas() -> None:
         BaselineOptions(qps=0)
 
 
+def test_round_robin_takes_the_candidates_in_turn_whatever_their_load() -> None:
+    policy, clock = make("round-robin")
+    policy.observe("a", sample(clock, usage=0.99))
+    policy.observe("b", sample(clock, usage=0.10))
+    tickets = []
+    for i in range(6):
+        decision = admit(policy, f"r{i}", cost(), Priority.STANDARD, ("a", "b", "c"))
+        assert isinstance(decision, Admit)
+        tickets.append(decision.ticket)
+    nodes = [t.node_id for t in tickets]
+    assert nodes[:3] == nodes[3:] and sorted(nodes[:3]) == ["a", "b", "c"]
+    for t in tickets:
+        policy.release(t, Outcome.DONE)
+    assert_books_empty(policy)
+
+
 def test_static_qps_is_a_token_bucket() -> None:
     policy, clock = make("static-qps", static_qps=10, static_burst=5)
     results = [admit(policy, f"r{i}", cost(), Priority.CRITICAL, ("a",)) for i in range(8)]

@@ -3,11 +3,15 @@
     kvgate bench virtual  [--preset gpu-8b --nodes 16 --duration 300 --seeds 1,2,3 ...]
     kvgate bench live-sim [--nodes 2 --duration 60 ...]   # HTTP: kvgate serve -> kvgate sim
     kvgate bench live-vllm [--duration 90 ...]            # HTTP: the real vLLM CPU engine
+    kvgate bench prefix   [--workload chats --conversations 1200 ...]  # shared prefixes
 
 Needs the `bench` extra (`pip install 'kvgate[bench]'`: numpy, matplotlib); its help does
-not. Every mode measures the sustainable capacity first (or takes `--capacity-scale`), then
-runs each load x policy x seed on the same seeded workload and writes `report.md`, PNG
-plots and `results.json` into `--out`.
+not. The overload modes measure the sustainable capacity first (or take
+`--capacity-scale`), then run each load x policy x seed on the same seeded workload and
+write `report.md`, PNG plots and `results.json` into `--out`. `prefix` runs a
+shared-prefix workload (multi-turn chats, RAG, a system prompt per tenant, a hot prefix) in
+virtual time on engines with prefix caching under each routing x seed, and writes
+`report.md`, `routing.png` and `results.json` (`kvgate.bench.prefix`).
 """
 
 from __future__ import annotations
@@ -34,23 +38,36 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers like 1,2: {text!r}") from None
 
 
-def _policies(text: str) -> list[str]:
-    from kvgate.bench.profiles import DEFAULT_POLICIES, POLICIES  # the bench extra (numpy)
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
-    names = list(DEFAULT_POLICIES) if text == "all" else [x.strip() for x in text.split(",") if x]
-    unknown = [n for n in names if n not in POLICIES]
+
+def _policies(mode: str, names: list[str] | None) -> list[str] | None:
+    """The policies (`prefix`: routings) named, checked; None: the mode's default."""
+    if names is None:
+        return None
+    if mode == "prefix":
+        from kvgate.bench.prefix import ROUTINGS
+
+        known, everything = list(ROUTINGS), list(ROUTINGS)
+    else:
+        from kvgate.bench.profiles import DEFAULT_POLICIES, POLICIES  # the bench extra (numpy)
+
+        known, everything = list(POLICIES), list(DEFAULT_POLICIES)
+    if names == ["all"]:
+        return everything
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)} or 'all'"
-        )
+        raise ValueError(f"unknown policy {unknown[0]!r}; choose from {', '.join(known)} or 'all'")
     return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "mode",
-        choices=["virtual", "live-sim", "live-vllm"],
-        help="virtual time (simulator + admission core), or live HTTP runs",
+        choices=["virtual", "live-sim", "live-vllm", "prefix"],
+        help="virtual time (simulator + admission core), live HTTP runs, or routings "
+        "compared on shared-prefix traffic (virtual time)",
     )
     parser.add_argument("--preset", default=None, help="engine preset (default per mode)")
     parser.add_argument("--nodes", type=int, default=None, help="engines (default per mode)")
@@ -62,7 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_floats(DEFAULT_LOADS),
         help=f"offered loads, multiples of the sustainable capacity ({DEFAULT_LOADS})",
     )
-    parser.add_argument("--policies", type=_policies, default=None, help="comma list or 'all'")
+    parser.add_argument(
+        "--policies", type=_names, default=None,
+        help="comma list or 'all' (prefix: routings, e.g. round-robin,least-loaded)",
+    )  # fmt: skip
     parser.add_argument("--seeds", type=_ints, default=None, help="comma list of seeds")
     parser.add_argument(
         "--retry", choices=["immediate", "backoff"], default="immediate",
@@ -85,15 +105,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs", type=int, default=1, help="parallel processes for virtual runs (default 1)"
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    prefix = parser.add_argument_group(
+        "prefix mode",
+        "also --preset (gpu-8b, with prefix caching), --nodes (8), --duration (rag, tenants, "
+        "hot-prefix: 60 s of arrivals), --policies (routings: all), --seeds (1), --out, --quick",
+    )
+    prefix.add_argument(
+        "--workload", default="chats", help="chats, rag, tenants or hot-prefix (chats)"
+    )
+    prefix.add_argument(
+        "--conversations", type=int, default=None,
+        help="chats: conversations of 5 turns (150 per engine)",
+    )  # fmt: skip
+    prefix.add_argument(
+        "--rate", type=float, default=None,
+        help="rag, tenants, hot-prefix: requests/s (18.75 per engine)",
+    )  # fmt: skip
+
+
+OVERLOAD_OPTIONS = (
+    "preset", "nodes", "duration", "warmup", "loads", "policies", "seeds", "retry",
+    "max_attempts", "timeout", "capacity_scale", "scrape_interval", "jobs", "out",
+)  # fmt: skip
+PREFIX_OPTIONS = ("preset", "nodes", "duration", "policies", "seeds", "conversations", "rate",
+                  "out")  # fmt: skip
 
 
 def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run, rebuilt from the parsed options."""
     parts = ["kvgate", "bench", args.mode]
-    for name in (
-        "preset", "nodes", "duration", "warmup", "loads", "policies", "seeds", "retry",
-        "max_attempts", "timeout", "capacity_scale", "scrape_interval", "jobs", "out",
-    ):  # fmt: skip
+    if args.mode == "prefix":
+        parts += ["--workload", args.workload]
+        names: tuple[str, ...] = PREFIX_OPTIONS
+    else:
+        names = OVERLOAD_OPTIONS
+    for name in names:
         value = getattr(args, name)
         if value is None:
             continue
@@ -109,7 +155,7 @@ def _check(args: argparse.Namespace) -> None:
     """Refuse nonsense before anything starts (a clear message, not a traceback)."""
     if args.nodes is not None and args.nodes < 1:
         raise ValueError("--nodes must be at least 1")
-    for name in ("duration", "timeout", "capacity_scale", "scrape_interval"):
+    for name in ("duration", "timeout", "capacity_scale", "scrape_interval", "rate"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -117,16 +163,30 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--loads must be positive numbers")
     if args.max_attempts < 1 or args.jobs < 1:
         raise ValueError("--max-attempts and --jobs must be at least 1")
+    if args.conversations is not None and args.conversations < 1:
+        raise ValueError("--conversations must be at least 1")
+    args.policies = _policies(args.mode, args.policies)
+    if args.mode == "prefix":
+        from kvgate.bench.prefix import WORKLOADS
+
+        if args.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {args.workload!r}; choose from "
+                             f"{', '.join(WORKLOADS)}")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvgate.bench.driver import BenchOptions, main_live, main_virtual
-
     command = _command(args)
     try:
         _check(args)
-        opts = BenchOptions.from_args(args, command)
-        report = main_virtual(opts) if args.mode == "virtual" else main_live(opts)
+        if args.mode == "prefix":
+            from kvgate.bench.prefix import main_prefix
+
+            report = main_prefix(args, command)
+        else:
+            from kvgate.bench.driver import BenchOptions, main_live, main_virtual
+
+            opts = BenchOptions.from_args(args, command)
+            report = main_virtual(opts) if args.mode == "virtual" else main_live(opts)
     except (ValueError, KeyError, RuntimeError) as exc:
         print(f"kvgate bench: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
     kvgate sim --nodes 4 --preset cpu-tiny --port 8000
 
 prints one line per engine with its URL once it accepts connections, and exits cleanly on
-SIGINT or SIGTERM. Engine options override the preset's values.
+SIGINT or SIGTERM. Engine options override the preset's values. vLLM's
+`--enable-prefix-caching` and `--kv-events-config` turn on the prefix cache and its KV
+events (`kvgate.sim.kv_publisher`; engine i publishes on the configured ports + i).
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chars-per-token", type=float, default=4.0, help="text prompt length estimate (4.0)"
     )
     parser.add_argument("--seed", type=int, default=0, help="PRNG seed; engine i uses seed+i")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="cache full KV blocks across requests, as vLLM's flag does",
+    )
+    parser.add_argument(
+        "--kv-events-config",
+        help='vLLM\'s JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557"}\': publish KV events (needs the kv-events extra)',
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +88,23 @@ def run(args: argparse.Namespace) -> int:
             scheduling=args.scheduling,
             eos_mean_tokens=args.eos_mean_tokens,
             abort_on_disconnect=False if args.no_abort_on_disconnect else None,
+            enable_prefix_caching=True if args.enable_prefix_caching else None,
         )
+        if args.kv_events_config is not None:
+            from kvgate.sim.kv_publisher import KVEventsConfig
+
+            args.kv_events = KVEventsConfig.from_json(args.kv_events_config)
+            if args.kv_events is not None:
+                args.kv_events.check(args.nodes)
+        else:
+            args.kv_events = None
+    except ModuleNotFoundError as exc:
+        print(
+            f"kvgate sim: --kv-events-config needs the Python package {exc.name!r}: "
+            "pip install 'kvgate[kv-events]'",
+            file=sys.stderr,
+        )
+        return 2
     except (KeyError, ValueError) as exc:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
@@ -103,20 +131,28 @@ async def _serve(args: argparse.Namespace, config: object) -> int:
     servers: list[SimServer] = []
     try:
         for i in range(args.nodes):
+            publisher = None
+            if args.kv_events is not None:
+                from kvgate.sim.kv_publisher import KVPublisher
+
+                publisher = KVPublisher(args.kv_events.for_engine(i))
             server = SimServer(
-                Engine(config, seed=args.seed + i),
+                Engine(config, seed=args.seed + i, record_kv_events=publisher is not None),
                 model_name=args.model_name,
                 chars_per_token=args.chars_per_token,
                 time_scale=args.time_scale,
                 preset=args.preset,
+                kv_publisher=publisher,
             )
             servers.append(server)
             port = await server.start(args.host, args.port + i if args.port else 0)
             kv = config.num_blocks * config.block_size
+            events = f", KV events on {publisher.endpoint}" if publisher is not None else ""
             print(
                 f"engine {i}: http://{args.host}:{port}  ({args.preset}: {config.num_blocks}"
                 f" blocks x {config.block_size} = {kv} KV tokens, max_num_seqs "
-                f"{config.max_num_seqs}, abort_on_disconnect {config.abort_on_disconnect})",
+                f"{config.max_num_seqs}, abort_on_disconnect {config.abort_on_disconnect}, "
+                f"prefix caching {config.enable_prefix_caching}{events})",
                 flush=True,
             )
         await stop.wait()

@@ -65,7 +65,7 @@ class MetricsPage:
         info = {
             "block_size": str(cfg.block_size),
             "cache_dtype": "auto",
-            "enable_prefix_caching": "False",
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
             "engine": engine_label,
             "gpu_memory_utilization": "0.9",
             "kv_cache_size_tokens": str(cfg.usable_blocks * cfg.block_size),
@@ -121,6 +121,18 @@ class MetricsPage:
             "counter",
             "Cumulative number of preemption from the engine.",
             e.preemptions_total,
+        )
+        scalar(
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            e.prefix_cache_queries_total,
+        )
+        scalar(
+            "vllm:prefix_cache_hits_total",
+            "counter",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            e.prefix_cache_hits_total,
         )
         scalar(
             "vllm:prompt_tokens_total",

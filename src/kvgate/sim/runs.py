@@ -5,7 +5,7 @@ of. `ClientModel` says how a client waits, gives up and retries (the simulator's
 and the live benchmark's, `kvgate.bench.live`, follow the same one). Every try is an
 `Attempt` whose `outcome` is one of `OUTCOMES`; a virtual run gives one `RequestOutcome`
 per client request (its tries, its status), one `SeriesPoint` per `series_interval_s`
-(`series_point`), and its `VirtualResult`.
+(`series_point`), and its `VirtualResult`; `scrape` is what a replica reads of an engine.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 
 from kvgate.core.policies.baselines import BaselineOptions, PolicyName
 from kvgate.core.settings import AdmissionSettings, QueueSettings
+from kvgate.core.signals import NodeSample
 from kvgate.sim.model.engine import Engine, EngineConfig
 from kvgate.sim.workload import WorkloadSpec
 
@@ -145,6 +146,9 @@ class VirtualConfig:
     token_update_interval_s: float = 0.5
     drain_s: float = 0.0
     seed: int = 0
+    # Engines record their KV events (with `engine.enable_prefix_caching`) and the runner
+    # hands each step's batch to the policies that take them (`KVEventSink`).
+    kv_events: bool = False
 
 
 @dataclass(slots=True)
@@ -194,6 +198,8 @@ class SeriesPoint:
     kv_usage_mean: float
     kv_usage_max: float
     node_kv_usage: list[float]
+    node_running: list[int]
+    node_waiting: list[int]
     running: int
     waiting: int
     arrivals: int
@@ -267,6 +273,8 @@ def series_point(
         kv_usage_mean=sum(kv) / len(kv),
         kv_usage_max=max(kv),
         node_kv_usage=kv,
+        node_running=[e.num_running for e in engines],
+        node_waiting=[e.num_waiting for e in engines],
         running=sum(e.num_running for e in engines),
         waiting=sum(e.num_waiting for e in engines),
         arrivals=counts["arrivals"],
@@ -282,11 +290,34 @@ def series_point(
     return point, (preempted, generated, zombies)
 
 
+def scrape(engine: Engine, now: float, seen: list[tuple[float, int]], i: int) -> NodeSample:
+    """What a scrape of `engine` (node `i`) at `now` tells a replica; `seen[i]` is the ITL
+    histogram's (sum, count) at that replica's previous scrape, and is moved on."""
+    itl = engine.itl
+    prev_sum, prev_count = seen[i]
+    latency = None
+    if itl.count > prev_count:
+        latency = (itl.sum - prev_sum) / (itl.count - prev_count)
+    seen[i] = (itl.sum, itl.count)
+    return NodeSample(
+        kv_usage=engine.kv_usage,
+        kv_capacity_tokens=engine.config.kv_capacity_tokens,
+        running=engine.num_running,
+        waiting=engine.num_waiting,
+        iteration_latency_s=latency,
+        sampled_at=now,
+        preemptions_total=float(engine.preemptions_total),
+    )
+
+
 def engine_totals(engines: Sequence[Engine]) -> dict[str, int]:
     """The engines' counters summed over a run."""
     totals = {"preemptions": 0, "recomputed_tokens": 0, "zombie_tokens": 0,
-              "generated_tokens": 0, "engine_steps": 0}  # fmt: skip
+              "generated_tokens": 0, "engine_steps": 0, "prefix_cache_queries": 0,
+              "prefix_cache_hits": 0}  # fmt: skip
     for e in engines:
+        totals["prefix_cache_queries"] += e.prefix_cache_queries_total
+        totals["prefix_cache_hits"] += e.prefix_cache_hits_total
         totals["preemptions"] += e.preemptions_evicted
         totals["recomputed_tokens"] += e.recomputed_tokens_total
         totals["zombie_tokens"] += e.zombie_tokens_total

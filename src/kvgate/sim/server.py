@@ -14,6 +14,11 @@ and an abort reaches both, as vLLM's random id suffixes make it), `usage` and
 gateway counts exactly what the simulator will), OpenAI-style JSON errors. What the
 engine reads of a request (prompt length, options) is parsed in
 `kvgate.sim.openai_request`. The generated text is filler; one token is one short word.
+
+With prefix caching the engine is given each prompt's token ids (the ones `/tokenize`
+answers); with a `KVPublisher` each step's KV events are published as vLLM publishes them
+(`kvgate.sim.kv_publisher`), and `POST /reset_prefix_cache` clears the cache as vLLM's
+does.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -40,6 +45,9 @@ from kvgate.sim.openai_request import (
     prompt_ids,
     read_json,
 )
+
+if TYPE_CHECKING:  # pyzmq and msgspec: only with --kv-events-config (the kv-events extra)
+    from kvgate.sim.kv_publisher import KVPublisher
 
 _WORDS = tuple(
     " " + w
@@ -120,6 +128,7 @@ class SimServer:
         time_scale: float = 1.0,
         engine_label: str = "0",
         preset: str = "custom",
+        kv_publisher: KVPublisher | None = None,
     ) -> None:
         if chars_per_token <= 0 or time_scale <= 0:
             raise ValueError("chars_per_token and time_scale must be positive")
@@ -140,6 +149,7 @@ class SimServer:
         self.failure: BaseException | None = None
         self.metrics.lag_source = lambda: self.lag_seconds_total
         self.port: int | None = None
+        self.kv_publisher = kv_publisher
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ lifecycle
@@ -153,11 +163,14 @@ class SimServer:
         app.router.add_get("/metrics/", self._metrics_named)
         app.router.add_post("/inference/v1/abort_requests", self._abort_requests)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Bind and start the engine loop; returns the bound port."""
         self._t0 = time.monotonic()
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()
         self._loop_task = asyncio.create_task(self._engine_loop(), name="sim-engine")
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
@@ -175,6 +188,8 @@ class SimServer:
                 await self._loop_task
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
 
     @property
     def open_requests(self) -> int:
@@ -218,7 +233,10 @@ class SimServer:
             else:
                 await asyncio.sleep(0)  # let handlers run even when we lag
             self.lag_seconds_total += max(0.0, self.now() - due)
-            self._deliver(engine.finish_step())
+            result = engine.finish_step()
+            if result.kv_events and self.kv_publisher is not None:
+                self.kv_publisher.publish(time.time(), result.kv_events)
+            self._deliver(result)
 
     def _deliver(self, result: StepResult) -> None:
         streams = self._streams
@@ -298,6 +316,15 @@ class SimServer:
         limit = self.engine.config.max_model_len
         return _json({"count": len(tokens), "max_model_len": limit, "tokens": tokens})
 
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /reset_prefix_cache`: clears the cache unless a request holds blocks
+        (200 either way, as vLLM answers; the body says which)."""
+        reset = self.engine.reset_prefix_cache()
+        events = self.engine.take_kv_events()
+        if events and self.kv_publisher is not None:
+            self.kv_publisher.publish(time.time(), events)
+        return _json({"reset": reset})
+
     async def _abort_requests(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         ids = body.get("request_ids")
@@ -320,7 +347,9 @@ class SimServer:
         check_model(body, self.model_name)
         parsed = completion_request(body, self.chars_per_token, self.engine.config.max_model_len)
         xid = self._request_id(request)
-        return await self._generate(request, parsed, f"cmpl-{xid}", f"cmpl-{xid}-0", chat=False)
+        return await self._generate(
+            request, parsed, f"cmpl-{xid}", f"cmpl-{xid}-0", False, self._prompt_ids(body)
+        )
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -328,15 +357,27 @@ class SimServer:
         parsed = chat_request(body, self.chars_per_token)
         xid = self._request_id(request)
         return await self._generate(
-            request, parsed, f"chatcmpl-{xid}", f"chatcmpl-{xid}", chat=True
+            request, parsed, f"chatcmpl-{xid}", f"chatcmpl-{xid}", True, self._prompt_ids(body)
         )
+
+    def _prompt_ids(self, body: dict[str, Any]) -> tuple[int, ...] | None:
+        """The prompt's token ids for a prefix-caching engine (the ones `/tokenize` gives)."""
+        if not self.engine.config.enable_prefix_caching:
+            return None
+        return tuple(prompt_ids(body, self.chars_per_token))
 
     def _request_id(self, request: web.Request) -> str:
         header = request.headers.get("X-Request-Id")
         return header if header else uuid.uuid4().hex
 
     async def _generate(
-        self, request: web.Request, p: ParsedRequest, public_id: str, engine_id: str, chat: bool
+        self,
+        request: web.Request,
+        p: ParsedRequest,
+        public_id: str,
+        engine_id: str,
+        chat: bool,
+        ids: tuple[int, ...] | None = None,
     ) -> web.StreamResponse:
         if self.failure is not None:
             return error_response(500, f"the simulated engine failed: {self.failure!r}")
@@ -349,6 +390,7 @@ class SimServer:
                 self.now(),
                 ignore_eos=p.ignore_eos,
                 priority=p.priority,
+                prompt_ids=ids,
             )
         except EngineError as exc:
             param = "max_tokens" if "max_tokens" in str(exc) else "prompt"

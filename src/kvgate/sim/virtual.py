@@ -4,7 +4,9 @@ A discrete-event loop (one heap, ties broken by insertion order, so a run is a p
 function of its `VirtualConfig`) advances a `ManualClock` from event to event:
 
 - **Engines** step back to back while they have work: at each step boundary the previous
-  step is finished (tokens, finishes, frees) and the next one begins.
+  step is finished (tokens, finishes, frees) and the next one begins. With
+  `VirtualConfig.kv_events`, each step's KV events go at its end, as one numbered batch
+  per engine, to every replica's policy that takes them (`KVEventSink`) and to `kv_sink`.
 - **Gateway replicas** each hold their own policy (`VirtualConfig.policy`), so each
   knows only its own reservations, like real replicas. Each scrapes every engine every
   `scrape_interval_s` (replicas spread over the interval); the page is taken at the send
@@ -15,7 +17,9 @@ function of its `VirtualConfig`) advances a `ManualClock` from event to event:
   every `token_update_interval_s` (what a live gateway learns from the stream; coarser
   than per token to keep the cost O(streams) per update, never under-counting).
 - **Clients** arrive from a `WorkloadSpec` (or a caller's own list of `RequestSpec`, which is
-  how `kvgate.bench` plays its scenario) and behave as `ClientModel` says. An admitted
+  how `kvgate.bench` plays its scenario, plus the `FollowUps` that answered requests lead
+  to: a conversation's next turn) and behave as `ClientModel` says. A request's token ids,
+  when it has them, go to its engine (prefix caching) and to the admission request. An admitted
   request goes to the node the policy chose. A client times out when the whole answer
   (`deadline="answer"`) or, for a stream with `deadline="token"`, the next token takes
   longer than `timeout_s`; it then disconnects and retries (at once or with exponential
@@ -40,7 +44,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -49,6 +53,7 @@ from kvgate.core.clock import ManualClock
 from kvgate.core.flow import ArrivalOrder, FlowController, TokenFairness, Waiter
 from kvgate.core.policies import AdaptivePolicy
 from kvgate.core.policies.baselines import build_named
+from kvgate.core.prefix.events import KVEventBatch, KVEventSink
 from kvgate.core.replicas.view import PeerView
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.signals import NodeSample
@@ -65,9 +70,10 @@ from kvgate.sim.runs import (
     VirtualConfig,
     VirtualResult,
     engine_totals,
+    scrape,
     series_point,
 )
-from kvgate.sim.workload import RequestSpec, generate
+from kvgate.sim.workload import FollowUps, RequestSpec, generate
 
 (_STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES, _DECIDED, _WAIT_END,
  _SYNC, _STORE, _REPLY) = range(12)  # fmt: skip
@@ -105,21 +111,33 @@ class VirtualCluster:
     """Build with a config, call `run()` once."""
 
     def __init__(
-        self, config: VirtualConfig, arrivals: Iterable[RequestSpec] | None = None
+        self,
+        config: VirtualConfig,
+        arrivals: Iterable[RequestSpec] | None = None,
+        follow_ups: FollowUps | None = None,
+        kv_sink: Callable[[str, KVEventBatch], None] | None = None,
     ) -> None:
-        """`arrivals` (in arrival order) replaces the requests `config.workload` would draw."""
+        """`arrivals` (in arrival order) replaces the requests `config.workload` would draw;
+        `follow_ups` adds the request that follows each answered one; `kv_sink` also
+        receives every engine's KV event batches (with `config.kv_events`)."""
         if config.nodes < 1 or config.gateways < 1:
             raise ValueError("need at least one node and one gateway")
         self.config = config
         self._arrivals = arrivals
+        self._follow_ups = follow_ups
         self.clock = ManualClock()
         self.node_ids = [f"node-{i}" for i in range(config.nodes)]
         self._node_index = {nid: i for i, nid in enumerate(self.node_ids)}
-        self.engines = [Engine(config.engine, seed=config.seed * 1009 + i)
+        self.engines = [Engine(config.engine, seed=config.seed * 1009 + i,
+                               record_kv_events=config.kv_events)
                         for i in range(config.nodes)]  # fmt: skip
         self.policies: list[FlowController] = [
             self._gateway(config, g) for g in range(config.gateways)
         ]
+        sinks = [flow.policy.kv_events for flow in self.policies
+                 if isinstance(flow.policy, KVEventSink)]  # fmt: skip
+        self._kv_sinks = [*sinks, kv_sink] if kv_sink is not None else sinks
+        self._kv_seq = [0] * config.nodes
         for policy in self.policies:
             for nid in self.node_ids:
                 policy.add_node(nid)
@@ -151,6 +169,7 @@ class VirtualCluster:
         self._store: dict[int, tuple[float, PeerView]] = {}
         self._last_totals = (0, 0, 0)
         self._workload: Iterator[RequestSpec] = iter(())
+        self._next_arrival: RequestSpec | None = None
 
     def _gateway(self, config: VirtualConfig, g: int) -> FlowController:
         policy = build_named(
@@ -232,7 +251,7 @@ class VirtualCluster:
 
     # ------------------------------------------------------------------ clients
     def _push_next_arrival(self) -> None:
-        spec = next(self._workload, None)
+        spec = self._next_arrival = next(self._workload, None)
         if spec is not None:
             self._push(spec.arrival, _ARRIVAL, spec)
 
@@ -251,7 +270,8 @@ class VirtualCluster:
         self._counts["arrivals"] += 1
         # One cost object per request, reused by all its tries.
         self._on_attempt(now, (outcome, spec, RequestCost(spec.prompt_tokens, spec.max_tokens)))
-        self._push_next_arrival()
+        if spec is self._next_arrival:  # not a follow-up: draw the workload's next
+            self._push_next_arrival()
 
     def _on_attempt(self, now: float, payload: _Request) -> None:
         outcome, spec, cost = payload
@@ -267,6 +287,7 @@ class VirtualCluster:
             model="sim",
             candidates=self._candidates,
             exact_output=spec.ignore_eos,
+            prompt_ids=spec.prompt_ids,
         )
         decision = flow.submit(request)
         if isinstance(decision, Waiter):
@@ -326,7 +347,8 @@ class VirtualCluster:
         engine = self.engines[node]
         try:
             engine.add_request(rid, spec.prompt_tokens, spec.max_tokens, now,
-                               ignore_eos=spec.ignore_eos, priority=int(spec.priority))  # fmt: skip
+                               ignore_eos=spec.ignore_eos, priority=int(spec.priority),
+                               prompt_ids=spec.prompt_ids)  # fmt: skip
         except EngineError:
             policy.release(ticket, Outcome.UPSTREAM_ERROR)
             outcome.tries.append(Attempt(started, now, ERROR, node=ticket.node_id))
@@ -437,12 +459,23 @@ class VirtualCluster:
     def _on_step(self, now: float, node: int) -> None:
         engine = self.engines[node]
         if engine.in_flight:
-            self._apply(now, engine.finish_step())
+            result = engine.finish_step()
+            if result.kv_events and self._kv_sinks:
+                self._publish(node, now, result)
+            self._apply(now, result)
         duration = engine.begin_step(now)
         if duration is None:
             self._idle[node] = True
         else:
             self._push(now + duration, _STEP, node)
+
+    def _publish(self, node: int, now: float, result: StepResult) -> None:
+        seq = self._kv_seq[node]
+        self._kv_seq[node] = seq + 1
+        batch = KVEventBatch(now, tuple(result.kv_events), seq)
+        node_id = self.node_ids[node]
+        for sink in self._kv_sinks:
+            sink(node_id, batch)
 
     def _apply(self, now: float, result: StepResult) -> None:
         attempts = self._attempts
@@ -477,6 +510,10 @@ class VirtualCluster:
             outcome.completed_at = now
             outcome.output_tokens = done.output_tokens
             self._counts["completions"] += 1
+            if self._follow_ups is not None:
+                follow = self._follow_ups.next_turn(attempt.spec, now, done.output_tokens)
+                if follow is not None:
+                    self._push(max(now, follow.arrival), _ARRIVAL, follow)
         for rid in result.aborted:
             attempt = attempts.pop(rid, None)
             if attempt is not None and attempt.held:
@@ -484,26 +521,8 @@ class VirtualCluster:
 
     # ------------------------------------------------------------------ gateways
     def _on_scrape(self, now: float, g: int) -> None:
-        samples = []
         seen = self._itl_seen[g]
-        for i, engine in enumerate(self.engines):
-            itl = engine.itl
-            prev_sum, prev_count = seen[i]
-            latency = None
-            if itl.count > prev_count:
-                latency = (itl.sum - prev_sum) / (itl.count - prev_count)
-            seen[i] = (itl.sum, itl.count)
-            samples.append(
-                NodeSample(
-                    kv_usage=engine.kv_usage,
-                    kv_capacity_tokens=engine.config.kv_capacity_tokens,
-                    running=engine.num_running,
-                    waiting=engine.num_waiting,
-                    iteration_latency_s=latency,
-                    sampled_at=now,
-                    preemptions_total=float(engine.preemptions_total),
-                )
-            )
+        samples = [scrape(engine, now, seen, i) for i, engine in enumerate(self.engines)]
         self._push(now + self.config.scrape_lag_s, _DELIVER, (g, samples))
         self._push(now + self.config.scrape_interval_s, _SCRAPE, g)
 
@@ -557,7 +576,10 @@ class VirtualCluster:
 
 
 def run_virtual(
-    config: VirtualConfig, arrivals: Iterable[RequestSpec] | None = None
+    config: VirtualConfig,
+    arrivals: Iterable[RequestSpec] | None = None,
+    follow_ups: FollowUps | None = None,
 ) -> VirtualResult:
-    """Run one virtual-time experiment (on `arrivals` if given, else `config.workload`)."""
-    return VirtualCluster(config, arrivals).run()
+    """Run one virtual-time experiment (on `arrivals` if given, else `config.workload`, and
+    the requests `follow_ups` adds as answers come)."""
+    return VirtualCluster(config, arrivals, follow_ups).run()

@@ -16,6 +16,7 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvgate.core.request import Priority
 from kvgate.sim.model.engine import EngineConfig
@@ -66,6 +67,19 @@ class RequestSpec:
     id: str = ""  # the caller's name for it ("" = "r{index}")
     kind: str = ""  # the caller's class of request (the benchmark's "chat" / "long")
     tenant: str = ""  # who sent it (fairness, tenant limits)
+    # The prompt's token ids (`prompt_tokens` of them): what lets a prefix-caching engine
+    # share its blocks (`kvgate.sim.prefix_workloads`); None shares nothing.
+    prompt_ids: tuple[int, ...] | None = None
+
+
+class FollowUps(Protocol):
+    """Requests that depend on earlier answers (a conversation's next turn)."""
+
+    def next_turn(
+        self, done: RequestSpec, ended_at: float, output_tokens: int
+    ) -> RequestSpec | None:
+        """The request that follows `done`, answered at `ended_at` with `output_tokens`
+        tokens (None: nothing follows); it arrives at or after `ended_at`."""
 
 
 def _lognormal_mu(mean: float, sigma: float) -> float:

@@ -28,7 +28,8 @@ class StepLatency:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything that defines one engine. `num_blocks` counts vLLM's null block too."""
+    """Everything that defines one engine. `num_blocks` counts vLLM's null block too;
+    `enable_prefix_caching` caches full blocks across requests (`kvgate.sim.model.prefix`)."""
 
     num_blocks: int
     block_size: int
@@ -40,6 +41,7 @@ class EngineConfig:
     scheduling: Literal["fcfs", "priority"] = "fcfs"
     abort_on_disconnect: bool = True
     eos_mean_tokens: float = 256.0
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2 or self.block_size < 1:

@@ -58,7 +58,7 @@ class DecodeBatch:
         self.count += 1
         if seq.gone:
             self.zombies += 1
-        heapq.heappush(self._finish_heap, (seq.target - seq.gbase, seq.order, seq))
+        heapq.heappush(self._finish_heap, (seq.target - seq.gbase, seq.run_order, seq))
 
     def leave(self, seq: Seq) -> None:
         """Materialise a decoding sequence's counts and take it out of the aggregates."""
@@ -76,7 +76,8 @@ class DecodeBatch:
         self.zombies += 1
 
     def finished(self) -> Iterator[Seq]:
-        """Take out (`leave`) and yield each sequence that produced its last token by now."""
+        """Take out (`leave`) and yield each sequence that produced its last token by now,
+        in running-list order (the order vLLM frees them in)."""
         heap = self._finish_heap
         while heap and heap[0][0] <= self.g:
             _, _, seq = heapq.heappop(heap)

@@ -28,6 +28,13 @@ What is modelled, following vLLM v1's `Scheduler.schedule()`:
 - Step latency is a roofline: `fixed + per_prefill_token * prefill_tokens + per_seq *
   sequences + per_context_token * context tokens attended`.
 
+With `enable_prefix_caching` the block pool caches full blocks across requests as vLLM
+v1 does (`kvgate.sim.model.prefix`): a request given its prompt's token ids starts with
+its cached leading blocks computed (prefill time only for the rest), a block shared by
+several requests counts once in `kv_usage`, and the engine keeps vLLM's
+`prefix_cache_queries` / `prefix_cache_hits` counters; with `record_kv_events` each step's
+result carries the KV events vLLM would publish for it (`kvgate.core.prefix.events`).
+
 Decoding sequences are kept in an aggregate form (a global decode-step counter, a count of
 sequences per block phase, a heap of finish steps: `kvgate.sim.model.decoding`), so a step costs
 O(prefilling sequences + events), not O(running sequences), and FCFS preemption costs
@@ -48,6 +55,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvgate.core.prefix.events import KVEvent
 from kvgate.sim.model.config import EngineConfig, StepLatency
 from kvgate.sim.model.histogram import (
     E2E_BUCKETS,
@@ -94,7 +102,8 @@ class FinishedRequest:
 
 @dataclass(slots=True)
 class StepResult:
-    """What one step did. `emitted` is filled only when the engine records emissions."""
+    """What one step did. `emitted` is filled only when the engine records emissions,
+    `kv_events` only when it records KV events (vLLM publishes them as one batch)."""
 
     start: float
     duration: float
@@ -103,6 +112,7 @@ class StepResult:
     finished: list[FinishedRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    kv_events: list[KVEvent] = field(default_factory=list)
 
     @property
     def end(self) -> float:
@@ -126,6 +136,8 @@ class EngineSnapshot:
     recomputed_tokens_total: int
     zombie_tokens_total: int
     success_total: dict[str, int]
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
     ttft: Histogram
     itl: Histogram
     e2e: Histogram
@@ -146,12 +158,17 @@ class Engine:
     """One simulated engine. Not thread-safe; drive it from one task or loop."""
 
     def __init__(
-        self, config: EngineConfig, seed: int | None = 0, record_emissions: bool = False
+        self,
+        config: EngineConfig,
+        seed: int | None = 0,
+        record_emissions: bool = False,
+        record_kv_events: bool = False,
     ) -> None:
         self.config = config
         self.record_emissions = record_emissions
         self._rng = random.Random(seed)
-        self._sched = Scheduler(config)
+        self._sched = Scheduler(config, record_kv_events)
+        self._cache = self._sched.cache
         self._decode = self._sched.decode
         self._seqs: dict[str, Seq] = {}  # every request not yet finished or aborted
         self._pending_aborts: list[str] = []
@@ -183,11 +200,17 @@ class Engine:
         *,
         ignore_eos: bool = False,
         priority: int = 0,
+        prompt_ids: tuple[int, ...] | None = None,
     ) -> None:
-        """Queue a request; it is scheduled at the next `begin_step`. Raises EngineError."""
+        """Queue a request; it is scheduled at the next `begin_step`. Raises EngineError.
+
+        `prompt_ids` (as many as `prompt_tokens`) let a prefix-caching engine share the
+        prompt's blocks with other requests; without them the prompt shares nothing."""
         limit = self.config.max_model_len
         if request_id in self._seqs:
             raise EngineError(f"request id {request_id!r} is already in use")
+        if prompt_ids is not None and len(prompt_ids) != prompt_tokens:
+            raise EngineError("prompt_ids must hold exactly prompt_tokens ids")
         if prompt_tokens < 1:
             raise EngineError("the prompt must contain at least one token")
         if prompt_tokens >= limit:
@@ -219,6 +242,8 @@ class Engine:
             arrival=now,
             order=self._order,
         )
+        if self._cache is not None:
+            seq.ids = prompt_ids
         self._seqs[request_id] = seq
         self._sched.waiting.push_back(seq)
 
@@ -293,6 +318,29 @@ class Engine:
             return None
         return self._last_step_end if seq.state == DECODE else seq.last_token_at
 
+    @property
+    def prefix_cache_queries_total(self) -> int:
+        """Prompt tokens of the requests admitted so far (vLLM's prefix cache queries)."""
+        return 0 if self._cache is None else self._cache.queries
+
+    @property
+    def prefix_cache_hits_total(self) -> int:
+        """Of those, the tokens found cached (vLLM's prefix cache hits)."""
+        return 0 if self._cache is None else self._cache.hits
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's `/reset_prefix_cache`: forget every cached block (`AllBlocksCleared`);
+        False while a request holds blocks, or without prefix caching."""
+        return self._sched.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last step's result took them (a reset's)."""
+        return [] if self._cache is None else self._cache.take_events()
+
+    def blocks_in_use(self) -> int:
+        """Blocks held, recounted from every running request (a shared one once)."""
+        return self._sched.blocks_in_use()
+
     def blocks_held(self) -> dict[str, int]:
         """Blocks per running request, recomputed from scratch (for tests and audits)."""
         sched = self._sched
@@ -313,6 +361,8 @@ class Engine:
             recomputed_tokens_total=self.recomputed_tokens_total,
             zombie_tokens_total=self.zombie_tokens_total,
             success_total=dict(self.success_total),
+            prefix_cache_queries_total=self.prefix_cache_queries_total,
+            prefix_cache_hits_total=self.prefix_cache_hits_total,
             ttft=self.ttft,
             itl=self.itl,
             e2e=self.e2e,
@@ -361,6 +411,8 @@ class Engine:
         result.preempted = flight.preempted
         result.aborted = flight.aborted
         if flight.duration == 0.0:
+            if self._cache is not None:
+                result.kv_events = self._cache.take_events()
             return result
         self.steps_total += 1
         self.busy_seconds_total += flight.duration
@@ -377,6 +429,8 @@ class Engine:
             self._apply_prefill(seq, chunk, end, result)
         self._pop_finished(end, result)
         self._last_step_end = end
+        if self._cache is not None:
+            result.kv_events = self._cache.take_events()
         return result
 
     def _apply_prefill(self, seq: Seq, chunk: int, end: float, result: StepResult) -> None:

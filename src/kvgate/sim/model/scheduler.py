@@ -9,12 +9,18 @@ token budget and the free blocks allow; the head of the queue blocks the queue. 
 running sequence needs a block and none is free, the newest running sequence (or the
 lowest-priority one) is preempted in recompute mode: its blocks are freed and it goes back
 to the head of the waiting queue.
+
+With `enable_prefix_caching` the pool caches full blocks (`kvgate.sim.model.prefix`):
+`used` counts the blocks some request holds, a block shared by several once; a waiting
+request starts with its cached leading blocks already computed, and new blocks come from
+the never-cached free ones first, then from the least recently freed cached ones.
 """
 
 from __future__ import annotations
 
 from kvgate.sim.model.config import EngineConfig
 from kvgate.sim.model.decoding import DecodeBatch
+from kvgate.sim.model.prefix import PrefixCache
 from kvgate.sim.model.sequences import DECODE, DONE, PREFILL, WAITING, Seq, WaitingQueue
 
 #: A step's prefill work: each sequence and the tokens it computes.
@@ -24,15 +30,21 @@ Prefills = list[tuple[Seq, int]]
 class Scheduler:
     """Which sequences run in a step, and the KV blocks the running ones hold."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, record_kv_events: bool = False) -> None:
         self.config = config
         self._bs = config.block_size
         self.usable = config.usable_blocks
-        self.used = 0
+        self.used = 0  # blocks held by a running sequence (a shared one counted once)
+        self.cache = (
+            PrefixCache(config.block_size, record_kv_events)
+            if config.enable_prefix_caching
+            else None
+        )
         self.running: dict[str, Seq] = {}  # admission order = vLLM's running list
         self.waiting = WaitingQueue(config.scheduling == "priority")
         self.prefilling: dict[str, Seq] = {}  # running, prompt not yet fully computed
         self.decode = DecodeBatch(config.block_size)
+        self._admitted = 0  # admissions into the running list, for `Seq.run_order`
 
     def schedule(self) -> tuple[Prefills, list[str]]:
         """Allocate the blocks of one step: its prefill chunks, and the ids preempted to
@@ -50,11 +62,17 @@ class Scheduler:
             prefills.append((seq, chunk))
             need += self._ceil(seq.computed + chunk) - self._ceil(seq.computed)
         if need <= self.usable - self.used:
-            self.used += need
-        elif self.config.scheduling == "fcfs":
+            if self.cache is None:
+                self.used += need
+            else:
+                self._take(need)
+        elif self.config.scheduling == "fcfs" and self.cache is None:
             prefills, budget = self._preempt_from_tail(prefills, budget, preempted)
-        else:
+        else:  # which cached blocks are evicted depends on the walk's order: walk it
             prefills, budget = self._schedule_with_preemption(preempted)
+        if self.cache is not None:
+            for seq, chunk in prefills:
+                self.cache.store(seq, seq.computed + chunk)
         if not preempted:
             self._admit_waiting(budget, prefills)
         return prefills, preempted
@@ -83,7 +101,7 @@ class Scheduler:
                 budget += chunks.pop(victim.request_id)
             self._preempt(victim)
             preempted.append(victim.request_id)
-        self.used += total
+        self._take(total)
         kept = [(seq, c) for seq, c in prefills if seq.request_id in chunks]
         return kept, budget
 
@@ -125,7 +143,7 @@ class Scheduler:
                     break
             if seq.state == WAITING:  # it was preempted itself
                 continue
-            self.used += new_blocks
+            self._take(new_blocks)
             if seq.state == PREFILL:
                 budget -= chunk
             scheduled[seq.request_id] = (seq, chunk, new_blocks)
@@ -135,22 +153,39 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, prefills: Prefills) -> None:
         cfg = self.config
+        cache = self.cache
         while budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting.peek()
             if seq is None:
                 break
             todo = seq.prompt + seq.generated
-            if not cfg.enable_chunked_prefill and todo > budget:
+            hit = free_hit = 0
+            if cache is not None:
+                hit, free_hit = cache.lookup(seq, todo)
+            cached = hit * self._bs
+            if not cfg.enable_chunked_prefill and todo - cached > budget:
                 break
-            chunk = min(todo, budget)
-            blocks = self._ceil(chunk)
-            if blocks > self.usable - self.used:
+            chunk = min(todo - cached, budget)
+            blocks = self._ceil(cached + chunk) - hit
+            if blocks + free_hit > self.usable - self.used:
                 break
             self.waiting.pop()
             seq.state = PREFILL
+            self._admitted += 1
+            seq.run_order = self._admitted
             self.running[seq.request_id] = seq
             self.prefilling[seq.request_id] = seq
-            self.used += blocks
+            if cache is not None:
+                if hit:
+                    cache.touch(seq, hit)
+                    self.used += free_hit
+                    seq.computed = cached
+                if seq.preemptions == 0:
+                    cache.queries += seq.prompt
+                    cache.hits += cached
+            self._take(blocks)
+            if cache is not None:
+                cache.store(seq, cached + chunk)
             budget -= chunk
             prefills.append((seq, chunk))
 
@@ -160,7 +195,7 @@ class Scheduler:
             self.decode.leave(seq)
         else:
             del self.prefilling[seq.request_id]
-        self.used -= self._ceil(seq.computed)
+        self._free(seq)
         seq.max_computed = max(seq.max_computed, seq.computed)
         seq.computed = 0
         seq.state = WAITING
@@ -188,9 +223,46 @@ class Scheduler:
 
     def release(self, seq: Seq) -> None:
         """Free a running sequence's blocks and forget it (it left the decode batch)."""
-        self.used -= self._ceil(seq.computed)
+        self._free(seq)
         seq.state = DONE
         del self.running[seq.request_id]
+
+    def _take(self, blocks: int) -> None:
+        """Allocate `blocks` free blocks: never-cached ones first, then cached ones."""
+        cache = self.cache
+        if cache is not None:
+            short = blocks - (self.usable - self.used - len(cache.lru))
+            if short > 0:
+                cache.evict(short)
+        self.used += blocks
+
+    def _free(self, seq: Seq) -> None:
+        """Free a sequence's blocks (its full blocks stay cached, free, with caching on)."""
+        held = -(-seq.computed // self._bs)
+        cache = self.cache
+        if cache is None:
+            self.used -= held
+            return
+        cache.store(seq, seq.computed)
+        private = held - len(seq.refs or ())
+        self.used -= private + cache.release(seq)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is held."""
+        if self.cache is None or self.used:
+            return False
+        self.cache.reset()
+        return True
+
+    def blocks_in_use(self) -> int:
+        """Blocks some running sequence holds, recounted from scratch (for audits)."""
+        shared: set[int] = set()
+        private = 0
+        for seq in self.running.values():
+            refs = seq.refs or ()
+            shared.update(refs)
+            private += self.blocks_of(seq) - len(refs)
+        return private + len(shared)
 
     def blocks_of(self, seq: Seq) -> int:
         """Blocks a running sequence holds, recomputed from its counts."""

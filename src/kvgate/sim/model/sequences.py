@@ -29,6 +29,7 @@ class Seq:
     priority: int
     arrival: float
     order: int  # admission order into the engine: the tie-breaker everywhere
+    run_order: int = 0  # its place in the running list (set each time it is admitted)
     state: int = WAITING
     generated: int = 0
     computed: int = 0  # tokens whose KV is computed (and held in blocks)
@@ -41,6 +42,13 @@ class Seq:
     gone_at: int = 0  # tokens generated when the client left
     preemptions: int = 0
     uncounted_preemptions: int = 0  # counted when it produces its next token, as vLLM does
+    # With prefix caching (`kvgate.sim.model.prefix`): the prompt's token ids (None: it
+    # shares nothing), its block hashes known so far, the cached blocks it holds by
+    # reference, and how many of its leading blocks were looked at for caching.
+    ids: tuple[int, ...] | None = None
+    hashes: list[int] | None = None
+    refs: list[int] | None = None
+    cached_upto: int = 0
 
 
 def eos_length(rng: random.Random, mean_tokens: float) -> int:

@@ -6,7 +6,9 @@ None of them protects anything; production never builds one (`kvgate.core.polici
 `kvgate.bench.serve`), the scripts under `benchmarks/` and the tests build them here, by
 name, next to `adaptive`:
 
-- `none` (`none.py`): admit everything, route to the least loaded node;
+- `none` (`none.py`): admit everything, route to the least loaded node (fewest requests in
+  flight): the "least-loaded" load balancer;
+- `round-robin` (`round_robin.py`): admit everything, each request to the next node in turn;
 - `static-qps`, `static-concurrency` (`static.py`): a conventional gateway's fixed quota,
   a token bucket or a cap on requests in flight (`BaselineOptions`);
 - `seed` (`seed.py`): a port of the original sketch's behaviour, flaws included.
@@ -21,6 +23,7 @@ from kvgate.core.clock import Clock
 from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.policies.adaptive import AdaptivePolicy
 from kvgate.core.policies.baselines.none import NonePolicy
+from kvgate.core.policies.baselines.round_robin import RoundRobinPolicy
 from kvgate.core.policies.baselines.seed import SeedPolicy
 from kvgate.core.policies.baselines.static import (
     BaselineOptions,
@@ -29,7 +32,7 @@ from kvgate.core.policies.baselines.static import (
 )
 from kvgate.core.settings import AdmissionSettings
 
-PolicyName = Literal["adaptive", "none", "static-qps", "static-concurrency", "seed"]
+PolicyName = Literal["adaptive", "none", "round-robin", "static-qps", "static-concurrency", "seed"]
 #: Every policy a benchmark may name: kvgate's first, then the baselines.
 POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
 
@@ -57,6 +60,8 @@ def build_named(
         return AdaptivePolicy(settings, clock, rng_seed=rng_seed, lengths=lengths)
     if name == "none":
         return NonePolicy(settings, clock, rng_seed=rng_seed, lengths=lengths)
+    if name == "round-robin":
+        return RoundRobinPolicy(settings, clock, rng_seed=rng_seed, lengths=lengths)
     if name == "static-qps":
         return StaticQpsPolicy(settings, clock, quota, rng_seed=rng_seed, lengths=lengths)
     if name == "static-concurrency":
@@ -75,6 +80,7 @@ __all__ = [
     "BaselineOptions",
     "NonePolicy",
     "PolicyName",
+    "RoundRobinPolicy",
     "SeedPolicy",
     "StaticConcurrencyPolicy",
     "StaticQpsPolicy",
