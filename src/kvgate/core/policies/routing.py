@@ -1,0 +1,209 @@
+"""Routing: which of the nodes a request fits on it goes to (a part of `AdaptivePolicy`).
+
+The policy decides *whether* a request fits on a node (its envelope under its ceiling);
+a `Routing` ranks the nodes it fits on. One small interface, two implementations, chosen
+by name (`ROUTING_NAMES`) so that the benchmarks compare them on the same policy:
+
+- `headroom` (`HeadroomRouting`): the node whose engine has the least prefill queued
+  (prompts sent there that have not produced a first token), then the most headroom left;
+- `prefix` (`PrefixRouting`): the node where the request waits for the least prefill,
+  counting what the node has cached of its prompt (`kvgate.core.prefix.index`): a node
+  that holds the prompt's first 1,536 of 2,048 tokens prefills 512. In tokens:
+
+      score(n) = backlog(n) + (prompt - cached(n)) + (1 - headroom(n)) * prompt
+
+  The last term keeps a hot prefix from piling on one engine: a node with a fraction `h`
+  of the prompt cached wins over an empty node until the planned peak fills a fraction `h`
+  of what it may hold; past that (or once its prefill backlog grows) the prompt goes
+  elsewhere and that node caches it too. A node the request does not fit on is never
+  ranked (the policy filters first), so a cache never overrides a ceiling.
+
+A route is asked for once per decision (`query`); besides ranking, a prefix route names
+the nodes worth checking beyond the policy's two random choices (`extra`: the engines
+holding the longest cached prefix of the prompt, found without a scan), and `placed` tells
+the routing where the request went (the approximate index learns from it) and returns why,
+for the access log: `prefix 1536/2048` (cached tokens / prompt tokens) or `headroom`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, get_args
+
+from kvgate.core.prefix.blocks import block_hashes
+from kvgate.core.prefix.events import BlockStored, KVEventBatch
+from kvgate.core.prefix.index import PrefixIndex
+from kvgate.core.prefix.tracker import EventTracker
+from kvgate.core.request import AdmissionRequest
+
+RoutingName = Literal["prefix", "headroom"]
+#: The routings a policy may be built with, the default first.
+ROUTING_NAMES: tuple[RoutingName, ...] = get_args(RoutingName)
+#: Block size of a node until its engine says (vLLM's default).
+DEFAULT_BLOCK_SIZE = 16
+#: Engines holding a prompt's longest cached prefix checked beyond the two random choices.
+MAX_EXTRA = 4
+
+
+class Route(Protocol):
+    """One request's ranking of the nodes it fits on (lower scores first)."""
+
+    @property
+    def extra(self) -> tuple[str, ...]: ...
+
+    def score(self, node_id: str, backlog: int, headroom: float) -> tuple[float, float]: ...
+
+
+class Routing(Protocol):
+    """Ranks the nodes a request fits on; learns where requests went."""
+
+    name: str
+
+    def query(self, request: AdmissionRequest) -> Route: ...
+
+    def placed(self, node_id: str, request: AdmissionRequest) -> str:
+        """The request went to `node_id`; returns why (for the access log)."""
+        ...
+
+    def capacity(self, node_id: str, tokens: int) -> None:
+        """The node's KV capacity in tokens (sizes its cache model)."""
+        ...
+
+    def forget(self, node_id: str) -> None: ...
+
+
+class _HeadroomRoute:
+    __slots__ = ()
+    extra: tuple[str, ...] = ()
+
+    def score(self, node_id: str, backlog: int, headroom: float) -> tuple[float, float]:
+        return (backlog, -headroom)
+
+
+_HEADROOM_ROUTE = _HeadroomRoute()
+
+
+class HeadroomRouting:
+    """Least prefill queued, then most headroom: blind to the engines' caches."""
+
+    name = "headroom"
+
+    def query(self, request: AdmissionRequest) -> Route:
+        return _HEADROOM_ROUTE
+
+    def placed(self, node_id: str, request: AdmissionRequest) -> str:
+        return "headroom"
+
+    def capacity(self, node_id: str, tokens: int) -> None:
+        pass
+
+    def forget(self, node_id: str) -> None:
+        pass
+
+
+class PrefixRoute:
+    """A prompt's cached prefix on each node, looked up as the policy asks."""
+
+    __slots__ = ("_cached", "_hashes", "_index", "_sizes", "extra", "prompt", "request")
+
+    def __init__(self, routing: PrefixRouting, request: AdmissionRequest) -> None:
+        self.request = request
+        self.prompt = request.cost.prompt_tokens
+        self._index = routing.index
+        self._sizes = routing.block_sizes
+        self._hashes: dict[int, list[int]] = {}
+        self._cached: dict[str, int] = {}
+        self.extra: tuple[str, ...] = ()
+        ids = request.prompt_ids
+        if ids:
+            hashes = self.hashes(DEFAULT_BLOCK_SIZE)
+            depth, holders = self._index.deepest(hashes)
+            if depth:
+                self.extra = tuple(n for n in holders if n in request.candidates)[:MAX_EXTRA]
+
+    def hashes(self, block_size: int) -> list[int]:
+        """The prompt's block hashes at `block_size` (computed once per size)."""
+        out = self._hashes.get(block_size)
+        if out is None:
+            ids = self.request.prompt_ids or ()
+            out = self._hashes[block_size] = block_hashes(ids, block_size)
+        return out
+
+    def cached(self, node_id: str) -> int:
+        """Prompt tokens the node has cached (never the whole prompt: an engine computes
+        at least its last token)."""
+        got = self._cached.get(node_id)
+        if got is None:
+            if not self.request.prompt_ids:
+                got = 0
+            else:
+                size = self._sizes.get(node_id, DEFAULT_BLOCK_SIZE)
+                got = self._index.matched(node_id, self.hashes(size)) * size
+                got = min(got, self.prompt - 1)
+            self._cached[node_id] = got
+        return got
+
+    def score(self, node_id: str, backlog: int, headroom: float) -> tuple[float, float]:
+        prompt = self.prompt
+        cached = self.cached(node_id)
+        return (backlog + prompt - cached + (1.0 - headroom) * prompt, -headroom)
+
+
+class PrefixRouting:
+    """Least prefill to wait for, counting each node's cached prefix (the module's score)."""
+
+    name = "prefix"
+
+    def __init__(self, index: PrefixIndex | None = None) -> None:
+        self.index = index if index is not None else PrefixIndex()
+        self.block_sizes: dict[str, int] = {}
+        self.events = EventTracker(self.index)
+        self._last: PrefixRoute | None = None
+
+    def query(self, request: AdmissionRequest) -> Route:
+        last = self._last
+        if last is None or last.request is not request:
+            last = self._last = PrefixRoute(self, request)
+        return last
+
+    def placed(self, node_id: str, request: AdmissionRequest) -> str:
+        route = self.query(request)
+        assert isinstance(route, PrefixRoute)
+        self._last = None
+        if not request.prompt_ids:
+            return "headroom"
+        cached = route.cached(node_id)
+        size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
+        self.index.store(node_id, route.hashes(size))
+        return f"prefix {max(0, cached)}/{route.prompt}"
+
+    def capacity(self, node_id: str, tokens: int) -> None:
+        size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
+        self.index.resize(node_id, tokens // size)
+
+    def block_size(self, node_id: str, size: int) -> None:
+        """The node's engine caches blocks of `size` tokens."""
+        if size > 0 and self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE) != size:
+            self.block_sizes[node_id] = size
+            self.events.reset(node_id)
+
+    def kv_events(self, node_id: str, batch: KVEventBatch) -> bool:
+        """One batch of the node's KV events (`EventTracker.apply`); False: events were lost."""
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.block_size(node_id, event.block_size)
+                break
+        return self.events.apply(node_id, batch)
+
+    def forget(self, node_id: str) -> None:
+        self.index.forget(node_id)
+        self.events.forget(node_id)
+        self.block_sizes.pop(node_id, None)
+
+
+def build_routing(name: RoutingName) -> Routing:
+    """The routing called `name` (one of `ROUTING_NAMES`)."""
+    if name == "prefix":
+        return PrefixRouting()
+    if name == "headroom":
+        return HeadroomRouting()
+    raise ValueError(f"no routing is called {name!r}; choose from {', '.join(ROUTING_NAMES)}")
