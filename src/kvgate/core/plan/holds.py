@@ -205,13 +205,16 @@ class Holds:
 
     # --- a hold's life ------------------------------------------------------------------------
 
-    def open(self, ticket: Ticket) -> Hold:
-        """Hold the admitted ticket's prompt (and, at its cap, its output) on its node."""
+    def open(self, ticket: Ticket, shared: int = 0) -> Hold:
+        """Hold the admitted ticket's prompt (and, at its cap, its output) on its node, less
+        the `shared` prompt tokens other holds there count already
+        (`kvgate.core.prefix.held`)."""
         cost = ticket.request.cost
         node_id = ticket.node_id
         key = ticket.key
         overhead = self.overhead
-        hold = Hold(key, ticket, node_id, cost.prompt_tokens, cost.max_output_tokens, overhead)
+        prompt = cost.prompt_tokens - shared
+        hold = Hold(key, ticket, node_id, prompt, cost.max_output_tokens, overhead)
         self.live[key] = hold
         book = self.books.get(node_id)
         if book is None:
@@ -253,6 +256,27 @@ class Holds:
             del marks[0]
         self.schedule(hold, now)
         return pace
+
+    def transfer(self, source: Hold, heir: Hold, tokens: int) -> None:
+        """Move `tokens` of shared prompt blocks from `source` (about to end) to `heir` (on
+        the same node, expected to end later): they stay held, in the heir's prompt, and
+        stay reflected in samples when they were. The node's sums do not change."""
+        tokens = min(tokens, source.prompt)
+        if tokens <= 0:
+            return
+        reflected = min(tokens, max(0, source.reflected - source.tok_cur), source.reflected)
+        source.prompt -= tokens
+        source.full -= tokens
+        source.reflected -= reflected
+        heir.prompt += tokens
+        heir.full += tokens
+        heir.reflected += reflected
+        book = self.books[source.node_id]
+        if not source.prefilled:
+            book.prefill -= tokens
+        if not heir.prefilled:
+            book.prefill += tokens
+        book.version += 1
 
     def release(self, key: str) -> Hold | None:
         """Drop the ticket's hold (None if it holds none); a node left without holds loses

@@ -7,7 +7,9 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    (`kvgate.core.plan.envelope`, built by `kvgate.core.plan.forecast`) stays under
    `ceiling(q) * capacity(n)`: the high watermark for sheddable work (it fills the cache
    only so far, leaving the rest for interactive work to start at once), the panic
-   watermark for standard and critical work. A request's hold is taken at once, so no
+   watermark for standard and critical work. A request counts on a node what that node
+   lacks: its prompt less the leading blocks requests running there hold already
+   (`BasePolicy.shared_on`). A request's hold is taken at once, so no
    burst, however dense, pushes a node's peak past its ceiling. Among the nodes that fit,
    the routing part ranks (`kvgate.core.policies.routing`: by the prefill the request
    would wait for there, counting the node's cached prefix of its prompt, and the headroom
@@ -106,7 +108,7 @@ class AdaptivePolicy(BasePolicy):
     ) -> None:
         super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
         self.feedback = feedback
-        self.routing: Routing = build_routing(routing)
+        self.routing: Routing = build_routing(routing, self.block_sizes, self.prompt_blocks)
         self.margins: dict[str, MarginController] = {}
         self._planned: dict[str, float] = {}  # each node's planned peak before its sample
         # Per (priority, candidates): (generation, valid until, [(held, expected, refusal)]).
@@ -260,7 +262,9 @@ class AdaptivePolicy(BasePolicy):
         if node.level == LEVEL_PANIC:
             return _Fit(None, "panic")
         limit = self.ceiling(node, request.priority) * cap
-        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
+        # What the node lacks: the prompt less the blocks its running requests hold already.
+        prompt = request.cost.prompt_tokens - self.shared_on(node_id, request)
+        held = prompt + self.tuning.reservation_overhead_tokens
         final = held + expected
         allowance = self.claims.left.get(node_id)
         if allowance is not None and final > allowance:

@@ -12,7 +12,11 @@
   (`kvgate.core.plan.forecast`);
 - `claims`: this replica's claims on each node's slack while other replicas admit too
   (`kvgate.core.replicas.claims`);
-- `lengths`: the expected output length per model (`kvgate.core.plan.lengths`).
+- `lengths`: the expected output length per model (`kvgate.core.plan.lengths`);
+- `held`: the prompt blocks the holds on each node share, counted once
+  (`kvgate.core.prefix.held`): a request whose prompt's leading blocks a running request
+  on the node holds already costs that node only the rest (`shared_on`), and a shared
+  block passes to the holder expected to end last when its owner ends.
 
 Here only the lifecycle of a ticket is wired through them (`admit`, `on_first_token`,
 `on_tokens`, `release`, `observe`), with what the baselines share: routing to the least
@@ -33,6 +37,8 @@ from kvgate.core.plan.forecast import Forecast
 from kvgate.core.plan.holds import FREED_MARGIN_S, Holds
 from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.plan.pace import Pace
+from kvgate.core.prefix.held import HeldBlocks, PromptBlocks, reusable
+from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE
 from kvgate.core.replicas.claims import Claims
 from kvgate.core.replicas.peers import PeerState
 from kvgate.core.request import AdmissionRequest
@@ -66,6 +72,10 @@ class BasePolicy:
         self.pace = Pace(self.nodes)
         self.forecast = Forecast(settings, clock, self.holds, self.pace)
         self.claims = Claims(settings, self.nodes, self.holds, self.forecast)
+        self.held = HeldBlocks()
+        self.prompt_blocks = PromptBlocks()
+        # Each node's KV block size (its engine's `block_size`), vLLM's 16 until it says.
+        self.block_sizes: dict[str, int] = {}
         self._seq = itertools.count()
         self._rr = 0
         # Bumped whenever anything a decision depends on changes (sample, ticket, node set,
@@ -111,6 +121,18 @@ class BasePolicy:
         """Tokens the request will hold at its end if it runs as expected."""
         return request.cost.prompt_tokens + expected + self.tuning.reservation_overhead_tokens
 
+    def block_size(self, node_id: str) -> int:
+        return self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
+
+    def shared_on(self, node_id: str, request: AdmissionRequest) -> int:
+        """Prompt tokens of `request` that running requests on the node hold already."""
+        ids = request.prompt_ids
+        if not ids:
+            return 0
+        size = self.block_size(node_id)
+        most = reusable(len(ids), size)
+        return self.held.held(node_id, self.prompt_blocks.of(ids, size), most) * size
+
     def on_first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
             ticket.first_token_at = self.clock.now()
@@ -149,6 +171,13 @@ class BasePolicy:
         if ticket.released:
             return
         ticket.released = True
+        live = self.holds.live
+        source = live.get(ticket.key)
+        if source is not None and ticket.request.prompt_ids:
+            size = self.block_size(source.node_id)
+            heirs = self.held.drop(ticket.key, lambda k: live[k].remaining())
+            for heir, blocks in heirs.items():
+                self.holds.transfer(source, live[heir], blocks * size)
         hold = self.holds.release(ticket.key)
         if hold is None:
             return
@@ -307,7 +336,13 @@ class BasePolicy:
         ticket = Ticket(
             request=request, node_id=node_id, admitted_at=now, key=key, expected_output=expected
         )
-        hold = self.holds.open(ticket)
+        shared = 0
+        ids = request.prompt_ids
+        if ids:
+            size = self.block_size(node_id)
+            blocks = self.prompt_blocks.of(ids, size)
+            shared = self.held.take(key, node_id, blocks, reusable(len(ids), size)) * size
+        hold = self.holds.open(ticket, shared)
         self.forecast.opened(hold)
         if node_id in self.claims.left:
             self.claims.spend(node_id, self.footprint(request, expected))

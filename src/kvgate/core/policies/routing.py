@@ -29,17 +29,15 @@ from __future__ import annotations
 
 from typing import Literal, Protocol, get_args
 
-from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.prefix.events import BlockStored, KVEventBatch
-from kvgate.core.prefix.index import PrefixIndex
+from kvgate.core.prefix.held import PromptBlocks, reusable
+from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE, PrefixIndex
 from kvgate.core.prefix.tracker import EventTracker
 from kvgate.core.request import AdmissionRequest
 
 RoutingName = Literal["prefix", "headroom"]
 #: The routings a policy may be built with, the default first.
 ROUTING_NAMES: tuple[RoutingName, ...] = get_args(RoutingName)
-#: Block size of a node until its engine says (vLLM's default).
-DEFAULT_BLOCK_SIZE = 16
 #: Engines holding a prompt's longest cached prefix checked beyond the two random choices.
 MAX_EXTRA = 4
 
@@ -103,14 +101,14 @@ class HeadroomRouting:
 class PrefixRoute:
     """A prompt's cached prefix on each node, looked up as the policy asks."""
 
-    __slots__ = ("_cached", "_hashes", "_index", "_sizes", "extra", "prompt", "request")
+    __slots__ = ("_blocks", "_cached", "_index", "_sizes", "extra", "prompt", "request")
 
     def __init__(self, routing: PrefixRouting, request: AdmissionRequest) -> None:
         self.request = request
         self.prompt = request.cost.prompt_tokens
         self._index = routing.index
         self._sizes = routing.block_sizes
-        self._hashes: dict[int, list[int]] = {}
+        self._blocks = routing.blocks
         self._cached: dict[str, int] = {}
         self.extra: tuple[str, ...] = ()
         ids = request.prompt_ids
@@ -121,24 +119,21 @@ class PrefixRoute:
                 self.extra = tuple(n for n in holders if n in request.candidates)[:MAX_EXTRA]
 
     def hashes(self, block_size: int) -> list[int]:
-        """The prompt's block hashes at `block_size` (computed once per size)."""
-        out = self._hashes.get(block_size)
-        if out is None:
-            ids = self.request.prompt_ids or ()
-            out = self._hashes[block_size] = block_hashes(ids, block_size)
-        return out
+        """The prompt's block hashes at `block_size` (`PromptBlocks.of`)."""
+        return self._blocks.of(self.request.prompt_ids or (), block_size)
 
     def cached(self, node_id: str) -> int:
-        """Prompt tokens the node has cached (never the whole prompt: an engine computes
-        at least its last token)."""
+        """Prompt tokens the node has cached (never the block of the last token, which an
+        engine computes again)."""
         got = self._cached.get(node_id)
         if got is None:
             if not self.request.prompt_ids:
                 got = 0
             else:
                 size = self._sizes.get(node_id, DEFAULT_BLOCK_SIZE)
-                got = self._index.matched(node_id, self.hashes(size)) * size
-                got = min(got, self.prompt - 1)
+                ids = self.request.prompt_ids
+                most = reusable(len(ids), size)
+                got = min(most, self._index.matched(node_id, self.hashes(size))) * size
             self._cached[node_id] = got
         return got
 
@@ -153,9 +148,10 @@ class PrefixRouting:
 
     name = "prefix"
 
-    def __init__(self, index: PrefixIndex | None = None) -> None:
-        self.index = index if index is not None else PrefixIndex()
-        self.block_sizes: dict[str, int] = {}
+    def __init__(self, block_sizes: dict[str, int], blocks: PromptBlocks) -> None:
+        self.index = PrefixIndex()
+        self.block_sizes = block_sizes  # the policy's: each node's engine block size
+        self.blocks = blocks
         self.events = EventTracker(self.index)
         self._last: PrefixRoute | None = None
 
@@ -197,13 +193,13 @@ class PrefixRouting:
     def forget(self, node_id: str) -> None:
         self.index.forget(node_id)
         self.events.forget(node_id)
-        self.block_sizes.pop(node_id, None)
 
 
-def build_routing(name: RoutingName) -> Routing:
-    """The routing called `name` (one of `ROUTING_NAMES`)."""
+def build_routing(name: RoutingName, block_sizes: dict[str, int], blocks: PromptBlocks) -> Routing:
+    """The routing called `name` (one of `ROUTING_NAMES`), on the policy's block sizes and
+    prompt hashes."""
     if name == "prefix":
-        return PrefixRouting()
+        return PrefixRouting(block_sizes, blocks)
     if name == "headroom":
         return HeadroomRouting()
     raise ValueError(f"no routing is called {name!r}; choose from {', '.join(ROUTING_NAMES)}")

@@ -21,10 +21,12 @@ engine that holds block `i` of a sequence almost always holds the blocks before 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 #: Blocks an engine's LRU holds before its capacity is known (a small engine's worth).
 DEFAULT_BLOCKS = 4096
+#: A node's KV block size until its engine says (vLLM's default).
+DEFAULT_BLOCK_SIZE = 16
 
 
 class PrefixIndex:
@@ -95,13 +97,13 @@ class PrefixIndex:
         cache = self._caches.get(node_id)
         if not cache or not hashes:
             return 0
-        return _leading(cache, hashes)
+        return leading(cache, hashes)
 
     def deepest(self, hashes: Sequence[int]) -> tuple[int, tuple[str, ...]]:
         """The longest leading run of `hashes` cached on some engine, and those engines."""
         if not hashes:
             return 0, ()
-        n = _leading(self._holders, hashes)
+        n = leading(self._holders, hashes)
         if n == 0:
             return 0, ()
         return n, tuple(self._holders[hashes[n - 1]])
@@ -120,9 +122,7 @@ class PrefixIndex:
                 del self._holders[h]
 
 
-def _leading(
-    present: OrderedDict[int, None] | dict[int, dict[str, None]], hashes: Sequence[int]
-) -> int:
+def leading(present: Container[int], hashes: Sequence[int]) -> int:
     """The longest leading run of `hashes` found in `present`, by bisection (a cache holds
     a block's predecessors whenever it holds the block)."""
     if hashes[0] not in present:
