@@ -491,6 +491,7 @@ class AdaptivePolicy(BasePolicy):
         entry = super()._node_snapshot(now, node)
         margin = self.margins.get(node.node_id)
         entry["margin"] = 0.0 if margin is None else margin.margin
+        entry.update(self.routing.node_snapshot(node.node_id))
         if node.cap is not None:
             entry["peak_usage"] = self.forecast.envelope(node).peak() / node.cap
         else:

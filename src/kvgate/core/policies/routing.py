@@ -40,6 +40,8 @@ RoutingName = Literal["prefix", "headroom"]
 ROUTING_NAMES: tuple[RoutingName, ...] = get_args(RoutingName)
 #: Engines holding a prompt's longest cached prefix checked beyond the two random choices.
 MAX_EXTRA = 4
+#: Weight of a node's fullness against the prefill it saves (the score's last term).
+BALANCE = 1.0
 
 
 class Route(Protocol):
@@ -67,6 +69,10 @@ class Routing(Protocol):
         ...
 
     def forget(self, node_id: str) -> None: ...
+
+    def node_snapshot(self, node_id: str) -> dict[str, float | int | None]:
+        """What `/admin/state` and the metrics show of the node's routing."""
+        ...
 
 
 class _HeadroomRoute:
@@ -96,6 +102,9 @@ class HeadroomRouting:
 
     def forget(self, node_id: str) -> None:
         pass
+
+    def node_snapshot(self, node_id: str) -> dict[str, float | int | None]:
+        return {}
 
 
 class PrefixRoute:
@@ -140,7 +149,7 @@ class PrefixRoute:
     def score(self, node_id: str, backlog: int, headroom: float) -> tuple[float, float]:
         prompt = self.prompt
         cached = self.cached(node_id)
-        return (backlog + prompt - cached + (1.0 - headroom) * prompt, -headroom)
+        return (backlog + prompt - cached + BALANCE * (1.0 - headroom) * prompt, -headroom)
 
 
 class PrefixRouting:
@@ -154,6 +163,9 @@ class PrefixRouting:
         self.blocks = blocks
         self.events = EventTracker(self.index)
         self._last: PrefixRoute | None = None
+        # Per node: prompt tokens sent there and those the index predicted cached.
+        self._queried: dict[str, int] = {}
+        self._hits: dict[str, int] = {}
 
     def query(self, request: AdmissionRequest) -> Route:
         last = self._last
@@ -168,6 +180,8 @@ class PrefixRouting:
         if not request.prompt_ids:
             return "headroom"
         cached = route.cached(node_id)
+        self._queried[node_id] = self._queried.get(node_id, 0) + route.prompt
+        self._hits[node_id] = self._hits.get(node_id, 0) + cached
         size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
         self.index.store(node_id, route.hashes(size))
         return f"prefix {max(0, cached)}/{route.prompt}"
@@ -193,6 +207,16 @@ class PrefixRouting:
     def forget(self, node_id: str) -> None:
         self.index.forget(node_id)
         self.events.forget(node_id)
+        self._queried.pop(node_id, None)
+        self._hits.pop(node_id, None)
+
+    def node_snapshot(self, node_id: str) -> dict[str, float | int | None]:
+        queried = self._queried.get(node_id, 0)
+        return {
+            "prefix_hit_rate_predicted": self._hits.get(node_id, 0) / queried if queried else None,
+            "prefix_index_blocks": self.index.blocks(node_id),
+            "prefix_resyncs": self.events.resyncs.get(node_id, 0),
+        }
 
 
 def build_routing(name: RoutingName, block_sizes: dict[str, int], blocks: PromptBlocks) -> Routing:
