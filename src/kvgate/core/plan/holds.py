@@ -94,6 +94,7 @@ class Hold:
         "overlap",
         "prefilled",
         "prompt",
+        "queued",
         "reflected",
         "ticket",
         "tok_cur",
@@ -107,6 +108,7 @@ class Hold:
         self.ticket = ticket
         self.node_id = node_id
         self.prompt = prompt
+        self.queued = prompt  # prompt tokens the engine must prefill (its cache aside)
         self.max_out = max_out
         self.expected = ticket.expected_output
         self.full = prompt + max_out + overhead
@@ -205,16 +207,18 @@ class Holds:
 
     # --- a hold's life ------------------------------------------------------------------------
 
-    def open(self, ticket: Ticket, shared: int = 0) -> Hold:
+    def open(self, ticket: Ticket, shared: int = 0, cached: int = 0) -> Hold:
         """Hold the admitted ticket's prompt (and, at its cap, its output) on its node, less
         the `shared` prompt tokens other holds there count already
-        (`kvgate.core.prefix.held`)."""
+        (`kvgate.core.prefix.held`); its prefill is what neither they nor the engine's
+        cache (`cached` tokens, as the prefix index predicts) hold."""
         cost = ticket.request.cost
         node_id = ticket.node_id
         key = ticket.key
         overhead = self.overhead
         prompt = cost.prompt_tokens - shared
         hold = Hold(key, ticket, node_id, prompt, cost.max_output_tokens, overhead)
+        hold.queued = max(0, cost.prompt_tokens - max(shared, cached))
         self.live[key] = hold
         book = self.books.get(node_id)
         if book is None:
@@ -223,7 +227,7 @@ class Holds:
         book.full += hold.full
         book.upper += hold.full
         book.now += hold.prompt + overhead
-        book.prefill += hold.prompt
+        book.prefill += hold.queued
         self.tokens += hold.full
         return hold
 
@@ -236,7 +240,7 @@ class Holds:
     def prefilled(self, hold: Hold) -> None:
         if not hold.prefilled:
             hold.prefilled = True
-            self.books[hold.node_id].prefill -= hold.prompt
+            self.books[hold.node_id].prefill -= hold.queued
 
     def grow(self, hold: Hold, book: Book, output_tokens: int, now: float) -> float | None:
         """The request has produced `output_tokens` (more than it had) by `now`. Returns the
@@ -271,12 +275,7 @@ class Holds:
         heir.prompt += tokens
         heir.full += tokens
         heir.reflected += reflected
-        book = self.books[source.node_id]
-        if not source.prefilled:
-            book.prefill -= tokens
-        if not heir.prefilled:
-            book.prefill += tokens
-        book.version += 1
+        self.books[source.node_id].version += 1
 
     def release(self, key: str) -> Hold | None:
         """Drop the ticket's hold (None if it holds none); a node left without holds loses
@@ -292,7 +291,7 @@ class Holds:
         book.upper -= hold.full - hold.reflected
         book.now -= self.current(hold) - hold.reflected
         if not hold.prefilled:
-            book.prefill -= hold.prompt
+            book.prefill -= hold.queued
         if not book.holds:
             del self.books[hold.node_id]
         self.tokens -= hold.full

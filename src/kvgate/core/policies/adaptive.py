@@ -468,8 +468,11 @@ class AdaptivePolicy(BasePolicy):
 
     # --- routing --------------------------------------------------------------------------------
 
-    def _open(self, now: float, request: AdmissionRequest, node_id: str, expected: int) -> Ticket:
-        ticket = super()._open(now, request, node_id, expected)
+    def _open(
+        self, now: float, request: AdmissionRequest, node_id: str, expected: int, cached: int = 0
+    ) -> Ticket:
+        cached = self.routing.query(request).cached(node_id)
+        ticket = super()._open(now, request, node_id, expected, cached)
         ticket.route = self.routing.placed(node_id, request)
         return ticket
 

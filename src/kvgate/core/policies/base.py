@@ -331,7 +331,11 @@ class BasePolicy:
 
     # --- wiring -------------------------------------------------------------------------------
 
-    def _open(self, now: float, request: AdmissionRequest, node_id: str, expected: int) -> Ticket:
+    def _open(
+        self, now: float, request: AdmissionRequest, node_id: str, expected: int, cached: int = 0
+    ) -> Ticket:
+        """Open the ticket and its hold; `cached`: prompt tokens the node's engine is
+        expected to have cached (they need no prefill)."""
         key = f"{next(self._seq)}:{request.request_id}"
         ticket = Ticket(
             request=request, node_id=node_id, admitted_at=now, key=key, expected_output=expected
@@ -342,7 +346,7 @@ class BasePolicy:
             size = self.block_size(node_id)
             blocks = self.prompt_blocks.of(ids, size)
             shared = self.held.take(key, node_id, blocks, reusable(len(ids), size)) * size
-        hold = self.holds.open(ticket, shared)
+        hold = self.holds.open(ticket, shared, cached)
         self.forecast.opened(hold)
         if node_id in self.claims.left:
             self.claims.spend(node_id, self.footprint(request, expected))

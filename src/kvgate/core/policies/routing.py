@@ -5,7 +5,8 @@ a `Routing` ranks the nodes it fits on. One small interface, two implementations
 by name (`ROUTING_NAMES`) so that the benchmarks compare them on the same policy:
 
 - `headroom` (`HeadroomRouting`): the node whose engine has the least prefill queued
-  (prompts sent there that have not produced a first token), then the most headroom left;
+  (prompts sent there that have not produced a first token, less what the node's running
+  requests or, as the index predicts, its cache hold), then the most headroom left;
 - `prefix` (`PrefixRouting`): the node where the request waits for the least prefill,
   counting what the node has cached of its prompt (`kvgate.core.prefix.index`): a node
   that holds the prompt's first 1,536 of 2,048 tokens prefills 512. In tokens:
@@ -52,6 +53,10 @@ class Route(Protocol):
 
     def score(self, node_id: str, backlog: int, headroom: float) -> tuple[float, float]: ...
 
+    def cached(self, node_id: str) -> int:
+        """Prompt tokens the node's engine is expected to have cached."""
+        ...
+
 
 class Routing(Protocol):
     """Ranks the nodes a request fits on; learns where requests went."""
@@ -81,6 +86,9 @@ class _HeadroomRoute:
 
     def score(self, node_id: str, backlog: int, headroom: float) -> tuple[float, float]:
         return (backlog, -headroom)
+
+    def cached(self, node_id: str) -> int:
+        return 0
 
 
 _HEADROOM_ROUTE = _HeadroomRoute()
