@@ -104,3 +104,26 @@ def test_a_node_is_asked_only_for_what_it_lacks() -> None:
     for t in (first, second):
         policy.release(t, Outcome.DONE)
     assert_books_empty(policy)
+
+
+def test_the_ledger_passes_each_block_to_a_holder_until_the_last_ends() -> None:
+    from kvgate.core.prefix.blocks import block_hashes
+    from kvgate.core.prefix.held import HeldBlocks
+
+    held = HeldBlocks()
+    a = block_hashes(tuple(range(64)), 16)  # 4 blocks
+    b = block_hashes(tuple(range(64)) + tuple(range(500, 532)), 16)  # a's 4 + 2 more
+    c = block_hashes(tuple(range(64)) + tuple(range(500, 532)) + tuple(range(900, 916)), 16)
+    ends = {"A": 1.0, "B": 2.0, "C": 3.0}
+    assert held.take("A", "n", a, 99) == 0
+    assert held.take("B", "n", b, 99) == 4
+    assert held.take("C", "n", c, 99) == 6  # 4 owned by A, 2 by B
+    assert held.blocks_on("n") == 7
+    # A ends first: B and C both hold its 4 blocks; C is expected to end last.
+    assert held.drop("A", ends.__getitem__) == {"C": 4}
+    assert held.blocks_on("n") == 7
+    # B ends: its 2 blocks are C's too.
+    assert held.drop("B", ends.__getitem__) == {"C": 2}
+    assert held.held("n", c, 99) == 7
+    assert held.drop("C", ends.__getitem__) == {}
+    assert held.blocks_on("n") == 0 and held.held("n", a, 99) == 0

@@ -5,7 +5,9 @@ An engine with prefix caching stores a block once however many running requests 
 node only the blocks of its prompt that no request running there holds already, plus its
 output. `HeldBlocks` keeps, per node, each held block's holders (ticket keys) and its
 *owner*: the one hold whose prompt counts the block (`kvgate.core.plan.holds`). A newcomer
-owns only the blocks it adds (`take` returns how many of its leading blocks were held).
+owns only the blocks it adds (`take` returns how many of its leading blocks were held) and
+is counted as a sharer of the owners of the rest; the work per request is one dictionary
+operation per block of its prompt, none per holder.
 
 A shared block frees when its last holder ends. When its owner ends first, the block
 passes to the holder expected to end last (`drop` returns, per heir, how many blocks it
@@ -24,75 +26,92 @@ from kvgate.core.prefix.index import leading
 
 
 class HeldBlocks:
-    """Per node: each held block's holders and owner; per hold: its blocks."""
+    """Per node: the owner of each held block. Per hold: the blocks it owns (a run of its
+    prompt's chain), the holds sharing them and how many (a sharer holds a leading part of
+    the run: sharing is by prefix), and the owners it shares from."""
 
-    __slots__ = ("_blocks", "_holders", "_owner")
+    __slots__ = ("_from", "_owned", "_owner", "_sharers")
 
     def __init__(self) -> None:
-        self._holders: dict[str, dict[int, dict[str, None]]] = {}  # node -> block -> keys
         self._owner: dict[str, dict[int, str]] = {}  # node -> block -> owning key
-        self._blocks: dict[str, tuple[str, Sequence[int]]] = {}  # key -> (node, blocks)
+        self._owned: dict[str, tuple[str, list[int]]] = {}  # key -> (node, its run)
+        self._sharers: dict[str, dict[str, int]] = {}  # owner -> sharer -> blocks
+        self._from: dict[str, dict[str, int]] = {}  # sharer -> owner -> blocks
 
     def held(self, node_id: str, hashes: Sequence[int], most: int) -> int:
         """How many leading blocks of `hashes` (at most `most`) running requests on the
         node hold."""
-        holders = self._holders.get(node_id)
-        if not holders or not hashes or most <= 0:
+        owner = self._owner.get(node_id)
+        if not owner or not hashes or most <= 0:
             return 0
-        return min(most, leading(holders, hashes))
+        return min(most, leading(owner, hashes))
 
     def take(self, key: str, node_id: str, hashes: Sequence[int], most: int) -> int:
         """The hold `key` on the node holds these blocks; returns how many it shares (held
         already, at most `most`: owned by others), the rest it owns."""
-        holders = self._holders.get(node_id)
-        if holders is None:
-            holders = self._holders[node_id] = {}
-            self._owner[node_id] = {}
-        owner = self._owner[node_id]
-        shared = min(most, leading(holders, hashes)) if holders and hashes and most > 0 else 0
-        for i, h in enumerate(hashes):
-            who = holders.get(h)
-            if who is None:
-                holders[h] = {key: None}
-            else:
-                who[key] = None
-            if i >= shared and h not in owner:
-                owner[h] = key
-        self._blocks[key] = (node_id, hashes)
+        owner = self._owner.get(node_id)
+        if owner is None:
+            owner = self._owner[node_id] = {}
+        shared = min(most, leading(owner, hashes)) if owner and hashes and most > 0 else 0
+        if shared:
+            tally: dict[str, int] = {}
+            for h in hashes[:shared]:
+                o = owner[h]
+                tally[o] = tally.get(o, 0) + 1
+            self._from[key] = tally
+            for o, n in tally.items():
+                self._sharers.setdefault(o, {})[key] = n
+        run = list(hashes[shared:])
+        for h in run:
+            owner[h] = key
+        self._owned[key] = (node_id, run)
         return shared
 
     def drop(self, key: str, last_end: Callable[[str], float]) -> dict[str, int]:
-        """The hold `key` ended: its blocks lose a holder. Returns, per heir key, how many
-        of the blocks it owned pass to that heir (the remaining holder whose `last_end`,
-        the expected end, is latest)."""
-        entry = self._blocks.pop(key, None)
+        """The hold `key` ended: returns, per heir key, how many of the blocks it owned
+        pass to that heir (still held by others: the sharer holding most of them, the one
+        expected to end last among equals, takes them all)."""
+        entry = self._owned.pop(key, None)
         if entry is None:
             return {}
-        node_id, hashes = entry
-        holders = self._holders[node_id]
+        node_id, run = entry
         owner = self._owner[node_id]
-        heirs: dict[str, int] = {}
-        for h in hashes:
-            who = holders.get(h)
-            if who is None:
-                continue
-            who.pop(key, None)
-            if not who:
-                del holders[h]
-                owner.pop(h, None)
-            elif owner.get(h) == key:
-                heir = max(who, key=last_end)
-                owner[h] = heir
-                heirs[heir] = heirs.get(heir, 0) + 1
-        if not holders:
-            del self._holders[node_id]
-            del self._owner[node_id]
-        return heirs
+        for o in self._from.pop(key, {}):
+            theirs = self._sharers.get(o)
+            if theirs is not None:
+                theirs.pop(key, None)
+        mine = self._sharers.pop(key, None)
+        if not mine:
+            for h in run:
+                del owner[h]
+            if not owner:
+                del self._owner[node_id]
+            return {}
+        heir = max(mine, key=lambda k: (mine[k], last_end(k)))
+        n = mine.pop(heir)
+        for h in run[:n]:
+            owner[h] = heir
+        for h in run[n:]:
+            del owner[h]
+        heir_node, heir_run = self._owned[heir]
+        self._owned[heir] = (heir_node, run[:n] + heir_run)
+        # The heir no longer shares these from `key`; the other sharers share from the heir.
+        came = self._from.get(heir)
+        if came is not None:
+            came.pop(key, None)
+        if mine:
+            theirs = self._sharers.setdefault(heir, {})
+            for k, c in mine.items():
+                theirs[k] = theirs.get(k, 0) + c
+                sources = self._from[k]
+                del sources[key]
+                sources[heir] = sources.get(heir, 0) + c
+        return {heir: n}
 
     def blocks_on(self, node_id: str) -> int:
         """Distinct blocks held on the node."""
-        holders = self._holders.get(node_id)
-        return 0 if holders is None else len(holders)
+        owner = self._owner.get(node_id)
+        return 0 if owner is None else len(owner)
 
 
 def reusable(tokens: int, block_size: int) -> int:
