@@ -115,3 +115,25 @@ def test_without_token_ids_prefix_routing_ranks_by_headroom() -> None:
     decision = admit(policy, "r", RequestCost(500, 100), candidates=NODES)
     assert isinstance(decision, Admit)
     assert decision.ticket.route == "headroom"
+
+
+def test_the_engine_block_size_and_hit_rate_come_from_its_samples() -> None:
+    import dataclasses
+
+    policy, clock = make("prefix-aware")
+    assert isinstance(policy, AdaptivePolicy)
+    seen = dataclasses.replace(
+        sample(clock, usage=0.1, capacity=100_000),
+        block_size=32,
+        prefix_hits_total=300.0,
+        prefix_queries_total=400.0,
+    )
+    policy.observe("a", seen)
+    assert policy.block_size("a") == 32
+    ticket = _admit(policy, "r0", _prompt(1), ("a",)).ticket
+    policy.on_first_token(ticket)
+    again = _admit(policy, "r1", _prompt(2), ("a",)).ticket
+    assert again.route == "prefix 1024/1280"  # 32 blocks of 32
+    node = policy.snapshot()["nodes"]["a"]
+    assert node["prefix_hit_rate_seen"] == 0.75
+    assert node["prefix_index_blocks"] == 40 + 8

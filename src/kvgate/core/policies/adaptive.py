@@ -476,6 +476,11 @@ class AdaptivePolicy(BasePolicy):
         ticket.route = self.routing.placed(node_id, request)
         return ticket
 
+    def _new_block_size(self, node_id: str, size: int) -> None:
+        if isinstance(self.routing, PrefixRouting):
+            self.routing.block_size(node_id, size)  # the index, named at the old size, resets
+        super()._new_block_size(node_id, size)
+
     def kv_events(self, node_id: str, batch: KVEventBatch) -> None:
         """An engine's KV events (`kvgate.core.prefix.events.KVEventSink`): the prefix
         routing's index follows them; the headroom routing ignores them."""

@@ -206,6 +206,9 @@ class BasePolicy:
         if not node.accept(sample, now, self.settings):
             return
         self.generation += 1
+        size = sample.block_size
+        if size and self.block_sizes.get(node_id) != size:
+            self._new_block_size(node_id, size)
         book = self.holds.books.get(node_id)
         self.forecast.observed(node_id, book)
         if book is not None:
@@ -260,6 +263,11 @@ class BasePolicy:
     ) -> str | Reject:
         raise NotImplementedError
 
+    def _new_block_size(self, node_id: str, size: int) -> None:
+        """The node's engine caches blocks of `size` tokens (its holds keep the hashes they
+        were opened with)."""
+        self.block_sizes[node_id] = size
+
     def _before_observe(self, node: NodeState) -> None:
         """Called before a new sample of the node is taken (the last plan still stands)."""
 
@@ -278,6 +286,14 @@ class BasePolicy:
         entry["reserved_tokens"] = self.holds.reserved_on(node.node_id)
         entry["in_flight"] = self.holds.in_flight_on(node.node_id)
         entry["predicted_usage"] = self.forecast.usage_now(node)
+        sample = node.sample
+        if (
+            sample is not None
+            and sample.prefix_queries_total
+            and sample.prefix_hits_total is not None
+        ):
+            # The engine's own prefix cache hit rate since it started.
+            entry["prefix_hit_rate_seen"] = sample.prefix_hits_total / sample.prefix_queries_total
         return entry
 
     # --- what the baselines share -------------------------------------------------------------

@@ -356,6 +356,12 @@ _NODE_GAUGES = (
         ("prefix_hit_rate_predicted",),
     ),
     (
+        "kvgate_node_prefix_hit_rate_seen",
+        "The engine's own prefix cache hit rate since it started (vLLM's prefix_cache_hits"
+        " / prefix_cache_queries).",
+        ("prefix_hit_rate_seen",),
+    ),
+    (
         "kvgate_node_prefix_index_blocks",
         "KV blocks the node's prefix index holds (its engine's cache as kvgate knows it).",
         ("prefix_index_blocks",),
