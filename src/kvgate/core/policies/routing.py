@@ -176,6 +176,8 @@ class PrefixRouting:
         self._hits: dict[str, int] = {}
 
     def query(self, request: AdmissionRequest) -> Route:
+        if not request.prompt_ids:
+            return _HEADROOM_ROUTE  # nothing to look up: ranked as by headroom alone
         last = self._last
         if last is None or last.request is not request:
             last = self._last = PrefixRoute(self, request)
@@ -183,10 +185,9 @@ class PrefixRouting:
 
     def placed(self, node_id: str, request: AdmissionRequest) -> str:
         route = self.query(request)
-        assert isinstance(route, PrefixRoute)
-        self._last = None
-        if not request.prompt_ids:
+        if not isinstance(route, PrefixRoute):
             return "headroom"
+        self._last = None
         cached = route.cached(node_id)
         self._queried[node_id] = self._queried.get(node_id, 0) + route.prompt
         self._hits[node_id] = self._hits.get(node_id, 0) + cached
