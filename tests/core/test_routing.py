@@ -129,7 +129,7 @@ def test_the_engine_block_size_and_hit_rate_come_from_its_samples() -> None:
         prefix_queries_total=400.0,
     )
     policy.observe("a", seen)
-    assert policy.block_size("a") == 32
+    assert policy.block_sizes["a"] == 32
     ticket = _admit(policy, "r0", _prompt(1), ("a",)).ticket
     policy.on_first_token(ticket)
     again = _admit(policy, "r1", _prompt(2), ("a",)).ticket

@@ -121,15 +121,12 @@ class BasePolicy:
         """Tokens the request will hold at its end if it runs as expected."""
         return request.cost.prompt_tokens + expected + self.tuning.reservation_overhead_tokens
 
-    def block_size(self, node_id: str) -> int:
-        return self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
-
     def shared_on(self, node_id: str, request: AdmissionRequest) -> int:
         """Prompt tokens of `request` that running requests on the node hold already."""
         ids = request.prompt_ids
         if not ids:
             return 0
-        size = self.block_size(node_id)
+        size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
         most = reusable(len(ids), size)
         return self.held.held(node_id, self.prompt_blocks.of(ids, size), most) * size
 
@@ -174,7 +171,7 @@ class BasePolicy:
         live = self.holds.live
         source = live.get(ticket.key)
         if source is not None and ticket.request.prompt_ids:
-            size = self.block_size(source.node_id)
+            size = self.block_sizes.get(source.node_id, DEFAULT_BLOCK_SIZE)
             heirs = self.held.drop(ticket.key, lambda k: live[k].remaining())
             for heir, blocks in heirs.items():
                 self.holds.transfer(source, live[heir], blocks * size)
@@ -359,7 +356,7 @@ class BasePolicy:
         shared = 0
         ids = request.prompt_ids
         if ids:
-            size = self.block_size(node_id)
+            size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
             blocks = self.prompt_blocks.of(ids, size)
             shared = self.held.take(key, node_id, blocks, reusable(len(ids), size)) * size
         hold = self.holds.open(ticket, shared, cached)
