@@ -104,7 +104,7 @@ class AdaptivePolicy(BasePolicy):
         rng_seed: int | None = None,
         lengths: OutputLengths | None = None,
         feedback: bool = True,
-        routing: RoutingName = "headroom",
+        routing: RoutingName = "prefix",
     ) -> None:
         super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
         self.feedback = feedback

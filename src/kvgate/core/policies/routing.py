@@ -7,9 +7,9 @@ by name (`ROUTING_NAMES`) so that the benchmarks compare them on the same policy
 - `headroom` (`HeadroomRouting`): the node whose engine has the least prefill queued
   (prompts sent there that have not produced a first token, less what the node's running
   requests or, as the index predicts, its cache hold), then the most headroom left;
-- `prefix` (`PrefixRouting`): the node where the request waits for the least prefill,
-  counting what the node has cached of its prompt (`kvgate.core.prefix.index`): a node
-  that holds the prompt's first 1,536 of 2,048 tokens prefills 512. In tokens:
+- `prefix` (`PrefixRouting`, the default): the node where the request waits for the least
+  prefill, counting what the node has cached of its prompt (`kvgate.core.prefix.index`):
+  a node that holds the prompt's first 1,536 of 2,048 tokens prefills 512. In tokens:
 
       score(n) = backlog(n) + (prompt - cached(n)) + (1 - headroom(n)) * prompt
 

@@ -13,7 +13,8 @@ name, next to `adaptive`:
   a token bucket or a cap on requests in flight (`BaselineOptions`);
 - `seed` (`seed.py`): a port of the original sketch's behaviour, flaws included;
 - `headroom-only`, `prefix-aware`: `adaptive` with one routing or the other
-  (`kvgate.core.policies.routing`), to compare them on the same admission.
+  (`kvgate.core.policies.routing`; `prefix-aware` is `adaptive`'s own), to compare them on
+  the same admission.
 """
 
 from __future__ import annotations
