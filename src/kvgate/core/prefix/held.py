@@ -19,7 +19,8 @@ its prompt's, so a node's held prefix of a prompt is found by bisection.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
 
 from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.prefix.index import leading
@@ -36,7 +37,7 @@ class HeldBlocks:
         self._owner: dict[str, dict[int, str]] = {}  # node -> block -> owning key
         self._owned: dict[str, tuple[str, list[int]]] = {}  # key -> (node, its run)
         self._sharers: dict[str, dict[str, int]] = {}  # owner -> sharer -> blocks
-        self._from: dict[str, dict[str, int]] = {}  # sharer -> owner -> blocks
+        self._from: dict[str, Counter[str]] = {}  # sharer -> owner -> blocks
 
     def held(self, node_id: str, hashes: Sequence[int], most: int) -> int:
         """How many leading blocks of `hashes` (at most `most`) running requests on the
@@ -54,16 +55,12 @@ class HeldBlocks:
             owner = self._owner[node_id] = {}
         shared = min(most, leading(owner, hashes)) if owner and hashes and most > 0 else 0
         if shared:
-            tally: dict[str, int] = {}
-            for h in hashes[:shared]:
-                o = owner[h]
-                tally[o] = tally.get(o, 0) + 1
+            tally = Counter(map(owner.__getitem__, hashes[:shared]))
             self._from[key] = tally
             for o, n in tally.items():
                 self._sharers.setdefault(o, {})[key] = n
         run = list(hashes[shared:])
-        for h in run:
-            owner[h] = key
+        owner.update(dict.fromkeys(run, key))
         self._owned[key] = (node_id, run)
         return shared
 
@@ -82,17 +79,14 @@ class HeldBlocks:
                 theirs.pop(key, None)
         mine = self._sharers.pop(key, None)
         if not mine:
-            for h in run:
-                del owner[h]
+            _drain(map(owner.__delitem__, run))
             if not owner:
                 del self._owner[node_id]
             return {}
         heir = max(mine, key=lambda k: (mine[k], last_end(k)))
         n = mine.pop(heir)
-        for h in run[:n]:
-            owner[h] = heir
-        for h in run[n:]:
-            del owner[h]
+        owner.update(dict.fromkeys(run[:n], heir))
+        _drain(map(owner.__delitem__, run[n:]))
         heir_node, heir_run = self._owned[heir]
         self._owned[heir] = (heir_node, run[:n] + heir_run)
         # The heir no longer shares these from `key`; the other sharers share from the heir.
@@ -112,6 +106,11 @@ class HeldBlocks:
         """Distinct blocks held on the node."""
         owner = self._owner.get(node_id)
         return 0 if owner is None else len(owner)
+
+
+def _drain(calls: Iterator[None]) -> None:
+    """Run a `map` of calls to the end, in C."""
+    deque(calls, maxlen=0)
 
 
 def reusable(tokens: int, block_size: int) -> int:
