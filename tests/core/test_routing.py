@@ -137,3 +137,19 @@ def test_the_engine_block_size_and_hit_rate_come_from_its_samples() -> None:
     node = policy.snapshot()["nodes"]["a"]
     assert node["prefix_hit_rate_seen"] == 0.75
     assert node["prefix_index_blocks"] == 40 + 8
+
+
+def test_an_engine_whose_counters_start_again_has_an_empty_cache() -> None:
+    import dataclasses
+
+    policy, clock = make("prefix-aware")
+    assert isinstance(policy, AdaptivePolicy) and isinstance(policy.routing, PrefixRouting)
+    base = sample(clock, usage=0.1, capacity=100_000)
+    policy.observe("a", dataclasses.replace(base, prefix_queries_total=5000.0))
+    _admit(policy, "r0", _prompt(1), ("a",))
+    assert policy.snapshot()["nodes"]["a"]["prefix_index_blocks"] == 80
+    clock.advance(0.05)
+    restarted = sample(clock, usage=0.0, capacity=100_000)
+    policy.observe("a", dataclasses.replace(restarted, prefix_queries_total=0.0))
+    node = policy.snapshot()["nodes"]["a"]
+    assert node["prefix_index_blocks"] == 0 and node["prefix_resyncs"] == 1

@@ -111,6 +111,7 @@ class AdaptivePolicy(BasePolicy):
         self.routing: Routing = build_routing(routing, self.block_sizes, self.prompt_blocks)
         self.margins: dict[str, MarginController] = {}
         self._planned: dict[str, float] = {}  # each node's planned peak before its sample
+        self._prefix_queries: dict[str, float] = {}  # each engine's prefix cache counter
         # Per (priority, candidates): (generation, valid until, [(held, expected, refusal)]).
         self._refusals: dict[
             tuple[Priority, tuple[str, ...]], tuple[int, float, list[tuple[int, int, Reject]]]
@@ -446,6 +447,13 @@ class AdaptivePolicy(BasePolicy):
     def _on_observe(self, now: float, node: NodeState) -> None:
         if node.cap is not None:
             self.routing.capacity(node.node_id, node.cap)
+        queries = None if node.sample is None else node.sample.prefix_queries_total
+        if queries is not None:
+            last = self._prefix_queries.get(node.node_id)
+            self._prefix_queries[node.node_id] = queries
+            if last is not None and queries < last and isinstance(self.routing, PrefixRouting):
+                # Its counters started again: the engine restarted, its cache is empty.
+                self.routing.events.reset(node.node_id)
         if not self.feedback:
             return
         sample = node.sample
@@ -464,6 +472,7 @@ class AdaptivePolicy(BasePolicy):
     def remove_node(self, node_id: str) -> None:
         super().remove_node(node_id)
         self.margins.pop(node_id, None)
+        self._prefix_queries.pop(node_id, None)
         self.routing.forget(node_id)
 
     # --- routing --------------------------------------------------------------------------------

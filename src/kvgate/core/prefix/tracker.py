@@ -11,8 +11,10 @@ number does not follow the last one (`KVEventBatch.seq`), or a stored block whos
 unknown, clears the engine's entry and reports it (`apply` returns False): the shell then
 replays what it can from the engine (vLLM's replay socket) or lets the index rebuild from
 the events that follow. An engine that restarted says so with `AllBlocksCleared` or with a
-sequence that starts again; both clear it. Meanwhile the engine has no cached prefix in
-the index, and routing ranks it by headroom alone.
+sequence that starts again; both clear it, and so does the policy when the engine's prefix
+cache counters start again (`AdaptivePolicy`, from its samples: an engine without events).
+Meanwhile the engine has no cached prefix in the index, and routing ranks it by headroom
+alone.
 """
 
 from __future__ import annotations
