@@ -244,7 +244,8 @@ NOTES = [
     "- Provenance: the kvgate rows are `run.py --routings headroom-only prefix-aware",
     "  prefix-approx` at commit 80ddb99; the round-robin and least-loaded rows come from",
     "  the run at 0ac4e55 (their placement is unchanged since, and a rerun here gave the",
-    "  same chat figures to the token).",
+    "  same chat figures to the token). prefix-aware at 1,200 conversations, rerun at",
+    "  b9201e0 (the final ledger), gave the same figures to the token.",
 ]
 
 
