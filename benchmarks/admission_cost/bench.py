@@ -8,6 +8,13 @@ requests of 500 prompt + 500 output tokens. Rejections are measured with every n
 round times a batch of decisions. Writes results.md next to this file.
 
     python benchmarks/admission_cost/bench.py [--quick]
+    python benchmarks/admission_cost/bench.py --prefix [--quick]
+
+`--prefix` measures the prefix bookkeeping instead (results_prefix.md): 2,048-token prompts
+with their token ids (a 1,024-token system prompt shared by all, 1,024 tokens each its
+own), admitted and released on 64 nodes by `adaptive` with each routing, against the same
+prompts without ids (no hashing, no held blocks, no index). The requests of a round are
+placed before any is released, so the index and the held blocks have content to search.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from kvgate.core.admission import Admit, Outcome, Reject
 from kvgate.core.clock import ManualClock
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.policies.baselines import BaselineOptions, PolicyName, build_named
+from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
@@ -119,6 +127,79 @@ def bench_observe(name: PolicyName, rounds: int, per_round: int) -> list[float]:
     return figures
 
 
+SYSTEM = tuple(range(100_000, 101_024))
+
+
+def _prefix_requests(n: int, ids: bool) -> list[AdmissionRequest]:
+    cost = RequestCost(prompt_tokens=2048, max_output_tokens=200)
+    out = []
+    for i in range(n):
+        prompt = SYSTEM + tuple(range(i * 2048, i * 2048 + 1024)) if ids else None
+        out.append(AdmissionRequest(f"p{i}", cost, Priority.STANDARD, model="m",
+                                    candidates=NODES, prompt_ids=prompt))  # fmt: skip
+    return out
+
+
+def bench_prefix(name: PolicyName, ids: bool, rounds: int, per_round: int) -> list[float]:
+    """µs per admit+release of a 2k-token prompt (a round places all, then releases all)."""
+    policy, clock = _policy(name)
+    figures = []
+    for _ in range(rounds):
+        clock.advance(0.05)
+        _feed(policy, clock, 0.30)
+        requests = _prefix_requests(per_round, ids)  # built outside the timing
+        start = time.process_time()
+        tickets = []
+        for request in requests:
+            decision = policy.admit(request)
+            assert isinstance(decision, Admit)
+            tickets.append(decision.ticket)
+        for ticket in tickets:
+            policy.release(ticket, Outcome.DONE)
+        figures.append((time.process_time() - start) / per_round * 1e6)
+    return figures
+
+
+def main_prefix(quick: bool) -> int:
+    rounds, per_round = (5, 200) if quick else (30, 500)
+    rows = []
+    cases: list[tuple[PolicyName, bool, str]] = [
+        ("headroom-only", False, "no token ids (today's cost)"),
+        ("headroom-only", True, "held blocks counted once"),
+        ("prefix-aware", True, "held blocks + prefix routing (approximate index)"),
+    ]
+    for name, ids, what in cases:
+        figures = bench_prefix(name, ids, rounds, per_round)
+        rows.append(f"| `{name}` | {what} | {_cell(figures)} |")
+        print(rows[-1], flush=True)
+    hashing = []
+    for _ in range(rounds):
+        prompts = [r.prompt_ids or () for r in _prefix_requests(per_round, True)]
+        start = time.process_time()
+        for ids in prompts:
+            block_hashes(ids, 16)
+        hashing.append((time.process_time() - start) / per_round * 1e6)
+    rows.append(f"| - | `block_hashes` alone (128 blocks of 16) | {_cell(hashing)} |")
+    print(rows[-1], flush=True)
+    out = Path(__file__).with_name("results_prefix.md")
+    out.write_text(
+        "# Prefix bookkeeping cost (pure core, 64 nodes, 2,048-token prompts)\n\n"
+        "Command: `python benchmarks/admission_cost/bench.py --prefix"
+        f"{' --quick' if quick else ''}`"
+        f" ({rounds} rounds x {per_round} requests; median (min-max) CPU µs per admit +"
+        " release).\n"
+        f"Machine: {platform.machine()}, Python {platform.python_version()},"
+        f" {platform.system()} (shared 2-core box; other jobs were running).\n\n"
+        "| policy | what it does | CPU µs per request |\n| --- | --- | --- |\n"
+        + "\n".join(rows)
+        + "\n\nThe difference between the first row and the others is what the prefix"
+        " bookkeeping costs per request: hashing the prompt's 128 blocks once, the held"
+        " blocks' ledger, and for prefix routing the index's look-up and update.\n"
+    )
+    print(f"wrote {out}")
+    return 0
+
+
 def _cell(figures: list[float] | None) -> str:
     if figures is None:
         return "n/a"
@@ -128,7 +209,10 @@ def _cell(figures: list[float] | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (smoke run)")
+    parser.add_argument("--prefix", action="store_true", help="the prefix bookkeeping's cost")
     args = parser.parse_args()
+    if args.prefix:
+        return main_prefix(args.quick)
     rounds, per_round = (5, 500) if args.quick else (30, 2000)
     rows = []
     for name in POLICIES:

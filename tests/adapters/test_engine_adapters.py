@@ -354,3 +354,24 @@ def test_label_escapes_are_decoded_in_one_pass() -> None:
     assert series.labels() == {"a": "x\\ny", "b": 'q"r', "c": "l1\nl2", "engine": "0"}
     assert series.label("a") == "x\\ny" and series.label("engine") == "0"
     assert series.label("gine") is None  # a name that only ends another one
+
+
+def test_vllm_block_size_and_prefix_cache_counters() -> None:
+    """The block size kvgate hashes prompts by, and the engine's own prefix cache hit
+    counters (prompt tokens found cached / looked up)."""
+    text = page("vllm")
+    text = replace_line(
+        text,
+        b"vllm:prefix_cache_queries_total{",
+        b'vllm:prefix_cache_queries_total{engine="0",model_name="tiny-llama"} 2048.0',
+    )
+    text = replace_line(
+        text,
+        b"vllm:prefix_cache_hits_total{",
+        b'vllm:prefix_cache_hits_total{engine="0",model_name="tiny-llama"} 1536.0',
+    )
+    sample = adapter_for("vllm").parse(text, 0.0)
+    assert sample.block_size == 32
+    assert sample.prefix_queries_total == 2048.0 and sample.prefix_hits_total == 1536.0
+    bare = adapter_for("vllm").parse(drop_lines(text, b"vllm:prefix_cache_"), 0.0)
+    assert bare.prefix_hits_total is None and bare.prefix_queries_total is None

@@ -27,6 +27,8 @@ class Backend:
     #: The configured KV capacity (for dialects whose page lacks it): part of equality, so
     #: that a reload which changes only this replaces the node's adapter.
     capacity_tokens: int | None = None
+    #: The engine's KV event publisher (`kvgate.gateway.engines.kv_events`), if any.
+    kv_events: str | None = None
 
     @classmethod
     def from_settings(cls, settings: BackendSettings) -> Backend:
@@ -39,6 +41,7 @@ class Backend:
             adapter=adapter_for(settings.engine, capacity_tokens=settings.kv_capacity_tokens),
             api_key=settings.api_key,
             capacity_tokens=settings.kv_capacity_tokens,
+            kv_events=settings.kv_events,
         )
 
     def auth_headers(self) -> Mapping[str, str]:

@@ -28,6 +28,13 @@ class BackendSettings(BaseModel):
             "(TGI: --max-batch-total-tokens; llama.cpp: --ctx-size). Ignored when the page has it."
         ),
     )
+    kv_events: str | None = Field(
+        None,
+        description=(
+            "The engine's KV event publisher (vLLM --kv-events-config), `tcp://host:port`,"
+            " with `?replay=tcp://host:port` for its replay socket: routing by prefix cache."
+        ),
+    )
     discover: Literal["static", "dns"] = Field(
         "static",
         description=(
@@ -41,6 +48,13 @@ class BackendSettings(BaseModel):
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None:
             http_url(value)
+        return value
+
+    @field_validator("kv_events")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).scheme not in ("tcp", "ipc"):
+            raise ValueError(f"{value!r} is not a ZMQ endpoint: expected tcp://host:port")
         return value
 
     @model_validator(mode="after")

@@ -39,10 +39,13 @@ ITL_COUNT = "vllm:inter_token_latency_seconds_count"
 ITL_SUM_OLD = "vllm:time_per_output_token_seconds_sum"  # pre-v1 name of the same histogram
 ITL_COUNT_OLD = "vllm:time_per_output_token_seconds_count"
 PREEMPTIONS = "vllm:num_preemptions_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 
 _SCANNER = MetricScanner(
     [
         *(USAGE, USAGE_OLD, RUNNING, WAITING, CACHE_INFO, PREEMPTIONS),
+        *(PREFIX_HITS, PREFIX_QUERIES),
         *(ITL_SUM, ITL_COUNT, ITL_SUM_OLD, ITL_COUNT_OLD),
     ]
 )
@@ -66,6 +69,7 @@ class VllmAdapter(AbortAPI):
         self._itl = HistogramDelta()
         self._capacity_key: tuple[bytes, ...] | None = None
         self._capacity_memo: dict[str, int | None] = {}
+        self._block_size: int | None = None
         #: False once the node answered 403/404 to an abort: it runs without
         #: `--enable-scale-out`, so the connection close is the only abort.
 
@@ -86,6 +90,9 @@ class VllmAdapter(AbortAPI):
             iteration_latency_s=self._latency(found),
             sampled_at=now,
             preemptions_total=self._preemptions(found),
+            block_size=self._block_size,
+            prefix_hits_total=self._counter(found, PREFIX_HITS),
+            prefix_queries_total=self._counter(found, PREFIX_QUERIES),
         )
 
     def narrowed_metrics_url(self, metrics_url: str) -> str | None:
@@ -113,11 +120,15 @@ class VllmAdapter(AbortAPI):
         if key == self._capacity_key:
             return self._capacity_memo
         out: dict[str, int | None] = {}
+        sizes = set()
         for s in info:
             blocks = positive_int_label(s, "num_gpu_blocks", CACHE_INFO)
             size = positive_int_label(s, "block_size", CACHE_INFO)
             out[s.label("engine") or ""] = blocks * size if blocks and size else None
+            sizes.add(size)
         self._capacity_key, self._capacity_memo = key, out
+        # One block size for the node (its engines agree), else none.
+        self._block_size = sizes.pop() if len(sizes) == 1 else None
         return out
 
     def _latency(self, found: Mapping[str, list[Series]]) -> float | None:
@@ -128,6 +139,11 @@ class VllmAdapter(AbortAPI):
         return self._itl.update(
             non_negative(total(sums), ITL_SUM), non_negative(total(counts), ITL_COUNT)
         )
+
+    @staticmethod
+    def _counter(found: Mapping[str, list[Series]], name: str) -> float | None:
+        series = optional(found, name)
+        return non_negative(total(series), name) if series else None
 
     @staticmethod
     def _preemptions(found: Mapping[str, list[Series]]) -> float | None:

@@ -77,7 +77,9 @@ class Routing:
 ROUTINGS: dict[str, Routing] = {
     "round-robin": Routing("round-robin", NO_QUEUE),
     "least-loaded": Routing("none", NO_QUEUE),
-    "headroom-only": Routing("adaptive"),
+    "headroom-only": Routing("headroom-only"),
+    "prefix-aware": Routing("prefix-aware", kv_events=True),
+    "prefix-approx": Routing("prefix-aware"),
 }
 
 

@@ -108,7 +108,11 @@ class Record:
             fails = int(data["fails"])
             soft = int(data.get("soft", 0))
             raw = data["sample"]
-            sample = None if raw is None else NodeSample(**{f: raw[f] for f in _SAMPLE_FIELDS})
+            sample = (
+                None
+                if raw is None
+                else NodeSample(**{f: raw[f] for f in _SAMPLE_FIELDS if f in raw})
+            )
         except (TypeError, ValueError, KeyError):
             return None
         if not math.isfinite(at) or fails < 0 or soft < 0:

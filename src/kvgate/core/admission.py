@@ -45,7 +45,9 @@ class Ticket:
     """An admitted request's claim on one node. Identity, not value, makes two tickets equal.
 
     `expected_output` is the output length the envelope assumed when it admitted the
-    request; `waited_s` how long it queued first; `key` names its hold inside the policy.
+    request; `waited_s` how long it queued first; `key` names its hold inside the policy;
+    `route` why it went to its node (`kvgate.core.policies.routing`: `prefix 1536/2048`,
+    `headroom`), for the access log.
     """
 
     request: AdmissionRequest
@@ -57,6 +59,7 @@ class Ticket:
     first_token_at: float | None = None
     output_tokens: int = 0
     released: bool = False
+    route: str = ""
 
     @property
     def request_id(self) -> str:

@@ -17,7 +17,10 @@ class NodeSample:
     previous one* (delta of histogram sum / delta of count; on a node's first sample, and
     after its engine restarted, the mean of the whole histogram), None when no token was
     made.
-    `sampled_at` is on the core's clock, not the engine's.
+    `sampled_at` is on the core's clock, not the engine's. `block_size` is the tokens per
+    KV block the engine caches by (vLLM's `cache_config_info`), and `prefix_hits_total` /
+    `prefix_queries_total` its prefix cache's counters (prompt tokens found cached / looked
+    up), None where the engine does not say.
     """
 
     kv_usage: float | None
@@ -27,6 +30,9 @@ class NodeSample:
     iteration_latency_s: float | None
     sampled_at: float
     preemptions_total: float | None = None
+    block_size: int | None = None
+    prefix_hits_total: float | None = None
+    prefix_queries_total: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form, the one used by `/admin/state`, the dashboard and the cluster."""
@@ -38,6 +44,9 @@ class NodeSample:
             "iteration_latency_s": self.iteration_latency_s,
             "sampled_at": self.sampled_at,
             "preemptions_total": self.preemptions_total,
+            "block_size": self.block_size,
+            "prefix_hits_total": self.prefix_hits_total,
+            "prefix_queries_total": self.prefix_queries_total,
         }
 
 

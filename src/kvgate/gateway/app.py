@@ -27,8 +27,10 @@ from kvgate.core.clock import Clock, MonotonicClock
 from kvgate.core.cost import CostEstimator
 from kvgate.core.flow import FlowController
 from kvgate.core.policies import BasePolicy, build_policy
+from kvgate.core.prefix.events import KVEventSink
 from kvgate.gateway.engines.backend_set import BackendChange, diff_backends, restart_needed
 from kvgate.gateway.engines.discovery import Discovery, Resolver, resolve_ipv4
+from kvgate.gateway.engines.kv_events import KVEventSubscriber
 from kvgate.gateway.engines.scraper import Scraper
 from kvgate.gateway.http.asgi import ASGIApp, Receive, Scope, Send
 from kvgate.gateway.http.body import ClientGone, read_body
@@ -111,6 +113,8 @@ class Gateway:
             load_tokenizers(config.admission.tokenizers),
         )
         self.scraper: Scraper | None = None
+        #: Per backend with `kv_events`: its subscriber and task (started by `running`).
+        self.kv_events: dict[str, tuple[KVEventSubscriber, asyncio.Task[Any]]] = {}
         #: The last minutes of what the dashboard charts (recorded by `running`).
         self.history = ChartHistory(self.state)
         #: With `store.url`: this replica's link to the others (started by `running`).
@@ -207,6 +211,8 @@ class Gateway:
                     self.spawn(self._watch_dns())
                     self._join_replicas()
                     self._start_scraper()
+                    for backend in self.backends:
+                        self._subscribe(backend)
                     self.spawn(self.catalog.refresh())
                     self.spawn(self.history.run())
                     yield self
@@ -275,7 +281,22 @@ class Gateway:
         log.info("backends %s", "unchanged" if change.empty else f"changed: {change.describe()}")
         return change
 
+    def _subscribe(self, backend: Backend) -> None:
+        """Follow the backend's KV events into the policy, when both have them."""
+        policy = self.admission.policy
+        if backend.kv_events is None or not isinstance(policy, KVEventSink):
+            return
+        try:
+            subscriber = KVEventSubscriber(backend.node_id, backend.kv_events, policy.kv_events)
+        except ImportError:
+            log.error("kv_events of %s needs the kv-events extra (pyzmq, msgspec)", backend.node_id)
+            return
+        self.kv_events[backend.node_id] = (subscriber, self.spawn(subscriber.run()))
+
     def _drop(self, backend: Backend) -> None:
+        gone = self.kv_events.pop(backend.node_id, None)
+        if gone is not None:
+            gone[1].cancel()
         if self.scraper is not None:
             self.scraper.remove(backend.node_id)
         self.pool.remove(backend.node_id)
@@ -287,6 +308,7 @@ class Gateway:
         self.admission.add_node(backend.node_id)
         if self.scraper is not None:
             self.scraper.add(backend)
+            self._subscribe(backend)
         self.spawn(self.catalog.learn(backend))
 
     async def _discover(self) -> None:

@@ -94,6 +94,7 @@ class Hold:
         "overlap",
         "prefilled",
         "prompt",
+        "queued",
         "reflected",
         "ticket",
         "tok_cur",
@@ -107,6 +108,7 @@ class Hold:
         self.ticket = ticket
         self.node_id = node_id
         self.prompt = prompt
+        self.queued = prompt  # prompt tokens the engine must prefill (its cache aside)
         self.max_out = max_out
         self.expected = ticket.expected_output
         # Its expected length is the cap only because its model's lengths are unknown yet
@@ -217,15 +219,27 @@ class Holds:
 
     # --- a hold's life ------------------------------------------------------------------------
 
-    def open(self, ticket: Ticket, guessed: bool = False, likely: int | None = None) -> Hold:
-        """Hold the admitted ticket's prompt (and, at its cap, its output) on its node;
-        `guessed`: its expected length is a guess (`Hold.guessed`); `likely`: its most
-        likely length (its expected one when not given)."""
+    def open(
+        self,
+        ticket: Ticket,
+        guessed: bool = False,
+        likely: int | None = None,
+        shared: int = 0,
+        cached: int = 0,
+    ) -> Hold:
+        """Hold the admitted ticket's prompt (and, at its cap, its output) on its node, less
+        the `shared` prompt tokens other holds there count already
+        (`kvgate.core.prefix.held`); its prefill is what neither they nor the engine's
+        cache (`cached` tokens, as the prefix index predicts) hold. `guessed`: its expected
+        length is a guess (`Hold.guessed`); `likely`: its most likely length (its expected
+        one when not given)."""
         cost = ticket.request.cost
         node_id = ticket.node_id
         key = ticket.key
         overhead = self.overhead
-        hold = Hold(key, ticket, node_id, cost.prompt_tokens, cost.max_output_tokens, overhead)
+        prompt = cost.prompt_tokens - shared
+        hold = Hold(key, ticket, node_id, prompt, cost.max_output_tokens, overhead)
+        hold.queued = max(0, cost.prompt_tokens - max(shared, cached))
         hold.guessed = guessed
         if likely is not None:
             hold.likely = min(likely, hold.expected)
@@ -237,7 +251,7 @@ class Holds:
         book.full += hold.full
         book.upper += hold.full
         book.now += hold.prompt + overhead
-        book.prefill += hold.prompt
+        book.prefill += hold.queued
         book.guessed += guessed
         self.tokens += hold.full
         return hold
@@ -251,7 +265,7 @@ class Holds:
     def prefilled(self, hold: Hold) -> None:
         if not hold.prefilled:
             hold.prefilled = True
-            self.books[hold.node_id].prefill -= hold.prompt
+            self.books[hold.node_id].prefill -= hold.queued
 
     def grow(self, hold: Hold, book: Book, output_tokens: int, now: float) -> float | None:
         """The request has produced `output_tokens` (more than it had) by `now`. Returns the
@@ -272,6 +286,22 @@ class Holds:
         self.schedule(hold, now)
         return pace
 
+    def transfer(self, source: Hold, heir: Hold, tokens: int) -> None:
+        """Move `tokens` of shared prompt blocks from `source` (about to end) to `heir` (on
+        the same node, expected to end later): they stay held, in the heir's prompt, and
+        stay reflected in samples when they were. The node's sums do not change."""
+        tokens = min(tokens, source.prompt)
+        if tokens <= 0:
+            return
+        reflected = min(tokens, max(0, source.reflected - source.tok_cur), source.reflected)
+        source.prompt -= tokens
+        source.full -= tokens
+        source.reflected -= reflected
+        heir.prompt += tokens
+        heir.full += tokens
+        heir.reflected += reflected
+        self.books[source.node_id].version += 1
+
     def release(self, key: str) -> Hold | None:
         """Drop the ticket's hold (None if it holds none); a node left without holds loses
         its book, whose wake-up queue held only dead holds."""
@@ -286,7 +316,7 @@ class Holds:
         book.upper -= hold.full - hold.reflected
         book.now -= self.current(hold) - hold.reflected
         if not hold.prefilled:
-            book.prefill -= hold.prompt
+            book.prefill -= hold.queued
         book.guessed -= hold.guessed
         if not book.holds:
             del self.books[hold.node_id]

@@ -7,13 +7,16 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    (`kvgate.core.plan.envelope`, built by `kvgate.core.plan.forecast`) stays under
    `ceiling(q) * capacity(n)`: the high watermark for sheddable work (it fills the cache
    only so far, leaving the rest for interactive work to start at once), the panic
-   watermark for standard and critical work. A request's hold is taken at once, so no
+   watermark for standard and critical work. A request counts on a node what that node
+   lacks: its prompt less the leading blocks requests running there hold already
+   (`BasePolicy.shared_on`). A request's hold is taken at once, so no
    burst, however dense, pushes a node's peak past its ceiling. Among the nodes that fit,
-   the one whose engine has the least prefill still queued wins (the prompts sent there
-   that have not produced a first token: a chat sent behind a 100k-token prefill waits for
-   it), and then the one with the most headroom left (power of two choices from
-   `p2c_min_nodes` candidates on, falling back to a full scan when neither fits). Nodes are
-   never averaged: one node at 99 % and one at 10 % are two different answers.
+   the routing part ranks (`kvgate.core.policies.routing`: by the prefill the request
+   would wait for there, counting the node's cached prefix of its prompt, and the headroom
+   left; or by headroom alone). From `p2c_min_nodes` candidates on, only two random nodes
+   and the ones the routing names (those holding the prompt's longest cached prefix) are
+   checked, falling back to a full scan when none fits. Nodes are never averaged: one node
+   at 99 % and one at 10 % are two different answers.
 
 2. **Room promised to a waiter is respected** (`promised`): on a node whose room is
    promised from time T to a request already waiting (the head of the queue), a newcomer is
@@ -63,13 +66,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvgate.core.admission import Reject, StartEstimate
+from kvgate.core.admission import Reject, StartEstimate, Ticket
 from kvgate.core.clock import Clock
 from kvgate.core.nodes import LEVEL_PANIC, NodeState
 from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.plan.margin import MarginController
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.policies.refusals import Fit, no_room, planned_peak
+from kvgate.core.policies.routing import PrefixRouting, Route, Routing, RoutingName, build_routing
+from kvgate.core.prefix.events import KVEventBatch
 from kvgate.core.request import AdmissionRequest, Priority
 from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered
 from kvgate.core.settings import AdmissionSettings
@@ -97,11 +102,14 @@ class AdaptivePolicy(BasePolicy):
         rng_seed: int | None = None,
         lengths: OutputLengths | None = None,
         feedback: bool = True,
+        routing: RoutingName = "prefix",
     ) -> None:
         super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
         self.feedback = feedback
+        self.routing: Routing = build_routing(routing, self.block_sizes, self.prompt_blocks)
         self.margins: dict[str, MarginController] = {}
         self._planned: dict[str, float] = {}  # each node's planned peak before its sample
+        self._prefix_queries: dict[str, float] = {}  # each engine's prefix cache counter
         # Per (priority, candidates): (generation, valid until, [(held, expected, refusal)]).
         self._refusals: dict[
             tuple[Priority, tuple[str, ...]], tuple[int, float, list[tuple[int, int, Reject]]]
@@ -139,8 +147,9 @@ class AdaptivePolicy(BasePolicy):
             known = self._refused_memo(now, memo_key, held, expected)
             if known is not None:
                 return known
+        route = self.routing.query(request)
         if len(candidates) >= self.tuning.p2c_min_nodes:
-            node_id = self._two_choices(now, request, expected, promised)
+            node_id = self._two_choices(now, request, expected, promised, route)
             if node_id is not None:
                 return node_id
         best: str | None = None
@@ -152,7 +161,7 @@ class AdaptivePolicy(BasePolicy):
             if fit.headroom is None:
                 misses.append(fit)
                 continue
-            score = (backlog(node_id), -fit.headroom)
+            score = route.score(node_id, backlog(node_id), fit.headroom)
             if score < best_score:
                 best, best_score = node_id, score
         if best is not None:
@@ -206,18 +215,21 @@ class AdaptivePolicy(BasePolicy):
         request: AdmissionRequest,
         expected: int,
         promised: Mapping[str, float],
+        route: Route,
     ) -> str | None:
+        """The best of two random candidates and the ones the route names."""
         candidates = request.candidates
         n = len(candidates)
         i = self.rng.randrange(n)
         j = self.rng.randrange(n - 1)
         best: str | None = None
         best_score = (float("inf"), float("inf"))
-        for node_id in (candidates[i], candidates[j + (j >= i)]):
+        a, b = candidates[i], candidates[j + (j >= i)]
+        for node_id in (a, b, *(x for x in route.extra if x != a and x != b)):
             fit = self._fit(now, node_id, request, expected, promised)
             if fit.headroom is None:
                 continue
-            score = (self.holds.prefill_backlog(node_id), -fit.headroom)
+            score = route.score(node_id, self.holds.prefill_backlog(node_id), fit.headroom)
             if score < best_score:
                 best, best_score = node_id, score
         return best
@@ -251,7 +263,9 @@ class AdaptivePolicy(BasePolicy):
         if node.level == LEVEL_PANIC:
             return Fit(None, "panic")
         limit = self.ceiling(node, request.priority) * cap
-        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
+        # What the node lacks: the prompt less the blocks its running requests hold already.
+        prompt = request.cost.prompt_tokens - self.shared_on(node_id, request)
+        held = prompt + self.tuning.reservation_overhead_tokens
         final = held + expected
         allowance = self.claims.left.get(node_id)
         if allowance is not None and final > allowance:
@@ -431,6 +445,18 @@ class AdaptivePolicy(BasePolicy):
             self._planned[node.node_id] = self.forecast.envelope(node).peak() / node.cap
 
     def _on_observe(self, now: float, node: NodeState) -> None:
+        if node.cap is not None:
+            self.routing.capacity(node.node_id, node.cap)
+        size = self.block_sizes.get(node.node_id)
+        if size and isinstance(self.routing, PrefixRouting):
+            self.routing.block_size(node.node_id, size)  # a new size resets its index
+        queries = None if node.sample is None else node.sample.prefix_queries_total
+        if queries is not None:
+            last = self._prefix_queries.get(node.node_id)
+            self._prefix_queries[node.node_id] = queries
+            if last is not None and queries < last and isinstance(self.routing, PrefixRouting):
+                # Its counters started again: the engine restarted, its cache is empty.
+                self.routing.events.reset(node.node_id)
         if not self.feedback:
             return
         sample = node.sample
@@ -449,10 +475,29 @@ class AdaptivePolicy(BasePolicy):
     def remove_node(self, node_id: str) -> None:
         super().remove_node(node_id)
         self.margins.pop(node_id, None)
+        self._prefix_queries.pop(node_id, None)
+        self.routing.forget(node_id)
+
+    # --- routing --------------------------------------------------------------------------------
+
+    def _open(
+        self, now: float, request: AdmissionRequest, node_id: str, expected: int, cached: int = 0
+    ) -> Ticket:
+        cached = self.routing.query(request).cached(node_id)
+        ticket = super()._open(now, request, node_id, expected, cached)
+        ticket.route = self.routing.placed(node_id, request)
+        return ticket
+
+    def kv_events(self, node_id: str, batch: KVEventBatch) -> None:
+        """An engine's KV events (`kvgate.core.prefix.events.KVEventSink`): the prefix
+        routing's index follows them; the headroom routing ignores them."""
+        if isinstance(self.routing, PrefixRouting):
+            self.routing.kv_events(node_id, batch)
 
     def _controller_snapshot(self, now: float) -> dict[str, Any]:
         return {
             **super()._controller_snapshot(now),
+            "routing": self.routing.name,
             "feedback": self.feedback,
             "margins": {nid: m.margin for nid, m in self.margins.items()},
         }
@@ -461,6 +506,7 @@ class AdaptivePolicy(BasePolicy):
         entry = super()._node_snapshot(now, node)
         margin = self.margins.get(node.node_id)
         entry["margin"] = 0.0 if margin is None else margin.margin
+        entry.update(self.routing.node_snapshot(node.node_id))
         if node.cap is not None:
             entry["peak_usage"] = self.forecast.envelope(node).peak() / node.cap
         else:

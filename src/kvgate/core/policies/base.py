@@ -12,7 +12,11 @@
   (`kvgate.core.plan.forecast`);
 - `claims`: this replica's claims on each node's slack while other replicas admit too
   (`kvgate.core.replicas.claims`);
-- `lengths`: the expected output length per model (`kvgate.core.plan.lengths`).
+- `lengths`: the expected output length per model (`kvgate.core.plan.lengths`);
+- `held`: the prompt blocks the holds on each node share, counted once
+  (`kvgate.core.prefix.held`): a request whose prompt's leading blocks a running request
+  on the node holds already costs that node only the rest (`shared_on`), and a shared
+  block passes to the holder expected to end last when its owner ends.
 
 Here only the lifecycle of a ticket is wired through them (`admit`, `on_first_token`,
 `on_tokens`, `release`, `observe`), with what the baselines share: routing to the least
@@ -33,6 +37,8 @@ from kvgate.core.plan.forecast import Forecast
 from kvgate.core.plan.holds import Holds
 from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.plan.pace import Pace
+from kvgate.core.prefix.held import HeldBlocks, PromptBlocks, reusable
+from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE
 from kvgate.core.replicas.claims import Claims
 from kvgate.core.replicas.peers import PeerState
 from kvgate.core.request import AdmissionRequest
@@ -66,6 +72,10 @@ class BasePolicy:
         self.pace = Pace(self.nodes)
         self.forecast = Forecast(settings, clock, self.holds, self.pace)
         self.claims = Claims(settings, self.nodes, self.holds, self.forecast)
+        self.held = HeldBlocks()
+        self.prompt_blocks = PromptBlocks()
+        # Each node's KV block size (its engine's `block_size`), vLLM's 16 until it says.
+        self.block_sizes: dict[str, int] = {}
         self._seq = itertools.count()
         self._rr = 0
         # Bumped whenever anything a decision depends on changes (sample, ticket, node set,
@@ -130,6 +140,15 @@ class BasePolicy:
         """Tokens the request will hold at its end if it runs as expected."""
         return request.cost.prompt_tokens + expected + self.tuning.reservation_overhead_tokens
 
+    def shared_on(self, node_id: str, request: AdmissionRequest) -> int:
+        """Prompt tokens of `request` that running requests on the node hold already."""
+        ids = request.prompt_ids
+        if not ids:
+            return 0
+        size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
+        most = reusable(len(ids), size)
+        return self.held.held(node_id, self.prompt_blocks.of(ids, size), most) * size
+
     def on_first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
             ticket.first_token_at = self.clock.now()
@@ -168,6 +187,13 @@ class BasePolicy:
         if ticket.released:
             return
         ticket.released = True
+        live = self.holds.live
+        source = live.get(ticket.key)
+        if source is not None and ticket.request.prompt_ids:
+            size = self.block_sizes.get(source.node_id, DEFAULT_BLOCK_SIZE)
+            heirs = self.held.drop(ticket.key, lambda k: live[k].remaining())
+            for heir, blocks in heirs.items():
+                self.holds.transfer(source, live[heir], blocks * size)
         hold = self.holds.release(ticket.key)
         if hold is None:
             return
@@ -194,6 +220,9 @@ class BasePolicy:
         if not node.accept(sample, now, self.settings):
             return
         self.generation += 1
+        if sample.block_size:
+            # The engine caches blocks of this size (holds keep the hashes they opened with).
+            self.block_sizes[node_id] = sample.block_size
         book = self.holds.books.get(node_id)
         self.forecast.observed(node_id, book)
         if book is not None:
@@ -270,6 +299,14 @@ class BasePolicy:
         # (a prediction on the prior never refuses a request).
         entry["pace_s"] = self.pace.step_s(node.node_id)
         entry["pace_measured"] = self.pace.measured(node.node_id)
+        sample = node.sample
+        if (
+            sample is not None
+            and sample.prefix_queries_total
+            and sample.prefix_hits_total is not None
+        ):
+            # The engine's own prefix cache hit rate since it started.
+            entry["prefix_hit_rate_seen"] = sample.prefix_hits_total / sample.prefix_queries_total
         return entry
 
     # --- what the baselines share -------------------------------------------------------------
@@ -323,7 +360,11 @@ class BasePolicy:
 
     # --- wiring -------------------------------------------------------------------------------
 
-    def _open(self, now: float, request: AdmissionRequest, node_id: str, expected: int) -> Ticket:
+    def _open(
+        self, now: float, request: AdmissionRequest, node_id: str, expected: int, cached: int = 0
+    ) -> Ticket:
+        """Open the ticket and its hold; `cached`: prompt tokens the node's engine is
+        expected to have cached (they need no prefill)."""
         key = f"{next(self._seq)}:{request.request_id}"
         ticket = Ticket(
             request=request, node_id=node_id, admitted_at=now, key=key, expected_output=expected
@@ -331,7 +372,13 @@ class BasePolicy:
         cost, model, exact = request.cost, request.model, request.exact_output
         guessed = not self.lengths.informed(model, cost.max_output_tokens, exact)
         likely = self.lengths.likely(model, cost.max_output_tokens, exact)
-        hold = self.holds.open(ticket, guessed, likely)
+        shared = 0
+        ids = request.prompt_ids
+        if ids:
+            size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
+            blocks = self.prompt_blocks.of(ids, size)
+            shared = self.held.take(key, node_id, blocks, reusable(len(ids), size)) * size
+        hold = self.holds.open(ticket, guessed, likely, shared, cached)
         self.forecast.opened(hold)
         if node_id in self.claims.left:
             self.claims.spend(node_id, self.footprint(request, expected))

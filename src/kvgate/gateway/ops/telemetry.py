@@ -351,6 +351,22 @@ _NODE_GAUGES = (
         ("inflight_tokens", "reserved_tokens", "reservations_tokens"),
     ),
     (
+        "kvgate_node_prefix_hit_rate_predicted",
+        "Share of the prompt tokens sent to the node that its prefix index predicted cached.",
+        ("prefix_hit_rate_predicted",),
+    ),
+    (
+        "kvgate_node_prefix_hit_rate_seen",
+        "The engine's own prefix cache hit rate since it started (vLLM's prefix_cache_hits"
+        " / prefix_cache_queries).",
+        ("prefix_hit_rate_seen",),
+    ),
+    (
+        "kvgate_node_prefix_index_blocks",
+        "KV blocks the node's prefix index holds (its engine's cache as kvgate knows it).",
+        ("prefix_index_blocks",),
+    ),
+    (
         "kvgate_node_sample_age_seconds",
         "Age of the node's last good sample.",
         ("age_s", "sample_age_s"),

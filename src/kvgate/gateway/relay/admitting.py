@@ -87,6 +87,7 @@ class Admitter:
                 if backend is None:  # removed by a reload while the request waited
                     raise UpstreamConnectError("the backend was removed", "removed")
                 record.backend = backend.node_id
+                record.placement = ticket.route or None
                 outcome = await self.exchange(call, backend, ticket)
                 return
             except UpstreamConnectError as exc:

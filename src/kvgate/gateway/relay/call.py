@@ -82,6 +82,8 @@ class AccessRecord:
     late_count: asyncio.Task[PromptCount | None] | None = None
     queued_s: float | None = None  # time spent waiting in the gateway's queue
     reason: str | None = None  # why the gateway answered an error itself
+    # Why it went to its backend (`Ticket.route`: `prefix 1536/2048`, `headroom`).
+    placement: str | None = None
     # SSE data events relayed so far (a stream's tokens, or more when an engine merges
     # several into one event), and those received after the client's disconnect was noticed.
     events: int = 0

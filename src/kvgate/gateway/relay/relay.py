@@ -345,6 +345,7 @@ class Relay:
                 "tenant": record.tenant or None,
                 "model": record.model,
                 "backend": record.backend,
+                "placement": record.placement,
                 "status": record.status,
                 "streamed": record.streamed,
                 "priority": record.priority,

@@ -11,7 +11,10 @@ name, next to `adaptive`:
 - `round-robin` (`round_robin.py`): admit everything, each request to the next node in turn;
 - `static-qps`, `static-concurrency` (`static.py`): a conventional gateway's fixed quota,
   a token bucket or a cap on requests in flight (`BaselineOptions`);
-- `seed` (`seed.py`): a port of the original sketch's behaviour, flaws included.
+- `seed` (`seed.py`): a port of the original sketch's behaviour, flaws included;
+- `headroom-only`, `prefix-aware`: `adaptive` with one routing or the other
+  (`kvgate.core.policies.routing`; `prefix-aware` is `adaptive`'s own), to compare them on
+  the same admission.
 """
 
 from __future__ import annotations
@@ -32,7 +35,16 @@ from kvgate.core.policies.baselines.static import (
 )
 from kvgate.core.settings import AdmissionSettings
 
-PolicyName = Literal["adaptive", "none", "round-robin", "static-qps", "static-concurrency", "seed"]
+PolicyName = Literal[
+    "adaptive",
+    "none",
+    "round-robin",
+    "static-qps",
+    "static-concurrency",
+    "seed",
+    "headroom-only",
+    "prefix-aware",
+]
 #: Every policy a benchmark may name: kvgate's first, then the baselines.
 POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
 
@@ -68,6 +80,12 @@ def build_named(
         return StaticConcurrencyPolicy(settings, clock, quota, rng_seed=rng_seed, lengths=lengths)
     if name == "seed":
         return SeedPolicy(settings, clock, rng_seed=rng_seed, lengths=lengths)
+    if name == "headroom-only":
+        return AdaptivePolicy(
+            settings, clock, rng_seed=rng_seed, lengths=lengths, routing="headroom"
+        )
+    if name == "prefix-aware":
+        return AdaptivePolicy(settings, clock, rng_seed=rng_seed, lengths=lengths, routing="prefix")
     raise ValueError(_unknown(name))
 
 

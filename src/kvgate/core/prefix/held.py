@@ -1,0 +1,140 @@
+"""Held blocks: the KV blocks the running requests on each node hold, each counted once.
+
+An engine with prefix caching stores a block once however many running requests use it
+(vLLM counts references; `kv_cache_usage_perc` counts the block once). So a request costs a
+node only the blocks of its prompt that no request running there holds already, plus its
+output. `HeldBlocks` keeps, per node, each held block's holders (ticket keys) and its
+*owner*: the one hold whose prompt counts the block (`kvgate.core.plan.holds`). A newcomer
+owns only the blocks it adds (`take` returns how many of its leading blocks were held) and
+is counted as a sharer of the owners of the rest; the work per request is one dictionary
+operation per block of its prompt, none per holder.
+
+A shared block frees when its last holder ends. When its owner ends first, the block
+passes to the holder expected to end last (`drop` returns, per heir, how many blocks it
+inherits, and the holds move those tokens from the owner's prompt to the heir's), so the
+envelope (`kvgate.core.plan.forecast`) frees it at the right end. Blocks are named by their
+chained hashes (`kvgate.core.prefix.blocks`): a request's held blocks are a leading run of
+its prompt's, so a node's held prefix of a prompt is found by bisection.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+
+from kvgate.core.prefix.blocks import block_hashes
+from kvgate.core.prefix.index import leading
+
+
+class HeldBlocks:
+    """Per node: the owner of each held block. Per hold: the blocks it owns (a run of its
+    prompt's chain), the holds sharing them and how many (a sharer holds a leading part of
+    the run: sharing is by prefix), and the owners it shares from."""
+
+    __slots__ = ("_from", "_owned", "_owner", "_sharers")
+
+    def __init__(self) -> None:
+        self._owner: dict[str, dict[int, str]] = {}  # node -> block -> owning key
+        self._owned: dict[str, tuple[str, list[int]]] = {}  # key -> (node, its run)
+        self._sharers: dict[str, dict[str, int]] = {}  # owner -> sharer -> blocks
+        self._from: dict[str, Counter[str]] = {}  # sharer -> owner -> blocks
+
+    def held(self, node_id: str, hashes: Sequence[int], most: int) -> int:
+        """How many leading blocks of `hashes` (at most `most`) running requests on the
+        node hold."""
+        owner = self._owner.get(node_id)
+        if not owner or not hashes or most <= 0:
+            return 0
+        return min(most, leading(owner, hashes))
+
+    def take(self, key: str, node_id: str, hashes: Sequence[int], most: int) -> int:
+        """The hold `key` on the node holds these blocks; returns how many it shares (held
+        already, at most `most`: owned by others), the rest it owns."""
+        owner = self._owner.get(node_id)
+        if owner is None:
+            owner = self._owner[node_id] = {}
+        shared = min(most, leading(owner, hashes)) if owner and hashes and most > 0 else 0
+        if shared:
+            tally = Counter(map(owner.__getitem__, hashes[:shared]))
+            self._from[key] = tally
+            for o, n in tally.items():
+                self._sharers.setdefault(o, {})[key] = n
+        run = list(hashes[shared:])
+        owner.update(dict.fromkeys(run, key))
+        self._owned[key] = (node_id, run)
+        return shared
+
+    def drop(self, key: str, last_end: Callable[[str], float]) -> dict[str, int]:
+        """The hold `key` ended: returns, per heir key, how many of the blocks it owned
+        pass to that heir (still held by others: the sharer holding most of them, the one
+        expected to end last among equals, takes them all)."""
+        entry = self._owned.pop(key, None)
+        if entry is None:
+            return {}
+        node_id, run = entry
+        owner = self._owner[node_id]
+        for o in self._from.pop(key, {}):
+            theirs = self._sharers.get(o)
+            if theirs is not None:
+                theirs.pop(key, None)
+        mine = self._sharers.pop(key, None)
+        if not mine:
+            _drain(map(owner.__delitem__, run))
+            if not owner:
+                del self._owner[node_id]
+            return {}
+        heir = max(mine, key=lambda k: (mine[k], last_end(k)))
+        n = mine.pop(heir)
+        owner.update(dict.fromkeys(run[:n], heir))
+        _drain(map(owner.__delitem__, run[n:]))
+        heir_node, heir_run = self._owned[heir]
+        self._owned[heir] = (heir_node, run[:n] + heir_run)
+        # The heir no longer shares these from `key`; the other sharers share from the heir.
+        came = self._from.get(heir)
+        if came is not None:
+            came.pop(key, None)
+        if mine:
+            theirs = self._sharers.setdefault(heir, {})
+            for k, c in mine.items():
+                theirs[k] = theirs.get(k, 0) + c
+                sources = self._from[k]
+                del sources[key]
+                sources[heir] = sources.get(heir, 0) + c
+        return {heir: n}
+
+    def blocks_on(self, node_id: str) -> int:
+        """Distinct blocks held on the node."""
+        owner = self._owner.get(node_id)
+        return 0 if owner is None else len(owner)
+
+
+def _drain(calls: Iterator[None]) -> None:
+    """Run a `map` of calls to the end, in C."""
+    deque(calls, maxlen=0)
+
+
+def reusable(tokens: int, block_size: int) -> int:
+    """The most blocks of a `tokens`-token prompt an engine reuses: never the block of its
+    last token, which it computes again to produce the first output."""
+    return (tokens - 1) // block_size if tokens > 0 else 0
+
+
+class PromptBlocks:
+    """The block hashes of the prompt being decided, computed once per block size: a
+    decision asks for them on every candidate and again when it opens the hold."""
+
+    __slots__ = ("_hashes", "_ids")
+
+    def __init__(self) -> None:
+        self._ids: tuple[int, ...] | None = None
+        self._hashes: dict[int, list[int]] = {}
+
+    def of(self, ids: tuple[int, ...], block_size: int) -> list[int]:
+        """The hashes of the full blocks of `ids` (`block_hashes`)."""
+        if ids is not self._ids:
+            self._ids = ids
+            self._hashes = {}
+        out = self._hashes.get(block_size)
+        if out is None:
+            out = self._hashes[block_size] = block_hashes(ids, block_size)
+        return out

@@ -1,0 +1,129 @@
+"""Shared prompt blocks counted once: a request costs a node only what it lacks there."""
+
+from __future__ import annotations
+
+from kvgate.core.admission import Admit, Outcome, Ticket
+from kvgate.core.policies.base import BasePolicy
+from kvgate.core.request import RequestCost
+
+from .helpers import admit, assert_books_empty, make, sample
+
+SYSTEM = tuple(range(1000, 2024))  # 1,024 tokens: 64 blocks of 16
+OVH = 16
+
+
+def _prompt(user: int, n: int = 256) -> tuple[int, ...]:
+    return SYSTEM + tuple(range(user * 10_000, user * 10_000 + n))
+
+
+def _policy() -> BasePolicy:
+    policy, clock = make("headroom-only")
+    policy.observe("a", sample(clock, usage=0.0, capacity=100_000))
+    return policy
+
+
+def _admit(policy: BasePolicy, rid: str, ids: tuple[int, ...] | None, out: int = 100) -> Ticket:
+    n = len(ids) if ids is not None else 1280
+    decision = admit(policy, rid, RequestCost(n, out), prompt_ids=ids)
+    assert isinstance(decision, Admit)
+    return decision.ticket
+
+
+def _reserved(policy: BasePolicy) -> int:
+    return int(policy.snapshot()["nodes"]["a"]["reserved_tokens"])
+
+
+def test_a_shared_prefix_is_counted_once() -> None:
+    policy = _policy()
+    first = _admit(policy, "r0", _prompt(1))
+    assert _reserved(policy) == 1280 + 100 + OVH
+    assert policy.shared_on("a", first.request) == 1024 + 256 - 16  # all but its last block
+    second = _admit(policy, "r1", _prompt(2))
+    # The second holds only its own 256 prompt tokens: the system prompt is held already.
+    assert _reserved(policy) == (1280 + 100 + OVH) + (256 + 100 + OVH)
+    for t in (first, second):
+        policy.release(t, Outcome.DONE)
+    assert_books_empty(policy)
+
+
+def test_a_shared_prefix_frees_with_its_last_holder() -> None:
+    policy = _policy()
+    first = _admit(policy, "r0", _prompt(1), out=100)
+    second = _admit(policy, "r1", _prompt(2), out=400)
+    third = _admit(policy, "r2", _prompt(3), out=200)
+    # The first (the owner) ends: the system prompt stays held, now by the one expected to
+    # end last (the second: 400 tokens to go).
+    policy.release(first, Outcome.DONE)
+    assert _reserved(policy) == (1280 + 400 + OVH) + (256 + 200 + OVH)
+    holds = policy.holds.live
+    assert holds[second.key].prompt == 1280 and holds[third.key].prompt == 256
+    policy.release(second, Outcome.DONE)
+    assert _reserved(policy) == 1280 + 200 + OVH  # the third inherits it in turn
+    policy.release(third, Outcome.DONE)
+    assert_books_empty(policy)
+
+
+def test_a_reflected_shared_prefix_stays_reflected_when_it_passes_on() -> None:
+    policy, clock = make("headroom-only", reflect_margin_s=0.0)
+    policy.observe("a", sample(clock, usage=0.0, capacity=100_000))
+    first = _admit(policy, "r0", _prompt(1))
+    second = _admit(policy, "r1", _prompt(2))
+    clock.advance(0.05)
+    policy.on_first_token(first)
+    policy.on_first_token(second)
+    clock.advance(0.05)
+    # The engine holds both prompts, the shared blocks once.
+    policy.observe("a", sample(clock, usage=(1280 + 256) / 100_000, capacity=100_000))
+    assert _reserved(policy) == 2 * (100 + OVH)
+    policy.release(first, Outcome.DONE)
+    # Still in the engine (its sample), still reflected: only the second's output is held.
+    assert _reserved(policy) == 100 + OVH
+    policy.release(second, Outcome.DONE)
+    assert_books_empty(policy)
+
+
+def test_a_prompt_without_token_ids_counts_whole() -> None:
+    policy = _policy()
+    first = _admit(policy, "r0", _prompt(1))
+    second = _admit(policy, "r1", None)
+    assert _reserved(policy) == 2 * (1280 + 100 + OVH)
+    for t in (first, second):
+        policy.release(t, Outcome.DONE)
+    assert_books_empty(policy)
+
+
+def test_a_node_is_asked_only_for_what_it_lacks() -> None:
+    policy, clock = make("headroom-only")
+    # Room under the panic watermark (0.92 x 3,000 = 2,760) for one 1,396-token request,
+    # not two: the second fits only because the system prompt is held there already.
+    policy.observe("a", sample(clock, usage=0.0, capacity=3000))
+    first = _admit(policy, "r0", _prompt(1))
+    second = _admit(policy, "r1", _prompt(2))
+    third = admit(policy, "r2", RequestCost(1280, 100))  # no ids: its whole length
+    assert not isinstance(third, Admit)
+    for t in (first, second):
+        policy.release(t, Outcome.DONE)
+    assert_books_empty(policy)
+
+
+def test_the_ledger_passes_each_block_to_a_holder_until_the_last_ends() -> None:
+    from kvgate.core.prefix.blocks import block_hashes
+    from kvgate.core.prefix.held import HeldBlocks
+
+    held = HeldBlocks()
+    a = block_hashes(tuple(range(64)), 16)  # 4 blocks
+    b = block_hashes(tuple(range(64)) + tuple(range(500, 532)), 16)  # a's 4 + 2 more
+    c = block_hashes(tuple(range(64)) + tuple(range(500, 532)) + tuple(range(900, 916)), 16)
+    ends = {"A": 1.0, "B": 2.0, "C": 3.0}
+    assert held.take("A", "n", a, 99) == 0
+    assert held.take("B", "n", b, 99) == 4
+    assert held.take("C", "n", c, 99) == 6  # 4 owned by A, 2 by B
+    assert held.blocks_on("n") == 7
+    # A ends first: B and C both hold its 4 blocks; C is expected to end last.
+    assert held.drop("A", ends.__getitem__) == {"C": 4}
+    assert held.blocks_on("n") == 7
+    # B ends: its 2 blocks are C's too.
+    assert held.drop("B", ends.__getitem__) == {"C": 2}
+    assert held.held("n", c, 99) == 7
+    assert held.drop("C", ends.__getitem__) == {}
+    assert held.blocks_on("n") == 0 and held.held("n", a, 99) == 0
