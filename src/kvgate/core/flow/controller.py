@@ -158,10 +158,7 @@ class FlowController:
                 return decision
         if bound <= 0:
             return self._refusal_now(request, decision, blocked, held, ahead, now)
-        if held:
-            wait: float | None = self._held_wait(request, held)
-        else:
-            wait = self._predicted_wait(request, ahead, blocked, now)
+        wait = held or self._predicted_wait(request, ahead, blocked, now)
         if wait is None or wait > bound:
             return self._refusal_now(request, decision, blocked, held, ahead, now, wait)
         full = self._make_room(request)
@@ -202,7 +199,7 @@ class FlowController:
         if blocked is None and self.budgets.governs(request.tenant):
             held = self._budget_wait(request, now, waiter)
         if held:
-            decision = self._budget_refusal(request, message, self._held_wait(request, held))
+            decision = self._budget_refusal(request, message, held)
         else:
             reason = "tenant_limit" if blocked is not None else "queue_timeout"
             decision = self._refusal(reason, message, request, wait)
@@ -474,7 +471,7 @@ class FlowController:
         if held:
             over = self.budgets.blocked(request.tenant, request.cost, now)
             message = _BEHIND_MESSAGE if over is None else over.message
-            return self._budget_refusal(request, message, self._held_wait(request, held))
+            return self._budget_refusal(request, message, held)
         if isinstance(decision, Reject):
             return self._refusal(decision.reason, decision.message, request, wait)
         return self._refusal("wait_exceeded", _EXCEEDED_MESSAGE, request, wait)
@@ -498,20 +495,20 @@ class FlowController:
         self, request: AdmissionRequest, now: float, waiter: Waiter | None = None
     ) -> float:
         """Seconds its tenant's budgets keep the request from starting (0: they do not),
-        in line behind the tenant's waiters (those before `waiter`, or all of them)."""
+        in line behind the tenant's waiters (those before `waiter`, or all of them): the
+        refill, or the time its node needs if longer. The queue ahead is not drained first:
+        it is mostly the tenant's own waiters, held by the same budget (the refill counts
+        them already)."""
         tenant = request.tenant
         count, tokens = self.queue.tenant_waiting(tenant, before=waiter)
         if not count and self.budgets.blocked(tenant, request.cost, now) is None:
             return 0.0
         since = None if waiter is None else waiter.enqueued_at
-        return self.budgets.wait(tenant, request.cost, (tokens, count), now, since)
-
-    def _held_wait(self, request: AdmissionRequest, held: float) -> float:
-        """The wait of a request its budget holds back: the refill, or the time its node
-        needs if longer. The queue ahead is not drained first: it is mostly the tenant's
-        own waiters, held by the same budget (the refill counts them already)."""
+        refill = self.budgets.wait(tenant, request.cost, (tokens, count), now, since)
+        if not refill:
+            return 0.0
         estimate = self.policy.start_estimate(request)
-        return held if estimate is None else max(held, estimate.seconds)
+        return refill if estimate is None else max(refill, estimate.seconds)
 
     def _budget_refusal(self, request: AdmissionRequest, message: str, wait: float) -> Reject:
         """A 429 `tenant_budget` whose Retry-After is the refill time, a little later."""
