@@ -90,6 +90,7 @@ class Gateway:
             policy or build_policy(config.admission, self.clock),
             config.queue,
             tenants=self.security.ledger,
+            budgets=self.security.budgets,
         )
         for backend in self.backends:
             self.admission.add_node(backend.node_id)
