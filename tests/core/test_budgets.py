@@ -221,3 +221,17 @@ def test_a_reloaded_budget_keeps_the_level_within_the_new_capacity() -> None:
     controller.budgets.limits = {}
     controller.release(ticket, Outcome.DONE, used_tokens=150)  # its bucket is gone: no harm
     assert controller.budgets.status("t", clock.now()) == {}
+
+
+def test_an_isolated_replica_tells_the_refill_of_its_own_part() -> None:
+    """Cut off from the store among three replicas, a replica keeps a third of the window
+    and gets a third of the refill: its waits are counted at that rate."""
+    bucket = Bucket(PER_MINUTE, 60.0, now=0.0)
+    bucket.isolate(3, 0.0)
+    assert bucket.free(0.0) == pytest.approx(200)  # a third of the window
+    bucket.reserve(200)
+    bucket.settle(200, 200)
+    # 100 tokens at a third of 10 a second, with 50 waiting before them: 45 s.
+    assert bucket.wait(100, 50, 0.0) == pytest.approx(45.0)
+    assert bucket.free(30.0) == pytest.approx(100)
+    assert bucket.wait(100, 0, 30.0) == pytest.approx(0.0)

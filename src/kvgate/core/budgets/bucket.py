@@ -214,7 +214,11 @@ class Bucket:
         return self.level - self.reserved - sum(p.reserved for p in self.peers.values())
 
     def wait(self, amount: float, ahead: float, now: float) -> float:
-        """Seconds until the refill covers `amount` after `ahead` (waiting before it)."""
+        """Seconds until the refill covers `amount` after `ahead` (waiting before it);
+        isolated, until this replica's part of the refill does."""
+        if self.isolated:
+            left = self.free(now)
+            return max(0.0, ahead + amount - left) / (self.rate / self.members)
         short = ahead + amount - self.unreserved(now)
         if short > 0:
             return short / self.rate
