@@ -124,3 +124,24 @@ async def test_a_replica_that_joins_learns_the_level_and_serves() -> None:
         ]
         > 0
     )
+
+
+async def test_replicas_back_on_a_store_restarted_empty_charge_each_other_their_third() -> None:
+    """Back on an empty store, the first replicas to exchange see the others gone, and
+    charge them what they may have used while cut off: a third of the refill each (the
+    part they kept to), not the whole refill the membership of the moment would give
+    them. So every replica's level is the true one again, not half a minute below it (its
+    Retry-Afters would be that much too long)."""
+    rig = Rig(3, LIMITS, clients=30, seed=12)
+    await rig.run(30.0)
+    rig.store.available = False
+    rig.store.wipe()
+    await rig.run(20.0)
+    rig.store.available = True
+    await rig.run(1.0)
+    assert_never_overspent(rig)
+    now = rig.clock.now()
+    truth = rig._oracle_free()
+    for replica in rig.replicas:
+        (bucket,) = replica.flow.budgets._books[TENANT].values()
+        assert bucket.unreserved(now) >= truth - 0.1 * PER_MINUTE, (replica.name, truth)

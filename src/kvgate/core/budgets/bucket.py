@@ -268,11 +268,14 @@ class Bucket:
         replica's last `claim()`: count what they consumed, charge what departed replicas
         may have used, learn the level if new here, and set the allowance."""
         self.advance(now)
-        self.members = max(1, members)
         self.isolated = False
         live = {view.replica for view in views}
+        # A replica gone is charged with the membership it was last seen in, the one whose
+        # 1/N it kept to if it was cut off (a store restarted empty counts fewer members
+        # until every replica is back in it).
         for name in [name for name in self.peers if name not in live]:
             self._depart(name, now)
+        self.members = max(1, members)
         for view in views:
             self._count(view, now)
         if not self.seeded:
