@@ -16,7 +16,8 @@ Measured per run: the tokens served (the engines' usage) against the bound
 clients' answers; every budget refusal's Retry-After against the real wait (the true
 bucket's refill for it and the tenant's requests waiting before it).
 
-Writes `results.md` next to this script.
+Writes the section `## Measured` of `results.md` next to this script (what comes before
+it is kept).
 
     python benchmarks/budgets/run.py [--seconds 70] [--dry]
 """
@@ -34,6 +35,7 @@ from kvgate.testing.budget_run import BudgetLoad, BudgetRun, run_budget
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.md"
+SECTION = "## Measured"
 
 
 def row(name: str, run: BudgetRun) -> str:
@@ -45,7 +47,7 @@ def row(name: str, run: BudgetRun) -> str:
         f"| {name} | {run.served:,} | {run.bound:,.0f} | {run.served / run.bound:.1%} |"
         f" {max(0.0, run.served - run.bound):,.0f} | {run.lowest:,.0f} | {run.count(200)} |"
         f" {len(refusals)} | {within} ({share:.0%}) | {_pct(off, 0.5):.2f}, {_pct(off, 0.9):.2f},"
-        f" {_pct(off, 1.0):.2f} | {len(run.others)} |"
+        f" {_pct(off, 1.0):.2f} | {run.count(429) - len(refusals)} | {len(run.others)} |"
     )
 
 
@@ -83,8 +85,8 @@ async def main() -> None:
     lines = [
         "| run | tokens served | bound | of bound | over | lowest level | 200s"
         " | budget 429s | Retry-After within 20% of the real wait | off by (s): p50, p90, max"
-        " | other answers |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        " | other 429s | other answers |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
         *(row(name, run) for name, run in runs),
     ]
     down_at, up_at = down
@@ -110,7 +112,8 @@ async def main() -> None:
             "worst:",
             [(round(r.at, 2), round(r.retry_after_s, 3), round(r.real_wait_s, 3)) for r in worst],
         )
-        print(name, "other answers:", sorted({(a.status, a.reason) for a in run.others}))
+        refused = sorted({a.reason for a in run.answers if a.status == 429})
+        print(name, "429s:", refused, "others:", sorted({(a.status, a.reason) for a in run.others}))
     if args.dry:
         return
     head = (
@@ -119,7 +122,10 @@ async def main() -> None:
         f" Python {platform.python_version()}; load average {before:.2f} before,"
         f" {after:.2f} after)."
     )
-    RESULTS.write_text("\n".join(["# Budgets across replicas", "", head, "", *lines, ""]))
+    # The section after SECTION is this run's; what comes before it (the reading) is kept.
+    text = RESULTS.read_text() if RESULTS.exists() else "# Budgets across replicas\n"
+    before = text.partition(SECTION)[0].rstrip("\n")
+    RESULTS.write_text("\n".join([before, "", SECTION, "", head, "", *lines, ""]))
 
 
 if __name__ == "__main__":

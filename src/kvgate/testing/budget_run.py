@@ -132,11 +132,9 @@ class BudgetRun:
 
     @property
     def others(self) -> list[Answer]:
-        """Answers neither served nor refused for the budget."""
+        """Answers neither served nor refused with a 429 and a Retry-After."""
         return [
-            a
-            for a in self.answers
-            if a.status != 200 and (a.status, a.reason) != (429, "tenant_budget")
+            a for a in self.answers if a.status != 200 and not (a.status == 429 and a.retry_after_s)
         ]
 
     def _events(self) -> list[tuple[float, int, float, float]]:
