@@ -1,7 +1,8 @@
 """A tenant's budgets through the gateway, read by the `openai` SDK as its users would: OpenAI's
 `x-ratelimit-*` headers on every answer (200s, streams, refusals), a 429 `tenant_budget`
-whose retry delay, as the SDK computes it from the headers, is the refill time, a 400 for
-a request larger than a whole window, and a stream cut short settled by what was relayed.
+whose retry delay, as the SDK computes it from the headers, is the refill time (a day's
+budget: hours, which the SDK does not wait), a 400 for a request larger than a whole
+window, and a stream cut short settled by what was relayed.
 
 The fake engine counts every prompt as 7 tokens and every answer as `chunks` tokens in its
 `usage`; prompts are token ids, so kvgate's own count is exact."""
@@ -130,6 +131,37 @@ async def test_a_refusal_tells_the_refill_time_and_the_sdk_waits_for_it(
         )
         took = asyncio.get_running_loop().time() - started
     assert done.usage is not None and 0.9 <= took <= 2.0
+
+
+async def test_a_days_budget_tells_hours_and_the_sdk_does_not_retry_that_long(
+    fake_engine: FakeEngine, gateway_factory: Any
+) -> None:
+    gw = await gateway(gateway_factory, fake_engine, tokens_per_day=1000)
+    async with sdk(gw, retries=2) as client:
+        body = {"fake": {"chunks": 893}}
+        await client.completions.create(
+            model="fake-model", prompt=PROMPT, max_tokens=893, extra_body=body
+        )  # 900 of the 1,000 used: 7 + 893 as the engine counts them
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.completions.create(
+                model="fake-model",
+                prompt=PROMPT,
+                max_tokens=100,
+                extra_headers={"X-Kvgate-Max-Wait-Ms": "0"},
+            )
+        took = asyncio.get_running_loop().time() - started
+    headers = refused.value.response.headers
+    # 150 needed (50 prompt ids, 100 output), 100 left: 50 tokens of a refill of 1,000 a
+    # day, 1.2 hours.
+    wait = client._calculate_retry_timeout(0, _options(), headers)
+    assert 1.19 * 3600 <= float(headers["retry-after"]) <= 1.27 * 3600
+    assert re.match(r"^2[0-9]h[0-9]+m[0-9.]+s$", headers["x-ratelimit-reset-tokens"])
+    assert seconds(headers["x-ratelimit-reset-tokens"]) > 20 * 3600  # full again in a day
+    # The SDK honours a Retry-After of two minutes at most: this one it does not retry
+    # (its own backoff would be a few seconds), it raises at once.
+    assert not client._should_retry(refused.value.response)
+    assert wait <= 60 and took < 5.0
 
 
 async def test_a_request_larger_than_a_whole_window_is_a_400(
