@@ -43,9 +43,10 @@ def row(name: str, run: BudgetRun) -> str:
     within = sum(1 for r in refusals if r.error <= 0.2)
     off = sorted(abs(r.retry_after_s - r.real_wait_s) for r in refusals)
     share = within / max(1, len(refusals))
+    early, late = run.lowest
     return (
         f"| {name} | {run.served:,} | {run.bound:,.0f} | {run.served / run.bound:.1%} |"
-        f" {max(0.0, run.served - run.bound):,.0f} | {run.lowest:,.0f} | {run.count(200)} |"
+        f" {max(0.0, run.served - run.bound):,.0f} | {early:,.0f}, {late:,.0f} | {run.count(200)} |"
         f" {len(refusals)} | {within} ({share:.0%}) | {_pct(off, 0.5):.2f}, {_pct(off, 0.9):.2f},"
         f" {_pct(off, 1.0):.2f} | {run.count(429) - len(refusals)} | {len(run.others)} |"
     )
@@ -83,7 +84,7 @@ async def main() -> None:
     ]
     after = os.getloadavg()[0]
     lines = [
-        "| run | tokens served | bound | of bound | over | lowest level | 200s"
+        "| run | tokens served | bound | of bound | over | lowest level (bounds) | 200s"
         " | budget 429s | Retry-After within 20% of the real wait | off by (s): p50, p90, max"
         " | other 429s | other answers |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",

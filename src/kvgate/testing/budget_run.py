@@ -16,7 +16,7 @@ gateway admitted it and used what its `usage` says when it ended. Its figures:
 
 - `served`: the tokens the engines reported for the requests that started within the run,
   against `bound` = the budget x (1 + seconds / 60);
-- `lowest`: the least the true bucket held (below 0: overspent);
+- `lowest`: the least the true bucket held (below 0: overspent), as two bounds;
 - each budget refusal's `retry_after_s` against its `real_wait_s`: the time the true
   bucket's refill takes to cover it and the tenant's requests waiting before it then.
 """
@@ -82,6 +82,7 @@ class Answer:
     used: int = 0  # prompt + completion, as the engine's usage said
     retry_after_s: float = 0.0
     remaining: int = 0  # its x-ratelimit-remaining-tokens
+    head: float = 0.0  # its head arrived (a 200's admission came before)
     came: float = 0.0  # the gateway received it
     decided: float = 0.0  # the gateway admitted or refused it
 
@@ -137,24 +138,26 @@ class BudgetRun:
             a for a in self.answers if a.status != 200 and not (a.status == 429 and a.retry_after_s)
         ]
 
-    def _events(self) -> list[tuple[float, int, float, float]]:
+    def _events(self, late: bool) -> list[tuple[float, int, float, float]]:
         """(time, order, reserved change, used) of every 200, in time order: a settle
-        before a reservation at the same instant."""
+        before a reservation at the same instant. Each is reserved when its gateway decided
+        (`late`: when its head came, the latest its admission can have been)."""
         events = []
         for a in self.answers:
             if a.status == 200:
-                events.append((a.decided, 1, float(a.cost), 0.0))
+                at = max(a.decided, a.head) if late else a.decided
+                events.append((at, 1, float(a.cost), 0.0))
                 events.append((a.ended, 0, -float(a.cost), float(a.used)))
         return sorted(events)
 
-    def _free_at(self, moments: list[float]) -> tuple[list[float], float]:
+    def _free_at(self, moments: list[float], late: bool = False) -> tuple[list[float], float]:
         """The true bucket's free tokens at each of `moments` (sorted), and its lowest."""
         level, reserved, at = float(self.load.tokens_per_minute), 0.0, self.start
         lowest = level
         out: list[float] = []
         pending = iter(moments)
         moment = next(pending, None)
-        for when, _, change, used in self._events():
+        for when, _, change, used in self._events(late):
             while moment is not None and moment <= when:
                 out.append(_refilled(level, reserved, at, moment, self) - reserved)
                 moment = next(pending, None)
@@ -169,8 +172,12 @@ class BudgetRun:
         return out, lowest
 
     @property
-    def lowest(self) -> float:
-        return self._free_at([])[1]
+    def lowest(self) -> tuple[float, float]:
+        """The true bucket's lowest level with each admission placed when its gateway
+        decided (the line's time less the request's time there, plus its wait: too early
+        by the time the gateway took to read the request) and when its head came (too
+        late): the truth lies between."""
+        return self._free_at([])[1], self._free_at([], late=True)[1]
 
     def refusals(self) -> list[Refusal]:
         """Every budget refusal against the true bucket's refill for it."""
@@ -318,6 +325,7 @@ async def _one(
     answer = Answer(rid, sent=time.monotonic(), cost=prompt + output)
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+            answer.head = time.monotonic()
             answer.status = r.status_code
             answer.remaining = int(r.headers.get("x-ratelimit-remaining-tokens", "-1"))
             if r.status_code != 200:
