@@ -84,7 +84,7 @@ async def main() -> None:
     ]
     after = os.getloadavg()[0]
     lines = [
-        "| run | tokens served | bound | of bound | over | lowest level (bounds) | 200s"
+        "| run | tokens served | bound | of bound | over | lowest level (early, late) | 200s"
         " | budget 429s | Retry-After within 20% of the real wait | off by (s): p50, p90, max"
         " | other 429s | other answers |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",

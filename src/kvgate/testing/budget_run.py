@@ -16,7 +16,7 @@ gateway admitted it and used what its `usage` says when it ended. Its figures:
 
 - `served`: the tokens the engines reported for the requests that started within the run,
   against `bound` = the budget x (1 + seconds / 60);
-- `lowest`: the least the true bucket held (below 0: overspent), as two bounds;
+- `lowest`: the least the true bucket held (below 0: overspent), two estimates;
 - each budget refusal's `retry_after_s` against its `real_wait_s`: the time the true
   bucket's refill takes to cover it and the tenant's requests waiting before it then.
 """
@@ -173,10 +173,11 @@ class BudgetRun:
 
     @property
     def lowest(self) -> tuple[float, float]:
-        """The true bucket's lowest level with each admission placed when its gateway
-        decided (the line's time less the request's time there, plus its wait: too early
-        by the time the gateway took to read the request) and when its head came (too
-        late): the truth lies between."""
+        """The true bucket's lowest level, rebuilt with each admission placed when its
+        gateway decided (the line's time less the request's time there, plus its wait:
+        early by the time the gateway took to read the request) and when its head came
+        (late). Two estimates, not bounds: a bucket full to its ceiling wastes refill
+        while reservations are placed late."""
         return self._free_at([])[1], self._free_at([], late=True)[1]
 
     def refusals(self) -> list[Refusal]:
