@@ -241,9 +241,10 @@ def test_the_tenants_table_draws_the_columns_the_gateway_lists(browser_page: Any
         heads = page.locator("#tenant-head th").all_inner_texts()
         rows = page.locator("#tenant-rows tr").all_inner_texts()
     assert heads == ["tenant", "in flight", "in-flight tokens", "queued", "refused",
-                     "served tokens"]  # fmt: skip
-    assert [row.split("\t")[:4] for row in rows] == [
-        ["team-a", "7", "12.3k", "0"], ["batch", "14", "24.7k", "3"],
+                     "served tokens", "budget used", "budget left"]  # fmt: skip
+    cells = [row.split("\t") for row in rows]
+    assert [row[:4] + row[6:] for row in cells] == [
+        ["team-a", "7", "12.3k", "0", "4200", "15.8k"], ["batch", "14", "24.7k", "3", "–", "–"],
     ]  # fmt: skip
 
 
