@@ -669,9 +669,56 @@ def replicas(lay: Layout) -> None:
     )
 
 
+def tenants(lay: Layout) -> None:
+    """Tenants' budgets (`auth.tenants.<name>.tokens_per_minute`, ...); empty without.
+    Every replica reports the same budget and what is left of it; each its own spending."""
+    lay.row("Tenant budgets")
+    lay.add(
+        timeseries(
+            "Tenant budgets: what is left",
+            "What is left of each tenant's budget, per window, as a share of it (the lowest"
+            " any replica reports). Near 0: the tenant uses all its share, and its requests"
+            " wait for the refill or get 429 tenant_budget with the refill time.",
+            [
+                (
+                    "min by (tenant, window) "
+                    "(kvgate_tenant_budget_remaining / kvgate_tenant_budget_limit)",
+                    "{{tenant}} {{window}}",
+                )
+            ],
+            "percentunit",
+            max_value=1,
+            thresholds=[(0.1, "red")],
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Tenant budgets: use and refusals",
+            "What each tenant uses of its budgets per second (tokens or requests, summed"
+            " over replicas; a budget per minute allows its size / 60), and the requests"
+            " refused for its budget per second.",
+            [
+                (
+                    f"sum by (tenant, window) (rate(kvgate_tenant_budget_spent_total[{RI}]))",
+                    "{{tenant}} {{window}} used/s",
+                ),
+                (
+                    f"sum by (tenant) (rate(kvgate_tenant_budget_refused_total[{RI}]))",
+                    "{{tenant}} refused/s",
+                ),
+            ],
+            "short",
+        ),
+        12,
+        8,
+    )
+
+
 def dashboard() -> dict[str, Any]:
     lay = Layout()
-    for section in (overview, admission, kv_cache, engines, latency, health, replicas):
+    for section in (overview, admission, kv_cache, engines, latency, health, replicas, tenants):
         section(lay)
     return {
         "title": "kvgate: KV-aware admission",

@@ -173,7 +173,8 @@ class SyntheticCluster:
         }
 
     def _tenants(self) -> dict[str, Any]:
-        """The gateway's tenants table: two tenants, with the columns the gateway lists."""
+        """The gateway's tenants table: two tenants, with the columns the gateway lists;
+        team-a has a token budget (20,000 a minute), batch none."""
         rows = [
             {
                 "tenant": name,
@@ -182,6 +183,8 @@ class SyntheticCluster:
                 "queued": 3 * i,
                 "refused": int(self.retry_count) * i,
                 "served_tokens": int(self.admitted["standard"] * 900) + i,
+                "budget_used": None if i else 4200,
+                "budget_left": None if i else 15_800,
             }
             for i, name in enumerate(("team-a", "batch"))
         ]

@@ -258,9 +258,9 @@ def test_the_tenants_table_draws_the_columns_the_gateway_lists(browser_page: Any
             "#tenant-rows tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))"
         )
     assert heads == ["tenant", "in flight", "in-flight tokens", "queued", "refused",
-                     "served tokens"]  # fmt: skip
-    assert [row[:4] for row in rows] == [
-        ["team-a", "7", "12.3k", "0"], ["batch", "14", "24.7k", "3"],
+                     "served tokens", "budget used", "budget left"]  # fmt: skip
+    assert [row[:4] + row[6:] for row in rows] == [
+        ["team-a", "7", "12.3k", "0", "4200", "15.8k"], ["batch", "14", "24.7k", "3", "–", "–"],
     ]  # fmt: skip
 
 

@@ -38,7 +38,7 @@ from kvgate.gateway.http.errors import GatewayError, send_error, send_json
 from kvgate.gateway.ops import dashboard
 from kvgate.gateway.ops.history import ChartHistory
 from kvgate.gateway.ops.telemetry import GatewayMetrics
-from kvgate.gateway.ops.tenants import tenant_table
+from kvgate.gateway.ops.tenants import BudgetCollector, tenant_table
 from kvgate.gateway.relay.relay import Relay
 from kvgate.gateway.relay.upstream import ModelCatalog, Upstream, UpstreamPool
 from kvgate.gateway.security.admin import AdminAccess, is_admin_path
@@ -92,6 +92,7 @@ class Gateway:
             policy or build_policy(config.admission, self.clock),
             config.queue,
             tenants=self.security.ledger,
+            budgets=self.security.budgets,
         )
         for backend in self.backends:
             self.admission.add_node(backend.node_id)
@@ -99,6 +100,8 @@ class Gateway:
         self.metrics.policy_snapshot = self.admission.snapshot
         if self.security.tenants:
             self.metrics.registry.register(TenantCollector(self.security.ledger))
+        budgets = self.security.budgets
+        self.metrics.registry.register(BudgetCollector(lambda: budgets.snapshot(self.clock.now())))
         self.pool = UpstreamPool(self.backends)
         self.catalog = ModelCatalog(self.pool)
         self.catalog.bind(self.spawn)
@@ -411,7 +414,10 @@ class Gateway:
             "time": self.clock.now(),
             "policy": policy,
             "tenants": tenant_table(
-                self.metrics.tenants, policy["tenants"], policy["queue"]["tenants"]
+                self.metrics.tenants,
+                policy["tenants"],
+                policy["queue"]["tenants"],
+                policy["budgets"],
             ),
             "scraper": None if self.scraper is None else self.scraper.snapshot(),
             "costs": self.relay.costs_snapshot(),

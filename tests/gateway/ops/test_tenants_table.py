@@ -1,6 +1,7 @@
 """Tenants made visible: the access log names each request's tenant, and `/admin/state`'s
 `tenants` table (which the dashboard and `kvgate status` draw) has, per tenant, what it
-has in flight and waiting, what kvgate refused it and what the engines served it."""
+has in flight and waiting, what kvgate refused it, what the engines served it and what is
+left of its budget."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ async def test_the_tenants_table_and_the_access_log_name_every_tenant(
     keys = [{"key": ALICE, "tenant": "alice"}, {"key": BOB, "tenant": "bob"}]
     overrides = {
         "auth.keys": keys,
-        "auth.tenants": {"bob": {"max_in_flight_requests": 1}},
+        "auth.tenants": {"bob": {"max_in_flight_requests": 1, "tokens_per_day": 100_000}},
         "server.admin_token": ADMIN,
     }
     gw = await gateway_factory([fake_engine.url], overrides=overrides)
@@ -53,16 +54,23 @@ async def test_the_tenants_table_and_the_access_log_name_every_tenant(
     assert refused.status_code == 429  # bob's one request in flight is his limit
     assert [c[0] for c in during["tenants"]["columns"]] == [
         "in_flight_requests", "in_flight_tokens", "queued", "refused", "served_tokens",
+        "budget_used", "budget_left",
     ]  # fmt: skip
     now = _rows(during)["bob"]
     assert (now["in_flight_requests"], now["refused"], now["served_tokens"]) == (1, 1, 0)
     assert now["in_flight_tokens"] > 10
+    # Bob's running request holds its most of his day's budget (its prompt and 10 tokens).
+    assert now["in_flight_tokens"] - 2 <= now["budget_used"] <= now["in_flight_tokens"]
+    assert now["budget_left"] + now["budget_used"] == 100_000
     rows = _rows(after)
     # The fake engine reports 7 prompt and 5 completion tokens for each answer.
     assert rows["alice"] == {"tenant": "alice", "in_flight_requests": 0, "in_flight_tokens": 0,
-                             "queued": 0, "refused": 0, "served_tokens": 24}  # fmt: skip
+                             "queued": 0, "refused": 0, "served_tokens": 24,
+                             "budget_used": None, "budget_left": None}  # fmt: skip
     assert (rows["bob"]["in_flight_requests"], rows["bob"]["refused"]) == (0, 1)
     assert rows["bob"]["served_tokens"] == 12
+    # Settled with what the engine counted; the refill may have given a little back since.
+    assert 0 <= rows["bob"]["budget_used"] <= 12
     lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "kvgate.access"]
     tenants = sorted((line["tenant"], line["status"]) for line in lines)
     assert tenants == [("alice", 200), ("alice", 200), ("bob", 200), ("bob", 429)]
@@ -74,10 +82,11 @@ async def test_the_tenants_table_and_the_access_log_name_every_tenant(
     heading = next(line for line in text.splitlines() if "served tokens" in line)
     assert [cell.strip() for cell in heading.strip("┃ ").split("┃")] == [
         "tenant", "in flight", "in-flight tokens", "queued", "refused", "served tokens",
+        "budget used", "budget left",
     ]  # fmt: skip
-    bob_row = next(line for line in text.splitlines() if "│ bob " in line)
-    assert [cell.strip() for cell in bob_row.strip("│ ").split("│")] == [
-        "bob", "0", "0", "0", "1", "12",
+    alice_row = next(line for line in text.splitlines() if "│ alice " in line)
+    assert [cell.strip() for cell in alice_row.strip("│ ").split("│")] == [
+        "alice", "0", "0", "0", "0", "24", "–", "–",
     ]  # fmt: skip
 
 
@@ -87,14 +96,20 @@ def test_the_table_joins_the_tally_the_cores_usage_and_the_queue() -> None:
     tally.finished("a", refused=True, prompt_tokens=None, completion_tokens=None)
     tally.finished("b", refused=False, prompt_tokens=None, completion_tokens=7)  # a stream
     usage = {"a": {"in_flight_requests": 2, "in_flight_tokens": 900}}
-    table = tenant_table(tally, usage, {"a": 1, "c": 3})
+    # Tenant c has a budget per minute and per day: the one with less left is shown.
+    windows = {
+        "tokens_per_minute": {"limit": 6000, "remaining": 4000},
+        "tokens_per_day": {"limit": 100_000, "remaining": 1500},
+        "requests_per_minute": {"limit": 10, "remaining": 0},
+    }
+    table = tenant_table(tally, usage, {"a": 1, "c": 3}, {"c": {"windows": windows}})
     assert table["rows"] == [
         {"tenant": "a", "in_flight_requests": 2, "in_flight_tokens": 900, "queued": 1,
-         "refused": 1, "served_tokens": 120},
+         "refused": 1, "served_tokens": 120, "budget_used": None, "budget_left": None},
         {"tenant": "b", "in_flight_requests": 0, "in_flight_tokens": 0, "queued": 0,
-         "refused": 0, "served_tokens": 7},
+         "refused": 0, "served_tokens": 7, "budget_used": None, "budget_left": None},
         {"tenant": "c", "in_flight_requests": 0, "in_flight_tokens": 0, "queued": 3,
-         "refused": 0, "served_tokens": 0},
+         "refused": 0, "served_tokens": 0, "budget_used": 98_500, "budget_left": 1500},
     ]  # fmt: skip
     assert [tuple(c) for c in table["columns"]] == list(COLUMNS)
 

@@ -46,8 +46,16 @@ about to start: a tenant at its limit has its requests wait for one of its own t
 Retry-After of its refusals comes from the rate at which that tenant frees room), and a
 request larger than its tenant's whole limit is refused at once.
 
-**Books.** A waiter holds nothing on any node. Admission takes the tenant's lease and the
-policy's hold together; `release()` returns both, exactly once.
+**Budgets.** A tenant's budgets (`kvgate.core.budgets`: tokens per minute and per day,
+requests per minute) are checked at the same moment: a request that does not fit waits,
+behind its tenant's earlier waiters, if the refill comes within its bound, else it gets a
+429 `tenant_budget` whose Retry-After is the refill time (barely jittered, and not capped
+at `MAX_RETRY_AFTER_S`: a day's budget may take hours); a request larger than a whole
+window is refused with a 400. A request reserves its most when it starts and is settled
+with what it used when it ends (`release(..., used_tokens=)`).
+
+**Books.** A waiter holds nothing on any node. Admission takes the tenant's lease, its
+budgets' reservation and the policy's hold together; `release()` returns them, exactly once.
 
 **Replicas.** The sync task's calls (`local_view`, `set_peer_views`, `set_isolated`) go to
 the controller's `ReplicaExchange` (`kvgate.core.replicas.exchange`), which keeps this
@@ -70,6 +78,7 @@ from kvgate.core.admission import (
     Reject,
     Ticket,
 )
+from kvgate.core.budgets import Budgets, Reservation
 from kvgate.core.flow import waits
 from kvgate.core.flow.fairness import Fairness, TokenFairness
 from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
@@ -89,6 +98,10 @@ MAX_MISSES = 16
 SAMPLE_WALK_S = 0.01
 # Retry-After when nothing predicts a wait (no rate measured, nothing running to end).
 DEFAULT_RETRY_S = 2.0
+# A budget's refusal comes back after its refill time, late by at most this fraction (so
+# that refused clients do not all return at one instant), and never sooner than this.
+BUDGET_JITTER = 0.05
+MIN_BUDGET_RETRY_S = 0.01
 
 
 class FlowController:
@@ -100,6 +113,7 @@ class FlowController:
         queue: QueueSettings | None = None,
         *,
         tenants: TenantLedger | None = None,
+        budgets: Budgets | None = None,
         fairness: Fairness | None = None,
         strict: bool = False,
         replica: str = "local",
@@ -111,9 +125,11 @@ class FlowController:
         self.queue_settings = queue if queue is not None else QueueSettings()
         self.queue = WaitQueue(fairness if fairness is not None else TokenFairness())
         self.tenants = tenants if tenants is not None else TenantLedger()
+        self.budgets = budgets if budgets is not None else Budgets()
         # Its name among the gateway's replicas (`exchange.replica`), its view and the others'.
-        self.exchange = ReplicaExchange(policy, self.queue, self.tenants, replica)
+        self.exchange = ReplicaExchange(policy, self.queue, self.tenants, replica, self.budgets)
         self._leases: dict[str, Lease] = {}
+        self._reservations: dict[str, Reservation] = {}
         self._by_tenant: dict[str, dict[str, Ticket]] = {}  # live tickets, for tenant waits
         self._dispatching = False
         self.strict = strict
@@ -136,13 +152,20 @@ class FlowController:
         if too_big is not None:
             self.tenants.refused(request.tenant)
             return Reject(400, "tenant_limit", 0.0, f"{too_big.message} It can never start.")
+        budgeted = self.budgets.governs(request.tenant)
+        if budgeted:
+            never = self.budgets.too_big(request.tenant, request.cost)
+            if never is not None:
+                self.budgets.refused(request.tenant)
+                return Reject(400, "tenant_budget", 0.0, never.never_message)
         self.exchange.arrived(now, tokens)
         bound = self._bound(request)
         blocked = self.tenants.check(request.tenant, tokens)
+        held = waits.budget_wait(self, request, now) if budgeted else 0.0
         ahead = waits.ahead(self.queue, self.policy, request)
         decision: Decision | None = None
         quiet = self._walked[0] == self.policy.generation  # nothing changed since the walk
-        if blocked is None and (not ahead.tokens or quiet):
+        if blocked is None and not held and (not ahead.tokens or quiet):
             # With waiters ahead and nothing changed since the last walk, this request is
             # the only one that might start now: against the walk's promises, as backfill.
             decision = self.policy.admit(request, self._promised if ahead.tokens else None)
@@ -152,10 +175,13 @@ class FlowController:
             if not decision.waitable:
                 return decision
         if bound <= 0:
-            return self._refusal_now(request, decision, blocked, ahead, now)
-        wait = self._predicted_wait(request, ahead, blocked, now)
+            return self._refusal_now(request, decision, blocked, held, ahead, now)
+        # Held back by its tenant's budget: the refill is the wait, measured.
+        wait = (
+            Wait(held, held, True) if held else self._predicted_wait(request, ahead, blocked, now)
+        )
         if wait is None or (wait.measured and wait.soonest > bound):
-            return self._refusal_now(request, decision, blocked, ahead, now, wait)
+            return self._refusal_now(request, decision, blocked, held, ahead, now, wait)
         full = self._make_room(request)
         if full is not None:
             return self._refusal("queue_full", full, request, wait.seconds)
@@ -190,9 +216,16 @@ class FlowController:
         blocked = self.tenants.check(request.tenant, waiter.tokens)
         ahead = waits.ahead(self.queue, self.policy, request)
         wait = self._predicted_wait(request, ahead, blocked, now)
-        reason = "tenant_limit" if blocked is not None else "queue_timeout"
         message = _TIMEOUT_MESSAGE.format(waited=now - waiter.enqueued_at)
-        decision = self._refusal(reason, message, request, None if wait is None else wait.seconds)
+        held = 0.0
+        if blocked is None and self.budgets.governs(request.tenant):
+            held = waits.budget_wait(self, request, now, waiter)
+        if held:
+            decision = self._budget_refusal(request, message, held)
+        else:
+            reason = "tenant_limit" if blocked is not None else "queue_timeout"
+            seconds = None if wait is None else wait.seconds
+            decision = self._refusal(reason, message, request, seconds)
         self._decide(waiter, decision, WaitState.REFUSED)
         return decision
 
@@ -230,13 +263,21 @@ class FlowController:
         failed: dict[tuple[object, ...], list[tuple[int, int]]] = {}
         misses = 0
         policy = self.policy
+        budgets = self.budgets
+        held: set[str] = set()  # tenants whose budget holds back a waiter in this walk
         for waiter in self.queue.order():
             request = waiter.request
             if now >= waiter.deadline:
                 self.expire(waiter)
                 continue
-            if self.tenants.check(request.tenant, waiter.tokens) is not None:
+            tenant = request.tenant
+            if self.tenants.check(tenant, waiter.tokens) is not None:
                 continue  # waits for one of its own tenant's requests to end
+            if tenant in held or (
+                budgets.governs(tenant) and budgets.blocked(tenant, request.cost, now)
+            ):
+                held.add(tenant)  # its tenant's later waiters wait behind it
+                continue
             kind = (request.priority, request.model, request.exact_output, request.candidates)
             cost = request.cost
             prompt, output = cost.prompt_tokens, cost.max_output_tokens
@@ -280,8 +321,10 @@ class FlowController:
     def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
         self.policy.on_tokens(ticket, output_tokens)
 
-    def release(self, ticket: Ticket, outcome: Outcome) -> None:
-        """Give back the ticket's hold and its tenant's lease; idempotent."""
+    def release(self, ticket: Ticket, outcome: Outcome, used_tokens: int | None = None) -> None:
+        """Give back the ticket's hold and its tenant's lease, and settle its budgets with
+        `used_tokens` (prompt + output as the engine counted them; 0 when the request never
+        reached an engine; None: its prompt and the output tokens reported); idempotent."""
         if ticket.released:
             return
         try:
@@ -290,6 +333,11 @@ class FlowController:
             lease = self._leases.pop(ticket.key, None)
             if lease is not None:
                 self.tenants.release(lease, self.clock.now())
+            reservation = self._reservations.pop(ticket.key, None)
+            if reservation is not None:
+                if used_tokens is None:
+                    used_tokens = ticket.request.cost.prompt_tokens + ticket.output_tokens
+                self.budgets.settle(reservation, used_tokens, self.clock.now())
             own = self._by_tenant.get(ticket.request.tenant)
             if own is not None:
                 own.pop(ticket.key, None)
@@ -331,7 +379,7 @@ class FlowController:
     def set_isolated(self, members: int) -> None:
         """The other replicas cannot be seen: keep to a static `1/members` part of every
         node's room and every tenant's limits until `set_peer_views` is called again."""
-        self.exchange.set_isolated(members)
+        self.exchange.set_isolated(members, self.clock.now())
         self.dispatch()
 
     # --- state ------------------------------------------------------------------------------------
@@ -344,6 +392,7 @@ class FlowController:
         snap = self.policy.snapshot()
         snap["queue"] = self.queue_snapshot()
         snap["tenants"] = self.tenants.snapshot()
+        snap["budgets"] = self.budgets.snapshot(self.clock.now())
         snap["cluster"] = self.exchange.snapshot()
         snap["refused_peak"] = self._refused_peak_snapshot()
         return snap
@@ -431,17 +480,23 @@ class FlowController:
         request: AdmissionRequest,
         decision: Decision | None,
         blocked: TenantRefusal | None,
+        held: float,
         ahead: Ahead,
         now: float,
         wait: Wait | None = None,
     ) -> Reject:
-        """The 429 for a request that may not wait (bound 0, or its wait will not fit)."""
+        """The 429 for a request that may not wait (bound 0, or its wait will not fit);
+        `held`: the seconds its tenant's budget keeps it back."""
         if wait is None:
             wait = self._predicted_wait(request, ahead, blocked, now)
         seconds = None if wait is None else wait.seconds
         if blocked is not None:
             self.tenants.refused(request.tenant)
             return self._refusal("tenant_limit", blocked.message, request, seconds)
+        if held:
+            over = self.budgets.blocked(request.tenant, request.cost, now)
+            message = _BEHIND_MESSAGE if over is None else over.message
+            return self._budget_refusal(request, message, held)
         if isinstance(decision, Reject):
             if decision.planned is not None:
                 self.refused_peak = (now, request.priority, decision.planned)
@@ -469,6 +524,13 @@ class FlowController:
         self.counts[f"refused:{reason}"] += 1
         delay = jittered(centre, self.policy.rng, top)
         return Reject(429, reason, delay, message, planned=planned)
+
+    def _budget_refusal(self, request: AdmissionRequest, message: str, wait: float) -> Reject:
+        """A 429 `tenant_budget` whose Retry-After is the refill time, a little later."""
+        self.budgets.refused(request.tenant)
+        self.counts["refused:tenant_budget"] += 1
+        delay = max(MIN_BUDGET_RETRY_S, wait) * self.policy.rng.uniform(1.0, 1.0 + BUDGET_JITTER)
+        return Reject(429, "tenant_budget", delay, message)
 
     def _make_room(self, request: AdmissionRequest) -> str | None:
         """None when the request may join the queue (after evicting a less important waiter
@@ -500,6 +562,9 @@ class FlowController:
         lease = self.tenants.acquire(request.tenant, request.cost.total)
         if isinstance(lease, Lease):
             self._leases[ticket.key] = lease
+        reservation = self.budgets.reserve(request.tenant, request.cost, now)
+        if reservation is not None:
+            self._reservations[ticket.key] = reservation
         self._by_tenant.setdefault(request.tenant, {})[ticket.key] = ticket
         self.queue.fairness.charge(
             request.tenant, request.cost.prompt_tokens, ticket.expected_output
@@ -521,4 +586,8 @@ _EXCEEDED_MESSAGE = (
 )
 _TIMEOUT_MESSAGE = "The request waited {waited:.1f} s without room to start; retry later."
 _FULL_MESSAGE = "The gateway's queue is full; retry later."
+_BEHIND_MESSAGE = (
+    "The tenant's budget cannot start this request and those of the tenant waiting before"
+    " it within its wait bound; retry after the refill."
+)
 _EVICTED_MESSAGE = "The request was dropped from a full queue for more important work; retry later."

@@ -90,6 +90,7 @@ class WaitQueue:
         self._seq = itertools.count()
         self.count = 0
         self.tokens = 0
+        self._tenants: dict[str, list[int]] = {}  # [waiters, tokens] per tenant, every band
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -110,6 +111,21 @@ class WaitQueue:
         """The band's waiters whose length is predicted, per model (see `Outputs`)."""
         return self._bands[priority].outputs
 
+    def tenant_waiting(self, tenant: str, before: Waiter | None = None) -> tuple[int, int]:
+        """(waiters, tokens) of `tenant` waiting in every band; with `before`, only those
+        it would be dispatched after (more important bands, and earlier in its own)."""
+        if before is None:
+            count, tokens = self._tenants.get(tenant, (0, 0))
+            return count, tokens
+        count = tokens = 0
+        for waiter in self.waiting():
+            if waiter.request.tenant == tenant and waiter is not before:
+                ahead = waiter.request.priority, waiter.seq
+                if ahead < (before.request.priority, before.seq):
+                    count += 1
+                    tokens += waiter.tokens
+        return count, tokens
+
     def backlogged_tenants(self, priority: Priority) -> int:
         return sum(1 for n in self._bands[priority].live.values() if n)
 
@@ -128,6 +144,9 @@ class WaitQueue:
         band.tokens += waiter.tokens
         self.count += 1
         self.tokens += waiter.tokens
+        sums = self._tenants.setdefault(tenant, [0, 0])
+        sums[0] += 1
+        sums[1] += waiter.tokens
         request = waiter.request
         if not request.exact_output:
             outputs = band.outputs.get(request.model)
@@ -155,6 +174,11 @@ class WaitQueue:
         band.tokens -= waiter.tokens
         self.count -= 1
         self.tokens -= waiter.tokens
+        sums = self._tenants[tenant]
+        sums[0] -= 1
+        sums[1] -= waiter.tokens
+        if not sums[0]:
+            del self._tenants[tenant]
         request = waiter.request
         outputs = band.outputs.get(request.model)
         if not request.exact_output and outputs is not None:
@@ -176,6 +200,7 @@ class WaitQueue:
         waiter.request, waiter.tokens = request, tokens
         self._bands[request.priority].tokens += delta
         self.tokens += delta
+        self._tenants[request.tenant][1] += delta
 
     def order(self) -> Iterator[Waiter]:
         """Waiting waiters in dispatch order. Fairness keys are read at each step, so a

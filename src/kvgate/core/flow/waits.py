@@ -15,16 +15,20 @@ per model, not per waiter (a model's waiters count at most its count times its l
 A prediction is `measured` only when nothing in it is a prior: the pace of the nodes is
 measured, no request running on them or waiting ahead has a length still to be learned,
 and something runs there to predict the drain from. Otherwise the request waits, and is
-refused once its deadline really passes.
+refused once its deadline really passes. A tenant's budget holds a request back for its
+refill (`budget_wait`), a wait it knows exactly.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvgate.core.admission import AdmissionPolicy
-from kvgate.core.flow.queue import WaitQueue
+from kvgate.core.flow.queue import Waiter, WaitQueue
 from kvgate.core.request import AdmissionRequest, Priority
+
+if TYPE_CHECKING:
+    from kvgate.core.flow.controller import FlowController
 
 
 class Ahead(NamedTuple):
@@ -111,3 +115,23 @@ def _expected(
             tokens -= outputs.total - min(outputs.total, outputs.count * max(1, quantile))
         informed = informed and lengths.informed(model, outputs.largest)
     return tokens, informed
+
+
+def budget_wait(
+    flow: FlowController, request: AdmissionRequest, now: float, waiter: Waiter | None = None
+) -> float:
+    """Seconds its tenant's budgets keep the request from starting (0: they do not), in
+    line behind the tenant's waiters (those before `waiter`, or all of them): the refill,
+    or the time its node needs if longer. The queue ahead is not drained first: it is
+    mostly the tenant's own waiters, held by the same budget (the refill counts them
+    already)."""
+    tenant = request.tenant
+    count, tokens = flow.queue.tenant_waiting(tenant, before=waiter)
+    if not count and flow.budgets.blocked(tenant, request.cost, now) is None:
+        return 0.0
+    since = None if waiter is None else waiter.enqueued_at
+    refill = flow.budgets.wait(tenant, request.cost, (tokens, count), now, since)
+    if not refill:
+        return 0.0
+    estimate = flow.policy.start_estimate(request)
+    return refill if estimate is None else max(refill, estimate.seconds)

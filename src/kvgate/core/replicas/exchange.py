@@ -6,22 +6,25 @@ shell's three calls to it (`kvgate.cluster.sync` and the simulator make them):
 - `local_view()` builds this replica's `PeerView` (`kvgate.core.replicas.view`): its holds
   per node, its claims on each node's slack (`kvgate.core.replicas.claims`, split by
   `peers.share_of` from every replica's queue demand), its queue's demand and its arrivals,
-  its tenants' usage, the demand and claims of its limited tenants, and the service its
-  fairness gave each tenant. Building it commits the replica to its claims: once per
-  exchange, with the view that goes to the store.
+  its tenants' usage, the demand and claims of its limited tenants, the service its
+  fairness gave each tenant, and its budgets (`kvgate.core.budgets`: each bucket's counts
+  and its claim, split like a tenant's limits). Building it commits the replica to its
+  claims: once per exchange, with the view that goes to the store.
 - `set_peer_views(views, members)` folds the other replicas' latest views in
   (`peers.merge`): into the policy (their holds in every envelope, their claims), the
-  tenant ledger (their usage and claims), and the fairness (their service).
-- `set_isolated(members)`: the others cannot be seen; the policy and the ledger keep to a
-  static `1/members` part until views flow again.
+  tenant ledger (their usage and claims), the budgets (their counts and claims), and the
+  fairness (their service).
+- `set_isolated(members)`: the others cannot be seen; the policy, the ledger and the
+  budgets keep to a static `1/members` part until views flow again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from kvgate.core.budgets import Budgets
 from kvgate.core.rates import DecayingRate
 from kvgate.core.replicas import peers
 from kvgate.core.replicas.view import PeerView, QueueDemand, TenantDemand
@@ -42,12 +45,18 @@ class ReplicaExchange:
     arrivals, and the others' demands as of the last sync."""
 
     def __init__(
-        self, policy: AdmissionPolicy, queue: WaitQueue, tenants: TenantLedger, replica: str
+        self,
+        policy: AdmissionPolicy,
+        queue: WaitQueue,
+        tenants: TenantLedger,
+        replica: str,
+        budgets: Budgets | None = None,
     ) -> None:
         self.policy = policy
         self.queue = queue
         self.tenants = tenants
         self.replica = replica
+        self.budgets = budgets if budgets is not None else Budgets()
         self._arrivals = DecayingRate(ARRIVALS_HALFLIFE_S)  # tokens submitted per second
         self._peer_demands: list[peers.Demand] = []  # the others' queues, as of the last sync
         self._peer_tenant_queues: list[tuple[str, Mapping[str, TenantDemand]]] = []
@@ -66,6 +75,7 @@ class ReplicaExchange:
         demands.append(peers.Demand(me, *queue))
         claims = self.policy.claims.claim(lambda _node, slack: peers.share_of(me, demands, slack))
         tenant_queue = self._tenant_demand(now)
+        part = self._parts(tenant_queue, since)
         return PeerView(
             replica=me,
             nodes=self.policy.claims.local_holds(now),
@@ -73,8 +83,9 @@ class ReplicaExchange:
             queue=queue,
             tenants=self.tenants.local_usage(),
             tenant_queue=tenant_queue,
-            tenant_claims=self._claim_tenants(tenant_queue, since),
+            tenant_claims=self._claim_tenants(tenant_queue, part),
             service=self.queue.fairness.served(),
+            budgets=self.budgets.view(me, part, now),
         )
 
     def set_peer_views(self, views: Sequence[PeerView], members: int, now: float) -> None:
@@ -89,11 +100,13 @@ class ReplicaExchange:
         self.tenants.split = 1
         self._peer_tenant_queues = [(v.replica, peers.tenant_demand_of(v)) for v in others]
         self.tenants.set_peer_claims(peers.tenant_claims(others))
+        self.budgets.take(others, state.members, self.replica, now)
         self.queue.fairness.set_peer_service(state.service)
 
-    def set_isolated(self, members: int) -> None:
+    def set_isolated(self, members: int, now: float) -> None:
         """The other replicas cannot be seen: keep to a static `1/members` part of every
-        node's room and every tenant's limits until `set_peer_views` is called again."""
+        node's room, every tenant's limits and budgets until `set_peer_views` is called
+        again."""
         state = peers.PeerState(members=max(1, members), isolated=members > 1)
         self._peer_demands = []
         self.policy.set_peers(state)
@@ -101,6 +114,7 @@ class ReplicaExchange:
         self.tenants.split = max(1, members)
         self._peer_tenant_queues = []
         self.tenants.set_peer_claims(None)
+        self.budgets.isolate(members, now)
         self.queue.fairness.set_peer_service({})
 
     def snapshot(self) -> dict[str, Any]:
@@ -134,13 +148,12 @@ class ReplicaExchange:
         )
 
     def _tenant_demand(self, now: float) -> dict[str, TenantDemand]:
-        """Per tenant with a limit and waiters: its waiting requests and tokens, and its
-        longest-waiting head's tokens and age (for splitting the tenant's room)."""
+        """Per tenant with a limit or a budget and waiters: its waiting requests and tokens,
+        and its longest-waiting head's tokens and age (for splitting the tenant's room)."""
         out: dict[str, list[float]] = {}
         for waiter in self.queue.waiting():
             tenant = waiter.request.tenant
-            limits = self.tenants.limits_for(tenant)
-            if limits.max_in_flight_tokens is None and limits.max_in_flight_requests is None:
+            if not self.tenants.is_limited(tenant) and not self.budgets.governs(tenant):
                 continue
             entry = out.get(tenant)
             age = now - waiter.enqueued_at
@@ -154,15 +167,22 @@ class ReplicaExchange:
         return {t: TenantDemand(*entry) for t, entry in out.items()}
 
     def _claim_tenants(
-        self, mine: Mapping[str, TenantDemand], since: float
+        self, mine: Mapping[str, TenantDemand], part: Callable[[str, float | None, bool], float]
     ) -> dict[str, tuple[float | None, float | None]]:
-        """Claims on each limited tenant's remaining room, split between the replicas as a
-        node's slack is (`peers.share_of`): what the longest-waiting head needs first, then
-        what each replica has waiting, the rest in equal parts."""
+        """Claims on each limited tenant's remaining room: `part` of it (`_parts`)."""
         tenants = {*mine, *self.tenants.local_usage(), *self.tenants.peers, *self.tenants.limits}
         for _, queues in self._peer_tenant_queues:
             tenants.update(queues)
         limited = [t for t in sorted(tenants) if self.tenants.is_limited(t)]
+        claims = self.tenants.claim(limited, part)
+        return {t: (_published(c[0]), _published(c[1])) for t, c in claims.items()}
+
+    def _parts(
+        self, mine: Mapping[str, TenantDemand], since: float
+    ) -> Callable[[str, float | None, bool], float]:
+        """How a tenant's remaining room (its limits', a budget's) is split between the
+        replicas, as a node's slack is (`peers.share_of`): what the longest-waiting head
+        needs first, then what each replica has waiting, the rest in equal parts."""
         views = [*self._peer_tenant_queues, (self.replica, mine)]
 
         def part(tenant: str, left: float | None, whole: bool) -> float:
@@ -176,8 +196,7 @@ class ReplicaExchange:
                     demands.append(peers.Demand(name, tokens, head, age))
             return _part(self.replica, demands, left, whole)
 
-        claims = self.tenants.claim(limited, part)
-        return {t: (_published(c[0]), _published(c[1])) for t, c in claims.items()}
+        return part
 
 
 def _part(me: str, demands: list[peers.Demand], left: float | None, whole: bool) -> float:

@@ -14,6 +14,8 @@ The JSON form, the wire format, is written and read here and nowhere else:
      "tenant_queue": {tenant: [requests, tokens, head_tokens, head_age_s]},
      "tenant_claims": {tenant: [tokens or null, requests or null]},
      "service": {tenant: tokens served},                # its fairness counters
+     "budgets": {"members": [replica, ...],             # whose consumption `seen` sums
+                 "buckets": {tenant: {window: [consumed, reserved, claim, level, seen]}}},
      "view_age_s": seconds}
 
 `view_age_s` is not published: the receiver sets it (`PeerView.age_s`) to how long ago the
@@ -24,9 +26,12 @@ malformed is skipped, so a view from another version of kvgate costs at most wha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from kvgate.core.budgets.bucket import BucketEntry, BudgetView
 
 
 class PeerHold(NamedTuple):
@@ -68,6 +73,7 @@ class PeerView:
     tenant_queue: Mapping[str, TenantDemand] = field(default_factory=dict)
     tenant_claims: Mapping[str, tuple[float | None, float | None]] = field(default_factory=dict)
     service: Mapping[str, float] = field(default_factory=dict)
+    budgets: BudgetView = field(default_factory=BudgetView)
     age_s: float = 0.0  # set by the receiver: how long ago it was published
 
     def to_json(self) -> dict[str, Any]:
@@ -82,6 +88,14 @@ class PeerView:
             "tenant_claims": {t: list(c) for t, c in self.tenant_claims.items()},
             "service": dict(self.service),
         }
+        if self.budgets.buckets:
+            out["budgets"] = {
+                "members": list(self.budgets.members),
+                "buckets": {
+                    t: {w: _published(e) for w, e in entries.items()}
+                    for t, entries in self.budgets.buckets.items()
+                },
+            }
         if self.age_s:
             out["view_age_s"] = self.age_s
         return out
@@ -121,8 +135,39 @@ class PeerView:
             tenant_queue=tenant_queue,
             tenant_claims=tenant_claims,
             service=_floats(_section(data, "service")),
+            budgets=_budgets(_section(data, "budgets")),
             age_s=_number(data.get("view_age_s")),
         )
+
+
+def _published(entry: BucketEntry) -> list[float]:
+    """A bucket's entry to a tenth of a token, each figure rounded the safe way for the
+    readers: what it used, holds and claims up, its level and what that counts down."""
+    consumed, reserved, claim, level, seen = entry
+    return [_up(consumed), _up(reserved), _up(claim), _down(level), _down(seen)]
+
+
+def _up(x: float) -> float:
+    return math.ceil(x * 10) / 10
+
+
+def _down(x: float) -> float:
+    return math.floor(x * 10) / 10
+
+
+def _budgets(section: Mapping[str, Any]) -> BudgetView:
+    members = section.get("members")
+    buckets = {
+        str(t): {
+            str(w): BucketEntry(*e)
+            for w, raw in entries.items()
+            if (e := _numbers(raw, len(BucketEntry._fields)))
+        }
+        for t, entries in _section(section, "buckets").items()
+        if isinstance(entries, Mapping)
+    }
+    names = tuple(str(m) for m in members) if isinstance(members, list) else ()
+    return BudgetView(names, buckets)
 
 
 def _section(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:

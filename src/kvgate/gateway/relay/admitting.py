@@ -9,7 +9,9 @@ and a grant that raced the departure is given back). A refusal becomes the OpenA
 with `Retry-After` (`rejection`).
 
 The granted ticket's backend then gets the request (the exchange, given by the relay), and the
-ticket is released exactly once, in a `finally`, with the exchange's outcome. A
+ticket is released exactly once, in a `finally`, with the exchange's outcome and what the
+request used of its tenant's budgets (`ratelimit.tokens_used`; nothing when it never
+reached an engine). A
 connection refused or reset before any response byte is retried once on another backend:
 the first ticket released, a copy of the request (`dataclasses.replace`) naming only the
 nodes not yet tried is admitted anew.
@@ -30,6 +32,7 @@ from kvgate.core.request import AdmissionRequest
 from kvgate.gateway.http.errors import GatewayError, UpstreamConnectError, UpstreamError
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.relay.call import Call
+from kvgate.gateway.relay.ratelimit import tokens_used
 from kvgate.gateway.relay.recost import Recosting
 from kvgate.gateway.relay.upstream import UpstreamPool
 
@@ -83,6 +86,7 @@ class Admitter:
             request = ticket.request  # re-costed, perhaps, while it waited
             backend = self.pool.backends.get(ticket.node_id)
             outcome = Outcome.UPSTREAM_ERROR
+            reached = True  # the engine got the request (a connect failure: it did not)
             try:
                 if backend is None:  # removed by a reload while the request waited
                     raise UpstreamConnectError("the backend was removed", "removed")
@@ -91,6 +95,7 @@ class Admitter:
                 outcome = await self.exchange(call, backend, ticket)
                 return
             except UpstreamConnectError as exc:
+                reached = False
                 self.metrics.upstream_errors[ticket.node_id, exc.kind] += 1
                 tried.append(ticket.node_id)
                 last_error = exc
@@ -103,7 +108,8 @@ class Admitter:
             finally:
                 if record.completion_tokens is not None and not record.streamed:
                     flow.on_tokens(ticket, record.completion_tokens)
-                flow.release(ticket, outcome)
+                used = tokens_used(record, request) if reached else 0
+                flow.release(ticket, outcome, used_tokens=used)
         record.ending = "upstream_error"
         message = str(last_error) if last_error else "No other backend to retry on."
         raise GatewayError(
@@ -157,7 +163,7 @@ class Admitter:
             flow.cancel(waiter)
             granted = waiter.decision
             if isinstance(granted, Admit):
-                flow.release(granted.ticket, Outcome.CLIENT_CANCEL)
+                flow.release(granted.ticket, Outcome.CLIENT_CANCEL, used_tokens=0)
             raise
         finally:
             self.recosting.unwatch(record)

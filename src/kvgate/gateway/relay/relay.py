@@ -49,6 +49,7 @@ from kvgate.gateway.ops.telemetry import GatewayMetrics, log_access
 from kvgate.gateway.relay.admitting import Admitter
 from kvgate.gateway.relay.call import AccessRecord, Call, ClientRequest
 from kvgate.gateway.relay.intake import Head, Intake, read_head
+from kvgate.gateway.relay.ratelimit import rate_limit_headers
 from kvgate.gateway.relay.recost import Recosting
 from kvgate.gateway.relay.streaming import ResponseRelay, end_stream_with_error
 from kvgate.gateway.relay.upstream import Upstream, close_quietly, request_headers
@@ -92,6 +93,7 @@ class Relay:
         models without one are counted by their vLLM engines' `/tokenize`, else estimated."""
         self.pool = upstream.pool
         self.upstream = upstream.settings
+        self.flow = admission
         self.estimator = estimator
         self.metrics = metrics
         self.spawn = spawn
@@ -178,6 +180,7 @@ class Relay:
             if record.ending == "done":
                 record.ending = "rejected" if err.status in (429, 503) else "bad_request"
             record.first_byte_at = time.monotonic()
+            err.headers += rate_limit_headers(self.flow.budgets, tenant, self.flow.clock.now())
             with contextlib.suppress(OSError):
                 await send_error(send, err, record.request_id.encode())
         except ClientGone:

@@ -10,8 +10,9 @@ the next read. Either way a slow client slows the upstream read and memory stays
 first token (which starts the idle deadline), counts the `data:` events so the core's books
 hold the tokens generated so far, and hands the final `usage` to the cost estimator, which
 learns how far its prompt estimate was from the engine's count (and to the prompt counter,
-which checks a tokenizer's exact count against it). A stream that fails after
-its 200 ends with an SSE `error` event (`end_stream_with_error`).
+which checks a tokenizer's exact count against it). A stream that fails after its 200 ends
+with an SSE `error` event (`end_stream_with_error`). Every answer carries the tenant's
+`x-ratelimit-*` headers (`ratelimit`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvgate.gateway.http.errors import GatewayError, UpstreamError, sse_error_ev
 from kvgate.gateway.http.h1client import H1Response
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 from kvgate.gateway.relay.call import AccessRecord, Call, ClientRequest
+from kvgate.gateway.relay.ratelimit import rate_limit_headers
 from kvgate.gateway.relay.recost import Recosting
 from kvgate.gateway.relay.upstream import HOP_BY_HOP
 from kvgate.gateway.tokens.counting import PromptCounter
@@ -80,7 +82,7 @@ class ResponseRelay:
         self.flow.on_first_token(ticket)
         if response.status >= 500:
             self.metrics.upstream_errors[record.backend, "status"] += 1
-        headers = response_headers(response.raw_headers, record.request_id)
+        headers = self.headers(response.raw_headers, call)
         if head:  # the length a GET would have had, as the upstream said
             headers += [(k, v) for k, v in response.raw_headers if k.lower() == b"content-length"]
         else:
@@ -99,7 +101,7 @@ class ResponseRelay:
         send, record = call.send, call.record
         record.streamed = True
         record.status = 200
-        headers = response_headers(response.raw_headers, record.request_id)
+        headers = self.headers(response.raw_headers, call)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         record.first_byte_at = time.monotonic()
         record.stage = "first_token"
@@ -123,6 +125,12 @@ class ResponseRelay:
         record.response_done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return Outcome.DONE
+
+    def headers(self, raw: Sequence[tuple[bytes, bytes]], call: Call) -> list[tuple[bytes, bytes]]:
+        """The engine's headers for the client, with its tenant's `x-ratelimit-*`."""
+        headers = response_headers(raw, call.record.request_id)
+        flow = self.flow
+        return headers + rate_limit_headers(flow.budgets, call.client.tenant, flow.clock.now())
 
     def learn_usage(
         self, record: AccessRecord, client: ClientRequest, usage: dict[str, Any] | None

@@ -20,8 +20,9 @@ not keys, are kept in memory, and nothing here logs a key.
 
 The front door leaves the key's tenant in the ASGI scope (`TENANT_SCOPE_KEY`); the relay
 puts it on the request's `AdmissionRequest`, and the core's flow controller enforces the
-tenant's limits next to its fairness (`kvgate.core.flow`, `kvgate.core.tenants`). This
-module owns the `TenantLedger` those limits live in, so a reload can change them.
+tenant's limits and budgets next to its fairness (`kvgate.core.flow`, `kvgate.core.tenants`,
+`kvgate.core.budgets`). This module owns the `TenantLedger` and the `Budgets` they live in,
+so a reload can change them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvgate.core.budgets import BudgetLimits, Budgets
 from kvgate.core.request import Priority
 from kvgate.core.tenants import TenantLedger, TenantLimits
 from kvgate.gateway.http.asgi import TENANT_SCOPE_KEY, ASGIApp, Receive, Scope, Send
@@ -217,22 +219,29 @@ def _limits(settings: TenantSettings) -> TenantLimits:
     return TenantLimits(settings.max_in_flight_tokens, settings.max_in_flight_requests)
 
 
+def _budgets(settings: TenantSettings) -> BudgetLimits:
+    return BudgetLimits(
+        settings.tokens_per_minute, settings.tokens_per_day, settings.requests_per_minute
+    )
+
+
 @dataclass
 class Security:
-    """What the gateway needs from this package: the front door, the tenant ledger and
-    the admin check."""
+    """What the gateway needs from this package: the front door, the tenant ledger, the
+    tenants' budgets and the admin check."""
 
     front: FrontDoor
     ledger: TenantLedger
+    budgets: Budgets
     admin: AdminGuard
 
     @classmethod
     def from_config(cls, auth: AuthSettings, admin_token: str | None) -> Security:
         keys = KeyRing(load_keys(auth))
-        ledger = TenantLedger()
-        _apply_limits(ledger, auth)
+        ledger, budgets = TenantLedger(), Budgets()
+        _apply_limits(ledger, budgets, auth)
         admin = AdminGuard(admin_token, views_open=len(keys) == 0)
-        return cls(FrontDoor(keys), ledger, admin)
+        return cls(FrontDoor(keys), ledger, budgets, admin)
 
     @property
     def tenants(self) -> bool:
@@ -240,23 +249,25 @@ class Security:
         return self.front.enabled
 
     def update(self, auth: AuthSettings) -> bool:
-        """Take the keys and tenant limits of a reloaded configuration (key files are read
-        again). False, changing nothing, when keys would be switched on or off: that puts
-        the front door on or off the request path, which only a restart does. Requests in
-        flight keep their tenants' leases; a removed key is refused from the next request
-        on."""
+        """Take the keys, tenant limits and budgets of a reloaded configuration (key files
+        are read again). False, changing nothing, when keys would be switched on or off:
+        that puts the front door on or off the request path, which only a restart does.
+        Requests in flight keep their tenants' leases and reservations; a removed key is
+        refused from the next request on; a budget keeps its level, within its new size."""
         keys = KeyRing(load_keys(auth))
         if (len(keys) > 0) != self.front.enabled:
             return False
         self.front.keys = keys
-        _apply_limits(self.ledger, auth)
+        _apply_limits(self.ledger, self.budgets, auth)
         return True
 
 
-def _apply_limits(ledger: TenantLedger, auth: AuthSettings) -> None:
+def _apply_limits(ledger: TenantLedger, budgets: Budgets, auth: AuthSettings) -> None:
     named, others = auth.tenant_limits()
     ledger.limits = {name: _limits(t) for name, t in named.items()}
     ledger.default_limits = _limits(others)
+    budgets.limits = {name: _budgets(t) for name, t in named.items()}
+    budgets.default_limits = _budgets(others)
 
 
 def exposure_message(host: str, port: int, keys: int, admin: bool) -> tuple[int, str]:

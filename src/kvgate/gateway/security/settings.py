@@ -81,7 +81,7 @@ class ApiKeySettings(BaseModel):
 
 
 class TenantSettings(BaseModel):
-    """Limits of one tenant, over all its keys."""
+    """Limits and budgets of one tenant, over all its keys (and all replicas)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -91,6 +91,11 @@ class TenantSettings(BaseModel):
     max_in_flight_requests: int | None = Field(
         None, gt=0, description="Requests the tenant may have in flight at once."
     )
+    tokens_per_minute: int | None = Field(
+        None, gt=0, description="Tokens (prompt + output, as the engine counts them) a minute."
+    )
+    tokens_per_day: int | None = Field(None, gt=0, description="Tokens a day.")
+    requests_per_minute: int | None = Field(None, gt=0, description="Requests a minute.")
 
 
 class AuthSettings(BaseModel):
@@ -106,7 +111,9 @@ class AuthSettings(BaseModel):
     tenants: dict[str, TenantSettings] = Field(
         default_factory=dict,
         description="Per-tenant limits (`max_in_flight_tokens`: KV tokens, prompt +"
-        " max_tokens, held at once; `max_in_flight_requests`), by tenant name; the entry"
+        " max_tokens, held at once; `max_in_flight_requests`) and budgets, shared by all"
+        " replicas (`tokens_per_minute`, `tokens_per_day`: prompt + output as the engine"
+        " counts them; `requests_per_minute`), by tenant name; the entry"
         ' `"*"` applies to every tenant not listed (default: no limits).',
     )
 
