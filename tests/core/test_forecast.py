@@ -77,7 +77,9 @@ def test_a_sample_is_never_taken_to_hold_less_than_the_holds_it_reflects() -> No
     assert rig.forecast.used(rig.node) == 2000  # a page that holds more is taken as it is
     rig.holds.release("x")
     rig.node.freed_unseen += 300  # what the policy's release does
-    assert rig.forecast.used(rig.node) == 1700  # freed at once, from the page that held it
+    assert rig.forecast.used(rig.node) == 2000
+    env = rig.forecast.envelope(rig.node)
+    assert env.peak() == 2000 and env.base_after_all() == 1700  # it ends now, once
 
 
 def test_the_cached_envelope_takes_starts_and_goes_with_a_sample() -> None:

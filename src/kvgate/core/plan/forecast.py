@@ -3,9 +3,9 @@
 A node's *envelope* (`kvgate.core.plan.envelope`) is built here from three sources: this
 replica's holds (`kvgate.core.plan.holds`), the other replicas' requests as of the last sync
 (`PeerState`, `kvgate.core.replicas.peers`), and what was released since the node's last
-sample (`NodeState.freed_unseen`). Its base is `now`: the sample's `used` less what was
-released since, never less than what the holds take it to contain (`used`), plus what it
-cannot contain yet; each hold runs
+sample (`NodeState.freed_unseen`: a load that ends now). Its base is `now`: the sample's
+`used`, never less than what the holds take it to contain (`used`), plus what it cannot
+contain yet; each hold runs
 `R = E - output_so_far` more steps (`M - output_so_far` once it outlived `E`) holding
 `P + output_so_far + ovh`. A newcomer fits when the envelope's peak with it stays under its
 ceiling. Reserving `M` for a request's whole life leaves KV idle that nobody will use; the
@@ -134,6 +134,8 @@ class Forecast:
         if peers is not None:
             loads.extend(peers.loads)
             base += peers.unreflected
+        if node.freed_unseen:
+            loads.append((0, node.freed_unseen))  # released since the sample: ends now
         env = Envelope(base, loads)
         if not node.freed_unseen:
             self._envelopes[node_id] = (key, env)
@@ -149,22 +151,23 @@ class Forecast:
         return Envelope(sum(c for _, c in loads), loads)
 
     def used(self, node: NodeState) -> float:
-        """What the node holds as of its last sample, less what was released since
-        (`NodeState.freed_unseen`: freed now), and never less than what the live requests'
-        holds take the sample to contain (this replica's and, as of the last sync, the
-        others': `Holds.reflected_on`).
+        """What the node's last sample holds, never taken to be less than what the holds
+        take it to contain: the live requests' reflected parts (this replica's and, as of
+        the last sync, the others': `Holds.reflected_on`) and those of the requests
+        released since the sample (`NodeState.freed_unseen`).
 
         The engine frees a request a little before the gateway reads its end, so a sample
         may or may not still hold a released request; and a sample rendered after the
         engine ended a request whose end has not been read yet lacks blocks its hold says
-        the sample contains. The floor covers both: a request's blocks are freed once, at
-        its release, never a second time at the end the plan expects.
+        the sample contains. The floor covers both: what was released leaves the plan once,
+        as a load that ends now (`envelope`), never a second time at the end the plan
+        expects.
         """
-        claimed: float = self._holds.reflected_on(node.node_id)
+        claimed: float = self._holds.reflected_on(node.node_id) + node.freed_unseen
         peers = self.peers.nodes.get(node.node_id)
         if peers is not None:
             claimed += sum(held for _, held in peers.loads) - peers.unreflected
-        return max(node.used - node.freed_unseen, claimed)
+        return max(node.used, claimed)
 
     def peers_upper(self, node_id: str) -> float:
         """Other replicas' requests on the node if all grew to their end and none ended."""

@@ -25,13 +25,13 @@ sure; otherwise the node's envelope decides (`kvgate.core.plan.forecast`).
 
 Before the first token a hold counts its whole estimated prompt on top of the sample, which
 over-counts a prefill in progress: a little lost room for one sample period, never too
-little. A ticket released drops its hold at once, and its reflected blocks free at once
-(`NodeState.freed_unseen`). The engine frees a request a little before the gateway reads its
-end, so the last sample may or may not still hold them; and a sample rendered after the
-engine ended a request whose end the gateway has not read yet lacks blocks the hold says it
-contains. The forecast takes the sample less what was released since, but never less than
-the reflected parts of the live holds (`Holds.reflected_on`, `Forecast.used`), so a
-request's blocks are freed once, never twice. `sampled_at` should be the
+little. A ticket released drops its hold at once; its reflected blocks are a load that ends
+now (`NodeState.freed_unseen`) until the next sample. The engine frees a request a little
+before the gateway reads its end, so the last sample may or may not still hold them; and a
+sample rendered after the engine ended a request whose end the gateway has not read yet
+lacks blocks the hold says it contains. The forecast never takes a sample to hold less than
+the reflected parts of the live holds and of those released since it (`Holds.reflected_on`,
+`Forecast.used`), so a request's blocks are freed once, never twice. `sampled_at` should be the
 time the scrape was *sent* (the engine renders
 its page after it); `reflect_margin_s` covers the engine's gauge lag and the scrape's own
 latency. `Holds.overlap` is the other side of that over-count: what the last sample most
