@@ -7,13 +7,17 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    (`kvgate.core.plan.envelope`, built by `kvgate.core.plan.forecast`) stays under
    `ceiling(q) * capacity(n)`: the high watermark for sheddable work (it fills the cache
    only so far, leaving the rest for interactive work to start at once), the panic
-   watermark for standard and critical work. A request's hold is taken at once, so no
-   burst, however dense, pushes a node's peak past its ceiling. Among the nodes that fit,
-   the one whose engine has the least prefill still queued wins (the prompts sent there
-   that have not produced a first token: a chat sent behind a 100k-token prefill waits for
-   it), and then the one with the most headroom left (power of two choices from
-   `p2c_min_nodes` candidates on, falling back to a full scan when neither fits). Nodes are
-   never averaged: one node at 99 % and one at 10 % are two different answers.
+   watermark for standard and critical work; above the cache for a request cheap to
+   recompute where the node's measurement allows it (`kvgate.core.plan.ceiling`: the
+   engine's preemption is then the plan's own; the overbooking comes back down to the
+   watermarks where preemption costs goodput or latency). A request's hold is taken at
+   once, so no burst, however dense, pushes a node's peak past its ceiling. Among the
+   nodes that fit, the one whose engine has the least prefill still queued wins (the
+   prompts sent there that have not produced a first token: a chat sent behind a
+   100k-token prefill waits for it), and then the one with the most headroom under the
+   panic watermark left (power of two choices from `p2c_min_nodes` candidates on, falling
+   back to a full scan when neither fits). Nodes are never averaged: one node at 99 % and
+   one at 10 % are two different answers.
 
 2. **Room promised to a waiter is respected** (`promised`): on a node whose room is
    promised from time T to a request already waiting (the head of the queue), a newcomer is
@@ -26,7 +30,8 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    larger than estimated, requests that run longer than learned, traffic that bypasses the
    gateway), the controller lowers the node's ceiling for non-critical work by a margin
    that grows while the excess lasts and decays once it is gone, down to half the high
-   watermark at most.
+   watermark at most. While the node is planned above its cache the engine is meant to be
+   full: the margin then only decays.
 
 Refusals (`Reject.reason`, also the `X-Kvgate-Reason` header); the flow controller turns the
 waitable ones into a wait when the request's bound allows:
@@ -56,9 +61,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvgate.core.admission import Reject, StartEstimate
+from kvgate.core.admission import Outcome, Reject, StartEstimate, Ticket
 from kvgate.core.clock import Clock
 from kvgate.core.nodes import LEVEL_PANIC, NodeState
+from kvgate.core.plan.ceiling import Ceilings
 from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.plan.margin import MarginController
 from kvgate.core.policies.base import BasePolicy
@@ -81,11 +87,12 @@ _UNKNOWN_HEADROOM = -1.0
 class _Fit:
     """The outcome of checking one request against one node."""
 
-    __slots__ = ("headroom", "reason")
+    __slots__ = ("above", "headroom", "reason")
 
-    def __init__(self, headroom: float | None, reason: str = "") -> None:
+    def __init__(self, headroom: float | None, reason: str = "", above: bool = False) -> None:
         self.headroom = headroom  # fraction of capacity left after it; None: does not fit
         self.reason = reason
+        self.above = above  # it fits only with the node planned above its panic watermark
 
 
 class AdaptivePolicy(BasePolicy):
@@ -99,10 +106,13 @@ class AdaptivePolicy(BasePolicy):
         rng_seed: int | None = None,
         lengths: OutputLengths | None = None,
         feedback: bool = True,
+        overbook: bool = True,
     ) -> None:
         super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
         self.feedback = feedback
+        self.overbook = overbook
         self.margins: dict[str, MarginController] = {}
+        self.ceilings = Ceilings(self.holds)
         self._planned: dict[str, float] = {}  # each node's planned peak before its sample
         # Per (priority, candidates): (generation, valid until, [(held, expected, refusal)]).
         self._refusals: dict[
@@ -111,19 +121,39 @@ class AdaptivePolicy(BasePolicy):
 
     # --- ceilings -----------------------------------------------------------------------------
 
-    def ceiling(self, node: NodeState, priority: Priority) -> float:
-        """The usage the node's peak may reach with a request of `priority` on it."""
+    def ceiling(self, node: NodeState, priority: Priority, cheap: bool = False) -> float:
+        """The usage the node's peak may reach with a request of `priority` on it; above
+        the panic watermark (`kvgate.core.plan.ceiling`) for a request `cheap` to preempt
+        where the node's measured overbooking allows it."""
         s = self.settings
-        if priority is Priority.SHEDDABLE:
-            static = s.high_watermark
-        else:
-            static = s.panic_watermark
-        if priority is Priority.CRITICAL:
-            return static
+        static = s.high_watermark if priority is Priority.SHEDDABLE else s.panic_watermark
         margin = self.margins.get(node.node_id)
-        if margin is None or margin.margin <= 0:
+        lowered = 0.0 if margin is None or priority is Priority.CRITICAL else margin.margin
+        if cheap and self.overbook:
+            over = self.ceilings.overbook(node.node_id, priority, self.clock.now())
+            if over > 0:
+                return max(static, s.panic_watermark + over - lowered)
+        if lowered <= 0:
             return static
-        return max(s.high_watermark * CEILING_FLOOR, static - margin.margin)
+        return max(s.high_watermark * CEILING_FLOOR, static - lowered)
+
+    def _limit(self, node: NodeState, request: AdmissionRequest, expected: int) -> float:
+        """The request's ceiling on the node: above the cache if it is cheap to preempt
+        there (`kvgate.core.plan.ceiling.cheap`), the node's overbooking allows, and its
+        prompt fits the cache now, next to every prompt sent to the node counted whole
+        (the engine queues nothing kvgate could keep, and a start predicted above the
+        cache is one the request can take)."""
+        prompt = request.cost.prompt_tokens
+        held = prompt + self.tuning.reservation_overhead_tokens
+        is_cheap = False
+        if node.cap is not None:
+            panic = self.settings.panic_watermark * node.cap
+            is_cheap = (
+                held + expected <= panic
+                and self.ceilings.is_cheap(node.node_id, prompt, expected)
+                and self._fits_now(node, held, panic)
+            )
+        return self.ceiling(node, request.priority, is_cheap)
 
     # --- decision -----------------------------------------------------------------------------
 
@@ -146,6 +176,7 @@ class AdaptivePolicy(BasePolicy):
             if node_id is not None:
                 return node_id
         best: str | None = None
+        best_above = False
         best_score = (float("inf"), float("inf"))
         reasons: list[str] = []
         backlog = self.holds.prefill_backlog
@@ -156,8 +187,10 @@ class AdaptivePolicy(BasePolicy):
                 continue
             score = (backlog(node_id), -fit.headroom)
             if score < best_score:
-                best, best_score = node_id, score
+                best, best_score, best_above = node_id, score, fit.above
         if best is not None:
+            if best_above:
+                self.ceilings.placed_above(best, now)
             return best
         refusal = self._refuse(now, request, expected, reasons)
         if not promised and isinstance(refusal, Reject) and refusal.waitable:
@@ -172,8 +205,15 @@ class AdaptivePolicy(BasePolicy):
         memo = self._refusals.get(key)
         if memo is None or memo[0] != self.generation or now >= memo[1]:
             return None
+        ovh = self.tuning.reservation_overhead_tokens
         for smaller_held, smaller_expected, refusal in memo[2]:
-            if smaller_held <= held and smaller_expected <= expected:
+            # ... and one no cheaper to preempt (`kvgate.core.plan.ceiling.cheap` rises with
+            # the prompt's share): it has no higher ceiling anywhere.
+            if (
+                smaller_held <= held
+                and smaller_expected <= expected
+                and (smaller_held - ovh) * expected <= (held - ovh) * smaller_expected
+            ):
                 return refusal
         return None
 
@@ -214,6 +254,7 @@ class AdaptivePolicy(BasePolicy):
         i = self.rng.randrange(n)
         j = self.rng.randrange(n - 1)
         best: str | None = None
+        best_above = False
         best_score = (float("inf"), float("inf"))
         for node_id in (candidates[i], candidates[j + (j >= i)]):
             fit = self._fit(now, node_id, request, expected, promised)
@@ -221,7 +262,9 @@ class AdaptivePolicy(BasePolicy):
                 continue
             score = (self.holds.prefill_backlog(node_id), -fit.headroom)
             if score < best_score:
-                best, best_score = node_id, score
+                best, best_score, best_above = node_id, score, fit.above
+        if best is not None and best_above:
+            self.ceilings.placed_above(best, now)
         return best
 
     def _fit(
@@ -250,7 +293,6 @@ class AdaptivePolicy(BasePolicy):
             return _Fit(_UNKNOWN_HEADROOM)
         if node.level == LEVEL_PANIC:
             return _Fit(None, "panic")
-        limit = self.ceiling(node, request.priority) * cap
         held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
         final = held + expected
         allowance = self.claims.left.get(node_id)
@@ -258,17 +300,32 @@ class AdaptivePolicy(BasePolicy):
             return _Fit(None, "share")  # other replicas hold the rest until the next sync
         forecast = self.forecast
         if forecast.peers.isolated:
+            limit = self.ceiling(node, request.priority) * cap
             return self._fit_isolated(node, limit, held, expected)
+        if until is None:
+            limit = self._limit(node, request, expected) * cap
+        else:  # a waiter's turn is coming on the node: no room above the cache meanwhile
+            limit = self.ceiling(node, request.priority) * cap
+        panic = self.settings.panic_watermark * cap
+        # Nodes are ranked by their room under the panic watermark: room above the cache is
+        # no room to prefer a node for.
+        room = min(limit, panic)
         upper = node.used + self.holds.reserved_on(node_id) + forecast.peers_upper(node_id) + final
         if upper <= limit:
-            return _Fit((limit - upper) / cap)
+            return _Fit((room - upper) / cap, above=upper > panic)
         envelope = forecast.envelope(node)
         if envelope.floor(held, expected) > limit:
             return _Fit(None, "full")  # not now, and not even once all that runs has ended
         peak = envelope.peak(held, expected)
         if peak > limit:
             return _Fit(None, "full")
-        return _Fit((limit - peak) / cap)
+        return _Fit((room - peak) / cap, above=peak > panic)
+
+    def _fits_now(self, node: NodeState, held: int, panic: float) -> bool:
+        """Does a prompt of `held` tokens fit under the panic watermark next to what the
+        node holds now, every prompt sent to it counted whole."""
+        now = self.forecast.now_tokens(node)
+        return now is None or now + held <= panic
 
     def _fit_isolated(self, node: NodeState, limit: float, held: int, expected: int) -> _Fit:
         """Without the other replicas' views: this replica's own requests against its
@@ -399,7 +456,7 @@ class AdaptivePolicy(BasePolicy):
                 continue
             if not node.is_live(now, self.settings) and not node.is_late(now, self.settings):
                 continue  # a late node's start is predicted from its last sample
-            limit = self.ceiling(node, request.priority) * node.cap
+            limit = self._limit(node, request, expected) * node.cap
             estimate = self.forecast.start_estimate(node, final, limit)
             if estimate is not None and (best is None or estimate.seconds < best.seconds):
                 best = estimate
@@ -418,7 +475,7 @@ class AdaptivePolicy(BasePolicy):
             node = self.nodes.get(node_id)
             if node is None or node.cap is None:
                 continue
-            limit = self.ceiling(node, request.priority) * node.cap
+            limit = self._limit(node, request, expected) * node.cap
             short = max(0.0, self.forecast.envelope(node).peak(held, expected) - limit)
             if least is None or short < least:
                 least = short
@@ -426,15 +483,48 @@ class AdaptivePolicy(BasePolicy):
 
     # --- feedback -------------------------------------------------------------------------------
 
+    def on_first_token(self, ticket: Ticket) -> None:
+        hold = self.holds.live.get(ticket.key)
+        before = hold is None or hold.prefilled
+        super().on_first_token(ticket)
+        if not before and self.overbook and hold is not None and hold.prefilled:
+            assert ticket.first_token_at is not None
+            self.ceilings.first_token(hold, ticket.first_token_at)
+
+    def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
+        hold = self.holds.live.get(ticket.key)
+        if hold is None or not self.overbook:
+            super().on_tokens(ticket, output_tokens)
+            return
+        prefilled, before = hold.prefilled, hold.tok_cur
+        super().on_tokens(ticket, output_tokens)
+        if not prefilled and hold.prefilled and ticket.first_token_at is not None:
+            self.ceilings.first_token(hold, ticket.first_token_at)
+        if hold.tok_cur > before:
+            self.ceilings.produced(hold.node_id, self.clock.now(), hold.tok_cur - before)
+
+    def release(self, ticket: Ticket, outcome: Outcome) -> None:
+        hold = self.holds.live.get(ticket.key)
+        if hold is not None and not ticket.released:
+            self.ceilings.ended(hold)
+        super().release(ticket, outcome)
+
     def _before_observe(self, node: NodeState) -> None:
-        if self.feedback and node.cap and node.sample is not None:
-            self._planned[node.node_id] = self.forecast.envelope(node).peak() / node.cap
+        if node.cap and node.sample is not None and (self.feedback or self.overbook):
+            peak = self.forecast.envelope(node).peak() / node.cap
+            self._planned[node.node_id] = peak
+            if self.overbook:
+                panic = self.settings.panic_watermark
+                self.ceilings.planned(node, self.clock.now(), peak, panic)
 
     def _on_observe(self, now: float, node: NodeState) -> None:
-        if not self.feedback:
-            return
+        planned = self._planned.pop(node.node_id, None)
         sample = node.sample
-        if sample is None or sample.kv_usage is None or node.cap is None:
+        if sample is None:
+            return
+        if self.overbook:
+            self.ceilings.sampled(node, now, sample)
+        if not self.feedback or sample.kv_usage is None or node.cap is None:
             return
         margin = self.margins.get(node.node_id)
         panic = self.settings.panic_watermark
@@ -442,18 +532,25 @@ class AdaptivePolicy(BasePolicy):
             floor = self.settings.high_watermark * CEILING_FLOOR
             margin = self.margins[node.node_id] = MarginController(panic - floor)
         # Evidence that the plan is wrong: the engine holds more than the peak that was
-        # planned for it (never judged above the panic watermark).
-        planned = self._planned.pop(node.node_id, panic) + PLAN_TOLERANCE
-        margin.update(now, sample.kv_usage, min(panic, planned))
+        # planned for it (never judged above the panic watermark). Not while kvgate itself
+        # planned the node above its cache (`kvgate.core.plan.ceiling`): the engine is meant
+        # to be full then.
+        if node.preemption_tolerated:
+            margin.update(now, 0.0, panic)  # no evidence either way: it fades
+        else:
+            target = panic if planned is None else planned + PLAN_TOLERANCE
+            margin.update(now, sample.kv_usage, min(panic, target))
 
     def remove_node(self, node_id: str) -> None:
         super().remove_node(node_id)
         self.margins.pop(node_id, None)
+        self.ceilings.forget(node_id)
 
     def _controller_snapshot(self, now: float) -> dict[str, Any]:
         return {
             **super()._controller_snapshot(now),
             "feedback": self.feedback,
+            "overbook": self.overbook,
             "margins": {nid: m.margin for nid, m in self.margins.items()},
         }
 
@@ -465,4 +562,18 @@ class AdaptivePolicy(BasePolicy):
             entry["peak_usage"] = self.forecast.envelope(node).peak() / node.cap
         else:
             entry["peak_usage"] = None
+        entry.update(self._ceiling_snapshot(now, node))
         return entry
+
+    def _ceiling_snapshot(self, now: float, node: NodeState) -> dict[str, Any]:
+        """The node's ceiling for cheap standard work, why, and what it was measured from."""
+        measured = self.ceilings.snapshot(node.node_id, now) if self.overbook else None
+        if measured is None:
+            ceiling = self.ceiling(node, Priority.STANDARD)
+            return {"ceiling": ceiling, "ceiling_reason": "fixed", "ceiling_detail": ""}
+        return {
+            "ceiling": self.ceiling(node, Priority.STANDARD, cheap=True),
+            "ceiling_reason": measured.pop("reason"),
+            "ceiling_detail": measured.pop("detail"),
+            **measured,
+        }

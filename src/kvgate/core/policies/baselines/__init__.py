@@ -9,7 +9,10 @@ name, next to `adaptive`:
 - `none` (`none.py`): admit everything, route to the least loaded node;
 - `static-qps`, `static-concurrency` (`static.py`): a conventional gateway's fixed quota,
   a token bucket or a cap on requests in flight (`BaselineOptions`);
-- `seed` (`seed.py`): a port of the original sketch's behaviour, flaws included.
+- `seed` (`seed.py`): a port of the original sketch's behaviour, flaws included;
+- `adaptive-fixed`: kvgate's own policy with its planned peak held under the fixed
+  watermarks, never above the cache (`AdaptivePolicy(overbook=False)`): the ceiling before
+  it was measured (`kvgate.core.plan.ceiling`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from kvgate.core.policies.baselines.static import (
 )
 from kvgate.core.settings import AdmissionSettings
 
-PolicyName = Literal["adaptive", "none", "static-qps", "static-concurrency", "seed"]
+PolicyName = Literal[
+    "adaptive", "none", "static-qps", "static-concurrency", "seed", "adaptive-fixed"
+]
 #: Every policy a benchmark may name: kvgate's first, then the baselines.
 POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
 
@@ -63,6 +68,8 @@ def build_named(
         return StaticConcurrencyPolicy(settings, clock, quota, rng_seed=rng_seed, lengths=lengths)
     if name == "seed":
         return SeedPolicy(settings, clock, rng_seed=rng_seed, lengths=lengths)
+    if name == "adaptive-fixed":
+        return AdaptivePolicy(settings, clock, rng_seed=rng_seed, lengths=lengths, overbook=False)
     raise ValueError(_unknown(name))
 
 
