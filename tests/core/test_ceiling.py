@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.core.admission import Admit, Outcome, Ticket
+from kvgate.core.admission import Admit, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.plan.ceiling import (
     COLLAPSE,
@@ -24,7 +24,7 @@ from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import Priority
 from kvgate.core.signals import NodeSample
 
-from .helpers import admit, assert_books_empty, cost, make
+from .helpers import admit, assert_books_empty, cost, make, request
 
 PANIC = 0.92
 CAP = 10_000
@@ -192,4 +192,27 @@ def test_planned_preemption_is_not_thrashing_until_goodput_falls() -> None:
     node = policy.snapshot()["nodes"]["a"]
     assert node["ceiling_reason"] == COLLAPSE and node["ceiling"] <= PANIC
     assert node["state"] == "thrashing"  # collapse is kvgate's: the hard gate is back
+    _release(policy, tickets)
+
+
+def test_a_waiter_above_the_cache_is_predicted_to_start_when_the_cache_frees_its_prompt() -> None:
+    """A burst planned above the cache must not make the next request's predicted start
+    the time the whole overbooked plan falls back under the watermark: it starts above
+    the cache as soon as the cache has room for its prompt."""
+    policy, clock = make("adaptive")
+    assert isinstance(policy, AdaptivePolicy)
+    policy.observe("a", _sample(clock, 0.0))
+    tickets = []
+    for i in range(20):  # ends spread out: the first prompt leaves the cache long before
+        tickets += _fill(policy, (1500, 1000 + 500 * i), 1, Priority.STANDARD)
+    assert _peak(policy) > 1.0 and len(tickets) >= 4  # the prompts the cache holds now
+    waiter = request("w", cost(1500, 2000))
+    assert isinstance(policy.admit(waiter), Reject)  # its prompt does not fit the cache now
+    node = policy.nodes["a"]
+    estimate = policy.start_estimate(waiter)
+    assert estimate is not None
+    under = policy.forecast.start_estimate(node, 1500 + 2000 + 16, PANIC * CAP)
+    assert under is not None and estimate.seconds < under.seconds / 2
+    first_end = min(policy.forecast.time_left(policy.holds.live[t.key]) for t in tickets)
+    assert estimate.seconds >= first_end * 0.99
     _release(policy, tickets)

@@ -206,6 +206,16 @@ class Ceilings:
     def produced(self, node_id: str, now: float, tokens: int) -> None:
         self._node(node_id).meter.produced(now, tokens)
 
+    def streamed(
+        self, hold: Hold, prefilled: bool, tokens: int, first_token_at: float | None, now: float
+    ) -> None:
+        """A stream event moved the hold on from `prefilled` and `tokens` output tokens: a
+        first token, output, or both."""
+        if not prefilled and hold.prefilled and first_token_at is not None:
+            self.first_token(hold, first_token_at)
+        if hold.tok_cur > tokens:
+            self.produced(hold.node_id, now, hold.tok_cur - tokens)
+
     def ended(self, hold: Hold) -> None:
         """The hold's request ended (its hold is about to be released)."""
         node = self._nodes.get(hold.node_id)

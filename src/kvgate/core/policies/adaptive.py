@@ -58,7 +58,7 @@ they rank behind any node with measurable headroom.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvgate.core.admission import Outcome, Reject, StartEstimate, Ticket
@@ -138,22 +138,28 @@ class AdaptivePolicy(BasePolicy):
         return max(s.high_watermark * CEILING_FLOOR, static - lowered)
 
     def _limit(self, node: NodeState, request: AdmissionRequest, expected: int) -> float:
-        """The request's ceiling on the node: above the cache if it is cheap to preempt
-        there (`kvgate.core.plan.ceiling.cheap`), the node's overbooking allows, and its
-        prompt fits the cache now, next to every prompt sent to the node counted whole
-        (the engine queues nothing kvgate could keep, and a start predicted above the
-        cache is one the request can take)."""
+        """The request's ceiling on the node: above the cache if it may be placed there
+        (`_may_overbook`) and its prompt fits the cache now, next to every prompt sent to
+        the node counted whole: the engine queues nothing kvgate could keep."""
+        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
+        above = (
+            node.cap is not None
+            and self._may_overbook(node, request, expected)
+            and self._fits_now(node, held, self.settings.panic_watermark * node.cap)
+        )
+        return self.ceiling(node, request.priority, above)
+
+    def _may_overbook(self, node: NodeState, request: AdmissionRequest, expected: int) -> bool:
+        """Is the request cheap to preempt on the node (`kvgate.core.plan.ceiling.cheap`)
+        and small enough to fit its cache alone, so that its ceiling there may lie above
+        the cache, as far as the node's overbooking allows."""
+        if node.cap is None or not self.overbook:
+            return False
         prompt = request.cost.prompt_tokens
-        held = prompt + self.tuning.reservation_overhead_tokens
-        is_cheap = False
-        if node.cap is not None:
-            panic = self.settings.panic_watermark * node.cap
-            is_cheap = (
-                held + expected <= panic
-                and self.ceilings.is_cheap(node.node_id, prompt, expected)
-                and self._fits_now(node, held, panic)
-            )
-        return self.ceiling(node, request.priority, is_cheap)
+        alone = prompt + self.tuning.reservation_overhead_tokens + expected
+        return alone <= self.settings.panic_watermark * node.cap and self.ceilings.is_cheap(
+            node.node_id, prompt, expected
+        )
 
     # --- decision -----------------------------------------------------------------------------
 
@@ -456,11 +462,35 @@ class AdaptivePolicy(BasePolicy):
                 continue
             if not node.is_live(now, self.settings) and not node.is_late(now, self.settings):
                 continue  # a late node's start is predicted from its last sample
-            limit = self._limit(node, request, expected) * node.cap
-            estimate = self.forecast.start_estimate(node, final, limit)
+            estimate = self._start_on(node, request, expected, final)
             if estimate is not None and (best is None or estimate.seconds < best.seconds):
                 best = estimate
         return best
+
+    def _start_on(
+        self, node: NodeState, request: AdmissionRequest, expected: int, final: int
+    ) -> StartEstimate | None:
+        """When the request could start on the node: under its fixed ceiling, or, where it
+        may be planned above the cache, once the plan has room under that ceiling and the
+        cache has freed room for its prompt, whichever is sooner."""
+        assert node.cap is not None
+        fixed = self.ceiling(node, request.priority) * node.cap
+        estimate = self.forecast.start_estimate(node, final, fixed)
+        over = self.ceiling(node, request.priority, cheap=True)
+        if over * node.cap <= fixed or not self._may_overbook(node, request, expected):
+            return estimate
+        above = self.forecast.start_estimate(node, final, over * node.cap)
+        now = self.forecast.now_tokens(node) or 0.0
+        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
+        short = now + held - self.settings.panic_watermark * node.cap
+        node_id = node.node_id
+        cache = 0.0 if short <= 0 else self.forecast.drain_time(short, (node_id,), self.generation)
+        if above is None or cache is None:
+            return estimate
+        seconds = max(above.seconds, cache)
+        if estimate is not None and estimate.seconds <= seconds:
+            return estimate
+        return StartEstimate(node_id, seconds, min(seconds, max(above.soonest_s, cache)))
 
     def shortfall(self, request: AdmissionRequest) -> float:
         """The least a candidate must free for the request to fit under its ceiling: its
@@ -484,24 +514,19 @@ class AdaptivePolicy(BasePolicy):
     # --- feedback -------------------------------------------------------------------------------
 
     def on_first_token(self, ticket: Ticket) -> None:
-        hold = self.holds.live.get(ticket.key)
-        before = hold is None or hold.prefilled
-        super().on_first_token(ticket)
-        if not before and self.overbook and hold is not None and hold.prefilled:
-            assert ticket.first_token_at is not None
-            self.ceilings.first_token(hold, ticket.first_token_at)
+        self._streamed(ticket, super().on_first_token)
 
     def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
+        self._streamed(ticket, lambda t: BasePolicy.on_tokens(self, t, output_tokens))
+
+    def _streamed(self, ticket: Ticket, event: Callable[[Ticket], None]) -> None:
+        """The base policy's stream event; what it changed feeds the node's meter."""
         hold = self.holds.live.get(ticket.key)
         if hold is None or not self.overbook:
-            super().on_tokens(ticket, output_tokens)
-            return
-        prefilled, before = hold.prefilled, hold.tok_cur
-        super().on_tokens(ticket, output_tokens)
-        if not prefilled and hold.prefilled and ticket.first_token_at is not None:
-            self.ceilings.first_token(hold, ticket.first_token_at)
-        if hold.tok_cur > before:
-            self.ceilings.produced(hold.node_id, self.clock.now(), hold.tok_cur - before)
+            return event(ticket)
+        prefilled, tokens = hold.prefilled, hold.tok_cur
+        event(ticket)
+        self.ceilings.streamed(hold, prefilled, tokens, ticket.first_token_at, self.clock.now())
 
     def release(self, ticket: Ticket, outcome: Outcome) -> None:
         hold = self.holds.live.get(ticket.key)
@@ -567,13 +592,9 @@ class AdaptivePolicy(BasePolicy):
 
     def _ceiling_snapshot(self, now: float, node: NodeState) -> dict[str, Any]:
         """The node's ceiling for cheap standard work, why, and what it was measured from."""
+        ceiling = self.ceiling(node, Priority.STANDARD, cheap=True)
         measured = self.ceilings.snapshot(node.node_id, now) if self.overbook else None
         if measured is None:
-            ceiling = self.ceiling(node, Priority.STANDARD)
             return {"ceiling": ceiling, "ceiling_reason": "fixed", "ceiling_detail": ""}
-        return {
-            "ceiling": self.ceiling(node, Priority.STANDARD, cheap=True),
-            "ceiling_reason": measured.pop("reason"),
-            "ceiling_detail": measured.pop("detail"),
-            **measured,
-        }
+        reason, detail = measured.pop("reason"), measured.pop("detail")
+        return {"ceiling": ceiling, "ceiling_reason": reason, "ceiling_detail": detail, **measured}
