@@ -19,9 +19,9 @@ the cache, and a request placed while it does is the engine's newest: the engine
 are the requests the rule chose. Whatever the rule, a request above the cache must fit the
 cache *now* (its prompt next to what the node holds, every prompt sent counted whole), the
 node's last sample must show nothing waiting in the engine, and the node must not be at
-its panic level: the engine queues nothing kvgate could have kept. The same holds for a
-waiter's predicted start (`AdaptivePolicy.start_estimate`), so a waiter is never promised
-a start above the cache that it cannot take.
+its panic level: the engine queues nothing kvgate could have kept. A waiter that may be
+planned above the cache is predicted to start (`AdaptivePolicy.start_estimate`) once the
+plan has room under its ceiling and the cache has freed room for its prompt.
 
 Only an engine whose samples show its KV usage and count its preemptions (vLLM, SGLang)
 is ever planned above its cache: elsewhere kvgate could neither see a preemption nor price
