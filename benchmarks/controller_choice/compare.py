@@ -1,12 +1,17 @@
-"""Feedback between the ceilings or not? The margin controller vs ceilings alone, in virtual time.
+"""The measured ceiling, the fixed one with its feedback margin, or ceilings alone, in virtual time.
 
-Runs the `adaptive` policy, behind the gateway's queue, on the virtual-time cluster of
+Runs kvgate's policy, behind the gateway's queue, on the virtual-time cluster of
 `kvgate.bench.virtual` (the paged-KV engine simulator, scraped every 50 ms with 10 ms
-delivery lag, clients with timeouts, retries and Retry-After) two ways:
+delivery lag, clients with timeouts, retries and Retry-After) three ways:
 
-* `margin`    - the default: `plan.margin.MarginController` lowers a node's ceilings for
-  non-critical work while its measured usage overshoots the panic watermark;
-* `ceilings`  - no feedback at all: only the per-priority ceilings on the planned peak;
+* `measured`  - the default: the ceiling set by what each engine measures
+  (`plan.ceiling`: above the cache for requests cheap to recompute while latency and
+  goodput hold), and the margin;
+* `margin`    - the fixed ceiling (`adaptive-fixed`), with `plan.margin.MarginController`
+  lowering a node's ceilings for non-critical work while its measured usage overshoots
+  the panic watermark;
+* `ceilings`  - the fixed ceiling and no feedback at all: only the per-priority ceilings
+  on the planned peak;
 
 each on the cpu-tiny preset (2 engines of 4,096 KV tokens, the real vLLM CPU engine's
 size) at several loads and seeds, and in regimes where the plan is wrong: exact prompt
@@ -40,7 +45,12 @@ from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.sim.runs import SHED, UNAVAILABLE, VirtualResult
 
-CONFIGS: dict[str, bool] = {"margin": True, "ceilings": False}  # name -> feedback on
+# name -> (policy, feedback on)
+CONFIGS: dict[str, tuple[str, bool]] = {
+    "measured": ("adaptive", True),
+    "margin": ("adaptive-fixed", True),
+    "ceilings": ("adaptive-fixed", False),
+}
 
 
 _MIX = (Priority.CRITICAL,) * 2 + (Priority.STANDARD,) * 5 + (Priority.SHEDDABLE,) * 3
@@ -156,7 +166,7 @@ def main() -> int:
         "refused_sheddable",
     ]
     lines = [
-        "# Feedback comparison (adaptive policy behind the queue, virtual time)",
+        "# Ceiling and feedback comparison (kvgate behind the queue, virtual time)",
         "",
         "Command: `python benchmarks/controller_choice/compare.py"
         f"{' --quick' if args.quick else ''}`."
@@ -170,7 +180,7 @@ def main() -> int:
         " (by id) are dropped from the policy's books right after admission, i.e. load"
         " kvgate sees only through the engines' KV gauge.",
         "",
-        "| regime | load | feedback | " + " | ".join(metrics) + " |",
+        "| regime | load | ceiling, feedback | " + " | ".join(metrics) + " |",
         "| --- | --- | --- | " + " | ".join("---" for _ in metrics) + " |",
     ]
     regimes = (
@@ -181,10 +191,17 @@ def main() -> int:
     )
     for regime, factor, mixed, hidden in regimes:
         for load in loads:
-            for name, feedback in CONFIGS.items():
+            for name, (policy, feedback) in CONFIGS.items():
                 rows = [
                     _run(
-                        replace(base, load=load, seed=seed, feedback=feedback),
+                        replace(
+                            base,
+                            load=load,
+                            seed=seed,
+                            feedback=feedback,
+                            label=policy,
+                            policy=policy,
+                        ),
                         factor,
                         mixed,
                         hidden,

@@ -30,7 +30,7 @@ from kvgate.testing.books import full_reserved_on, upper_tokens
 
 from .helpers import assert_books_empty, assert_flow_empty, make, request
 
-POLICIES = ["none", "static-qps", "static-concurrency", "seed", "adaptive"]
+POLICIES = ["none", "static-qps", "static-concurrency", "seed", "adaptive", "adaptive-fixed"]
 NODES = ["a", "b", "c"]
 TENANTS = ["", "t1", "t2"]
 CAPACITY = 10_000
@@ -89,6 +89,9 @@ def _events(step_s: float, advance_s: float) -> dict[str, st.SearchStrategy[tupl
             st.integers(0, 64),
             st.integers(0, 64),
             st.floats(0, step_s),
+            # The engine's preemption counter (None: it has none), so that nodes are also
+            # planned above their cache (kvgate.core.plan.ceiling).
+            st.one_of(st.none(), st.integers(0, 20)),
         ),
         "advance": st.tuples(st.just("advance"), st.floats(0, advance_s)),
         "dispatch": st.tuples(st.just("dispatch")),
@@ -128,8 +131,9 @@ def _any_policy(name: str, fail_open: bool) -> tuple[BasePolicy, ManualClock]:
 
 
 def _observe(policy: BasePolicy | FlowController, op: tuple, now: float) -> None:
-    _, node, usage, running, waiting, latency = op
-    policy.observe(node, NodeSample(usage, CAPACITY, running, waiting, latency or None, now))
+    _, node, usage, running, waiting, latency, preemptions = op
+    sample = NodeSample(usage, CAPACITY, running, waiting, latency or None, now, preemptions)
+    policy.observe(node, sample)
 
 
 def _check_refusal(decision: Reject) -> None:

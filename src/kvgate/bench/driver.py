@@ -1,10 +1,13 @@
 """Glue for `kvgate bench`: options per mode, capacity, the grid, the report.
 
 Virtual mode measures capacity with a geometric bisection of `direct` runs (see
-`kvgate.bench.suite`). Live modes cannot afford a bisection in real time: they take the
-1x scale from the same bisection run in virtual time on the `cpu-tiny` preset, which is
-calibrated to the real vLLM CPU engine, and then report the goodput `direct` actually
-achieved live at 1x as the live sustainable capacity.
+`kvgate.bench.suite`). Live modes cannot afford a bisection from scratch in real time:
+they start from the same bisection run in virtual time on the `cpu-tiny` preset, which is
+calibrated to the real vLLM CPU engine. `live-sim` takes that scale as 1x (its engines are
+the simulator). `live-vllm` measures the live capacity of the machine it runs on: from the
+virtual scale it doubles up (or halves down) with live `direct` runs until the criterion
+breaks, then bisects the bracket twice (`find_capacity_near`), and that scale is 1x; the
+goodput `direct` achieved there is the capacity.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from kvgate.bench.metrics import RunResult, summarize
 from kvgate.bench.profiles import DEFAULT_POLICIES, POLICIES, Profile, get_profile
 from kvgate.bench.report import ReportMeta, write_report
 from kvgate.bench.suite import (
+    Runner,
     RunSpec,
     describe_capacity,
     find_capacity,
+    find_capacity_near,
     run_grid,
     tuned_overrides,
 )
@@ -277,15 +282,26 @@ def main_live(opts: BenchOptions) -> Path:
     prof = _profile(opts)
     cap_nodes = opts.nodes
     scale, cap_run, base, how = _capacity(opts, prof, cap_nodes, 120.0)
-    how = (
-        "1x taken from the virtual-time capacity search on the calibrated `cpu-tiny` preset "
-        f"({how}); the live capacity is the goodput `direct` achieved live at 1x"
-    )
-    cap = describe_capacity(scale, base, cap_run, how)
-    specs = _specs(opts, prof, scale, cap_run)
+    live_search = opts.mode == "live-vllm" and opts.capacity_scale is None
     with live_runner(opts) as runner:
+        if live_search:
+            guess = scale
+            scale, cap_run = _live_capacity(opts, prof, runner, guess)
+            how = (
+                f"measured live: from the virtual-time scale {guess:.3f} ({how}), live "
+                f"`direct` runs of {opts.duration_s:g} s doubling up or halving down until "
+                "it failed >= 95% of users in SLO with no preemption, then two geometric "
+                "bisections; the capacity is the goodput `direct` achieved there"
+            )
+        else:
+            how = (
+                "1x taken from the virtual-time capacity search on the calibrated `cpu-tiny`"
+                f" preset ({how}); the live capacity is the goodput `direct` achieved live at 1x"
+            )
+        cap = describe_capacity(scale, base, cap_run, how)
+        specs = _specs(opts, prof, scale, cap_run)
         runs = run_grid(specs, runner, f"{opts.mode} x{opts.nodes}")
-    cap["goodput_tok_s"] = _direct_1x_goodput(runs, math.nan)
+    cap["goodput_tok_s"] = _direct_1x_goodput(runs, cap.get("goodput_tok_s", math.nan))
     where = "`kvgate serve` -> `kvgate sim`" if opts.mode == "live-sim" else "real vLLM CPU"
     scenario = _scenario(opts, prof, scale)
     scenario["gateway"] = (
@@ -302,6 +318,19 @@ def main_live(opts: BenchOptions) -> Path:
         notes=_notes(runs),
     )
     return write_report(runs, meta, opts.out, keep=True)
+
+
+def _live_capacity(
+    opts: BenchOptions, prof: Profile, runner: Runner, guess: float
+) -> tuple[float, RunResult | None]:
+    """The 1x scale measured live with `direct` (`find_capacity_near` from `guess`)."""
+
+    def step(scale: float, ok: bool) -> None:
+        console.print(f"  live capacity: scale {scale:.3f} {'sustained' if ok else 'failed'}")
+
+    console.print("[bold]measuring the live sustainable capacity with `direct`...")
+    base = _base_spec(opts, prof, opts.duration_s, opts.nodes)
+    return find_capacity_near(base, runner, guess, on_step=step)
 
 
 @contextlib.contextmanager

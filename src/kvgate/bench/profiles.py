@@ -38,6 +38,7 @@ POLICIES: dict[str, Variant] = {
     "static-concurrency": Variant("static-concurrency"),
     "seed": Variant("seed"),
     "adaptive": Variant("adaptive"),
+    "adaptive-fixed": Variant("adaptive-fixed"),
     "adaptive-fcfs": Variant("adaptive", order="fcfs"),
     "adaptive-noqueue": Variant("adaptive", queue=False),
     "adaptive-nofeedback": Variant("adaptive", feedback=False),

@@ -85,6 +85,50 @@ def find_capacity(
     return lo, best
 
 
+def find_capacity_near(
+    base: RunSpec,
+    runner: Runner,
+    start: float,
+    steps: int = 2,
+    widen: int = 4,
+    on_step: Callable[[float, bool], None] | None = None,
+) -> tuple[float, RunResult | None]:
+    """The largest scale of `base.shape` that `direct` sustains, searched from a guess:
+    doubling up from `start` while it holds (or halving down until it does), at most
+    `widen` times, then `steps` geometric bisections of the bracket. For runs in real time,
+    where a bisection from scratch costs too much. Returns the scale and its passing run
+    (None if even the lowest scale tried fails)."""
+
+    def trial(scale: float) -> tuple[bool, RunResult]:
+        run = runner(replace(base, shape=base.shape.scaled(scale), load=1.0))
+        ok = passes_capacity(run)
+        if on_step:
+            on_step(scale, ok)
+        return ok, run
+
+    ok, run = trial(start)
+    lo, hi, best = (start, None, run) if ok else (None, start, None)
+    for _ in range(widen):
+        if lo is not None and hi is not None:
+            break
+        scale = lo * 2 if lo is not None else (hi or start) / 2
+        ok, run = trial(scale)
+        if ok:
+            lo, best = scale, run
+        else:
+            hi = scale
+    if lo is None or hi is None:
+        return (lo if lo is not None else (hi or start)), best
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        ok, run = trial(mid)
+        if ok:
+            lo, best = mid, run
+        else:
+            hi = mid
+    return lo, best
+
+
 def tuned_overrides(
     label: str, shape: Shape, nodes: int, capacity_run: RunResult | None
 ) -> dict[str, Any]:

@@ -39,6 +39,10 @@ preemption only when the victim runs again):
     samples (a victim moved back to the queue). Below it the same pattern is a request that
     ended and another that arrived: admission plans nodes up to their ceilings, so a full
     but healthy node is the normal state, not a symptom;
+  * neither of those two while the policy planned the node above its cache
+    (`preemption_tolerated`, `kvgate.core.plan.ceiling`): preemption is then the plan's
+    own, and what would make it thrashing is measured there (goodput falling, latency
+    breaking, recomputation taking the engine's time), which takes the tolerance back;
   * for engines that export no preemption counter only: the iteration latency exceeds
     `thrash_latency_factor` times its healthy baseline while requests are waiting. With a
     counter this signal adds nothing but false alarms: a step that prefills a long prompt
@@ -116,6 +120,9 @@ class NodeState:
     # Reflected tokens of requests released since the last sample: in `used` if the sample
     # was rendered before the engine freed them, already gone from it if after.
     freed_unseen: int = 0
+    # Set by the policy before each sample: preemption here is planned (the node was
+    # planned above its cache, `kvgate.core.plan.ceiling`), so it is not thrashing.
+    preemption_tolerated: bool = False
 
     def age(self, now: float) -> float | None:
         if self.sample is None:
@@ -268,7 +275,7 @@ class NodeState:
         # Without a KV gauge (llama.cpp) a finished request and a queued arrival in the same
         # interval look alike; such nodes are gated by their queue instead.
         full = sample.kv_usage is not None and sample.kv_usage >= settings.panic_watermark
-        if prev is not None:
+        if prev is not None and not self.preemption_tolerated:
             if full and sample.waiting > prev.waiting and sample.running < prev.running:
                 return True
             if (

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.core.clock import ManualClock
+from kvgate.core.policies.baselines import build_named
+from kvgate.core.settings import AdmissionSettings
+from kvgate.core.signals import NodeSample
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 
 
@@ -37,3 +41,21 @@ def test_route_histograms_count_each_value_in_its_le_bucket() -> None:
     assert duration[("kvgate_request_duration_seconds_count", (chat,))] == 1
     assert duration[("kvgate_request_duration_seconds_bucket", (("le", "1.0"), chat))] == 0
     assert duration[("kvgate_request_duration_seconds_bucket", (("le", "2.5"), chat))] == 1
+
+
+def test_each_nodes_ceiling_and_what_it_was_measured_from_are_gauges() -> None:
+    clock = ManualClock(100.0)
+    policy = build_named("adaptive", AdmissionSettings(), clock)
+    policy.observe("a", NodeSample(0.5, 10_000, 1, 0, 0.005, clock.now(), 0.0))
+    policy.observe("b", NodeSample(0.5, 10_000, 1, 0, 0.005, clock.now(), None))
+    metrics = GatewayMetrics()
+    metrics.policy_snapshot = policy.snapshot
+    ceiling = _samples(metrics, "kvgate_node_ceiling")
+    # Measurable (its preemptions are counted): overbooking allowed; b keeps the watermark.
+    assert ceiling[("kvgate_node_ceiling", (("node", "a"),))] > 1.0
+    assert ceiling[("kvgate_node_ceiling", (("node", "b"),))] == 0.92
+    pace = _samples(metrics, "kvgate_node_prefill_seconds_per_token")
+    assert pace[("kvgate_node_prefill_seconds_per_token", (("node", "a"),))] > 0
+    assert ("kvgate_node_recompute_share", (("node", "a"),)) in _samples(
+        metrics, "kvgate_node_recompute_share"
+    )

@@ -7,16 +7,19 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    (`kvgate.core.plan.envelope`, built by `kvgate.core.plan.forecast`) stays under
    `ceiling(q) * capacity(n)`: the high watermark for sheddable work (it fills the cache
    only so far, leaving the rest for interactive work to start at once), the panic
-   watermark for standard and critical work. A request counts on a node what that node
-   lacks: its prompt less the leading blocks requests running there hold already
-   (`BasePolicy.shared_on`). A request's hold is taken at once, so no
-   burst, however dense, pushes a node's peak past its ceiling. Among the nodes that fit,
-   the routing part ranks (`kvgate.core.policies.routing`: by the prefill the request
-   would wait for there, counting the node's cached prefix of its prompt, and the headroom
-   left; or by headroom alone). From `p2c_min_nodes` candidates on, only two random nodes
-   and the ones the routing names (those holding the prompt's longest cached prefix) are
-   checked, falling back to a full scan when none fits. Nodes are never averaged: one node
-   at 99 % and one at 10 % are two different answers.
+   watermark for standard and critical work; above the cache for a request cheap to
+   recompute where the node's measurement allows it (`kvgate.core.plan.ceiling`: the
+   engine's preemption is then the plan's own; the overbooking comes back down to the
+   watermarks where preemption costs goodput or latency). A request counts on a node what
+   that node lacks: its prompt less the leading blocks requests running there hold already
+   (`BasePolicy.shared_on`). A request's hold is taken at once, so no burst, however dense,
+   pushes a node's peak past its ceiling. Among the nodes that fit, the routing part ranks
+   (`kvgate.core.policies.routing`: by the prefill the request would wait for there,
+   counting the node's cached prefix of its prompt, and the headroom left under the panic
+   watermark; or by headroom alone). From `p2c_min_nodes` candidates on, only two random
+   nodes and the ones the routing names (those holding the prompt's longest cached prefix)
+   are checked, falling back to a full scan when none fits. Nodes are never averaged: one
+   node at 99 % and one at 10 % are two different answers.
 
 2. **Room promised to a waiter is respected** (`promised`): on a node whose room is
    promised from time T to a request already waiting (the head of the queue), a newcomer is
@@ -29,7 +32,8 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    larger than estimated, requests that run longer than learned, traffic that bypasses the
    gateway), the controller lowers the node's ceiling for non-critical work by a margin
    that grows while the excess lasts and decays once it is gone, down to half the high
-   watermark at most.
+   watermark at most. While the node is planned above its cache the engine is meant to be
+   full: the margin then only decays.
 
 Refusals (`Reject.reason`, also the `X-Kvgate-Reason` header; the words of the ones that
 find no room are `kvgate.core.policies.refusals`'); the flow controller turns the waitable
@@ -62,17 +66,18 @@ they rank behind any node with measurable headroom.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvgate.core.admission import Reject, StartEstimate, Ticket
+from kvgate.core.admission import Outcome, Reject, StartEstimate, Ticket
 from kvgate.core.clock import Clock
 from kvgate.core.nodes import LEVEL_PANIC, NodeState
+from kvgate.core.plan.ceiling import Ceilings
 from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.plan.margin import MarginController
 from kvgate.core.policies.base import BasePolicy
-from kvgate.core.policies.refusals import Fit, no_room, planned_peak
+from kvgate.core.policies.refusals import Fit, RefusalMemo, no_room, planned_peak
 from kvgate.core.policies.routing import PrefixRouting, Route, Routing, RoutingName, build_routing
 from kvgate.core.prefix.events import KVEventBatch
 from kvgate.core.request import AdmissionRequest, Priority
@@ -84,9 +89,6 @@ CEILING_FLOOR = 0.5
 # A sample may exceed the planned peak by this fraction of capacity before it counts as
 # evidence (KV block rounding, a gauge's own jitter).
 PLAN_TOLERANCE = 0.03
-# Candidate lists and request sizes whose refusals are remembered between two changes.
-_MEMO_KEYS = 256
-_MEMO_SIZES = 8
 # Headroom score of a queue-gated node (no capacity known): behind any measurable headroom.
 _UNKNOWN_HEADROOM = -1.0
 
@@ -103,33 +105,58 @@ class AdaptivePolicy(BasePolicy):
         lengths: OutputLengths | None = None,
         feedback: bool = True,
         routing: RoutingName = "prefix",
+        overbook: bool = True,
     ) -> None:
         super().__init__(settings, clock, rng_seed=rng_seed, lengths=lengths)
         self.feedback = feedback
+        self.overbook = overbook
         self.routing: Routing = build_routing(routing, self.block_sizes, self.prompt_blocks)
         self.margins: dict[str, MarginController] = {}
+        self.ceilings = Ceilings(self.holds)
         self._planned: dict[str, float] = {}  # each node's planned peak before its sample
         self._prefix_queries: dict[str, float] = {}  # each engine's prefix cache counter
-        # Per (priority, candidates): (generation, valid until, [(held, expected, refusal)]).
-        self._refusals: dict[
-            tuple[Priority, tuple[str, ...]], tuple[int, float, list[tuple[int, int, Reject]]]
-        ] = {}
+        self._memo = RefusalMemo(self.tuning.reservation_overhead_tokens)
 
     # --- ceilings -----------------------------------------------------------------------------
 
-    def ceiling(self, node: NodeState, priority: Priority) -> float:
-        """The usage the node's peak may reach with a request of `priority` on it."""
+    def ceiling(self, node: NodeState, priority: Priority, cheap: bool = False) -> float:
+        """The usage the node's peak may reach with a request of `priority` on it; above
+        the panic watermark (`kvgate.core.plan.ceiling`) for a request `cheap` to preempt
+        where the node's measured overbooking allows it."""
         s = self.settings
-        if priority is Priority.SHEDDABLE:
-            static = s.high_watermark
-        else:
-            static = s.panic_watermark
-        if priority is Priority.CRITICAL:
-            return static
+        static = s.high_watermark if priority is Priority.SHEDDABLE else s.panic_watermark
         margin = self.margins.get(node.node_id)
-        if margin is None or margin.margin <= 0:
+        lowered = 0.0 if margin is None or priority is Priority.CRITICAL else margin.margin
+        if cheap and self.overbook:
+            over = self.ceilings.overbook(node.node_id, priority, self.clock.now())
+            if over > 0:
+                return max(static, s.panic_watermark + over - lowered)
+        if lowered <= 0:
             return static
-        return max(s.high_watermark * CEILING_FLOOR, static - margin.margin)
+        return max(s.high_watermark * CEILING_FLOOR, static - lowered)
+
+    def _limit(self, node: NodeState, request: AdmissionRequest, expected: int) -> float:
+        """The request's ceiling on the node: above the cache if it may be placed there
+        (`_may_overbook`) and its prompt fits the cache now, next to every prompt sent to
+        the node counted whole: the engine queues nothing kvgate could keep."""
+        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
+        above = node.cap is not None and self._may_overbook(node, request, expected)
+        if above:
+            now = self.forecast.now_tokens(node)
+            above = now is None or now + held <= self.settings.panic_watermark * (node.cap or 0)
+        return self.ceiling(node, request.priority, above)
+
+    def _may_overbook(self, node: NodeState, request: AdmissionRequest, expected: int) -> bool:
+        """Is the request cheap to preempt on the node (`kvgate.core.plan.ceiling.cheap`)
+        and small enough to fit its cache alone, so that its ceiling there may lie above
+        the cache, as far as the node's overbooking allows."""
+        if node.cap is None or not self.overbook:
+            return False
+        prompt = request.cost.prompt_tokens
+        alone = prompt + self.tuning.reservation_overhead_tokens + expected
+        return alone <= self.settings.panic_watermark * node.cap and self.ceilings.is_cheap(
+            node.node_id, prompt, expected
+        )
 
     # --- decision -----------------------------------------------------------------------------
 
@@ -144,7 +171,7 @@ class AdaptivePolicy(BasePolicy):
         held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
         memo_key = (request.priority, candidates)
         if not promised:
-            known = self._refused_memo(now, memo_key, held, expected)
+            known = self._memo.recall(self.generation, now, memo_key, held, expected)
             if known is not None:
                 return known
         route = self.routing.query(request)
@@ -153,6 +180,7 @@ class AdaptivePolicy(BasePolicy):
             if node_id is not None:
                 return node_id
         best: str | None = None
+        best_above = False
         best_score = (float("inf"), float("inf"))
         misses: list[Fit] = []
         backlog = self.holds.prefill_backlog
@@ -163,51 +191,22 @@ class AdaptivePolicy(BasePolicy):
                 continue
             score = route.score(node_id, backlog(node_id), fit.headroom)
             if score < best_score:
-                best, best_score = node_id, score
+                best, best_score, best_above = node_id, score, fit.above
         if best is not None:
+            if best_above:
+                self.ceilings.placed_above(best, now)
             return best
         refusal = self._refuse(now, request, expected, misses)
         if not promised and isinstance(refusal, Reject) and refusal.waitable:
-            self._remember_refusal(now, memo_key, held, expected, refusal)
-        return refusal
-
-    def _refused_memo(
-        self, now: float, key: tuple[Priority, tuple[str, ...]], held: int, expected: int
-    ) -> Reject | None:
-        """A refusal of a request no larger than this one, made since anything changed:
-        it holds for this one too (it needs at least as much room, on the same nodes)."""
-        memo = self._refusals.get(key)
-        if memo is None or memo[0] != self.generation or now >= memo[1]:
-            return None
-        for smaller_held, smaller_expected, refusal in memo[2]:
-            if smaller_held <= held and smaller_expected <= expected:
-                return refusal
-        return None
-
-    def _remember_refusal(
-        self,
-        now: float,
-        key: tuple[Priority, tuple[str, ...]],
-        held: int,
-        expected: int,
-        refusal: Reject,
-    ) -> None:
-        """Keep a refusal until anything changes (a sample, a start, an end, the node set)
-        or a node it counted on goes stale, so a storm of refusals between two samples
-        costs O(1) each instead of a scan of every node."""
-        memo = self._refusals.get(key)
-        if memo is None or memo[0] != self.generation or now >= memo[1]:
-            if len(self._refusals) >= _MEMO_KEYS:
-                self._refusals.clear()
             until = min(
                 (n.sample.sampled_at + self.settings.stale_after_s
-                 for nid in key[1]
+                 for nid in candidates
                  if (n := self.nodes.get(nid)) is not None and n.sample is not None),
                 default=now,
             )  # fmt: skip
-            memo = self._refusals[key] = (self.generation, until, [])
-        if len(memo[2]) < _MEMO_SIZES:
-            memo[2].append((held, expected, refusal))
+            sizes = (held, expected)
+            self._memo.remember(self.generation, now, until, memo_key, sizes, refusal)
+        return refusal
 
     def _two_choices(
         self,
@@ -223,6 +222,7 @@ class AdaptivePolicy(BasePolicy):
         i = self.rng.randrange(n)
         j = self.rng.randrange(n - 1)
         best: str | None = None
+        best_above = False
         best_score = (float("inf"), float("inf"))
         a, b = candidates[i], candidates[j + (j >= i)]
         for node_id in (a, b, *(x for x in route.extra if x != a and x != b)):
@@ -231,7 +231,9 @@ class AdaptivePolicy(BasePolicy):
                 continue
             score = route.score(node_id, self.holds.prefill_backlog(node_id), fit.headroom)
             if score < best_score:
-                best, best_score = node_id, score
+                best, best_score, best_above = node_id, score, fit.above
+        if best is not None and best_above:
+            self.ceilings.placed_above(best, now)
         return best
 
     def _fit(
@@ -262,7 +264,6 @@ class AdaptivePolicy(BasePolicy):
             return Fit(_UNKNOWN_HEADROOM)
         if node.level == LEVEL_PANIC:
             return Fit(None, "panic")
-        limit = self.ceiling(node, request.priority) * cap
         # What the node lacks: the prompt less the blocks its running requests hold already.
         prompt = request.cost.prompt_tokens - self.shared_on(node_id, request)
         held = prompt + self.tuning.reservation_overhead_tokens
@@ -272,11 +273,20 @@ class AdaptivePolicy(BasePolicy):
             return Fit(None, "share")  # other replicas hold the rest until the next sync
         forecast = self.forecast
         if forecast.peers.isolated:
+            limit = self.ceiling(node, request.priority) * cap
             return self._fit_isolated(node, limit, held, expected)
+        if until is None:
+            limit = self._limit(node, request, expected) * cap
+        else:  # a waiter's turn is coming on the node: no room above the cache meanwhile
+            limit = self.ceiling(node, request.priority) * cap
+        panic = self.settings.panic_watermark * cap
+        # Nodes are ranked by their room under the panic watermark: room above the cache is
+        # no room to prefer a node for.
+        room = min(limit, panic)
         used = forecast.used(node)
         upper = used + self.holds.reserved_on(node_id) + forecast.peers_upper(node_id) + final
         if upper <= limit:
-            return Fit((limit - upper) / cap)
+            return Fit((room - upper) / cap, above=upper > panic)
         envelope = forecast.envelope(node)
         floor = envelope.floor(held, expected)
         if floor > limit:  # not now, and not even once all that runs has ended
@@ -284,7 +294,7 @@ class AdaptivePolicy(BasePolicy):
         peak = envelope.peak(held, expected)
         if peak > limit:
             return planned_peak(node, peak, limit)
-        return Fit((limit - peak) / cap)
+        return Fit((room - peak) / cap, above=peak > panic)
 
     def _fit_isolated(self, node: NodeState, limit: float, held: int, expected: int) -> Fit:
         """Without the other replicas' views: this replica's own requests against its
@@ -413,11 +423,36 @@ class AdaptivePolicy(BasePolicy):
                 continue
             if not node.is_live(now, self.settings) and not node.is_late(now, self.settings):
                 continue  # a late node's start is predicted from its last sample
-            limit = self.ceiling(node, request.priority) * node.cap
-            estimate = self.forecast.start_estimate(node, final, limit, informed)
+            estimate = self._start_on(node, request, expected, final, informed)
             if estimate is not None and (best is None or estimate.seconds < best.seconds):
                 best = estimate
         return best
+
+    def _start_on(
+        self, node: NodeState, request: AdmissionRequest, expected: int, final: int, informed: bool
+    ) -> StartEstimate | None:
+        """When the request could start on the node: under its fixed ceiling, or, where it
+        may be planned above the cache, once the plan has room under that ceiling and the
+        cache has freed room for its prompt, whichever is sooner."""
+        assert node.cap is not None
+        fixed = self.ceiling(node, request.priority) * node.cap
+        estimate = self.forecast.start_estimate(node, final, fixed, informed)
+        over = self.ceiling(node, request.priority, cheap=True)
+        if over * node.cap <= fixed or not self._may_overbook(node, request, expected):
+            return estimate
+        above = self.forecast.start_estimate(node, final, over * node.cap, informed)
+        now = self.forecast.now_tokens(node) or 0.0
+        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
+        short = now + held - self.settings.panic_watermark * node.cap
+        node_id = node.node_id
+        cache = 0.0 if short <= 0 else self.forecast.drain_time(short, (node_id,), self.generation)
+        if above is None or cache is None:
+            return estimate
+        seconds = max(above.seconds, cache)
+        if estimate is not None and estimate.seconds <= seconds:
+            return estimate
+        soonest = min(seconds, max(above.soonest_s, cache))
+        return StartEstimate(node_id, seconds, soonest, above.measured)
 
     def shortfall(self, request: AdmissionRequest) -> float:
         """The least a candidate must free for the request to fit under its ceiling: its
@@ -432,7 +467,7 @@ class AdaptivePolicy(BasePolicy):
             node = self.nodes.get(node_id)
             if node is None or node.cap is None:
                 continue
-            limit = self.ceiling(node, request.priority) * node.cap
+            limit = self._limit(node, request, expected) * node.cap
             short = max(0.0, self.forecast.envelope(node).peak(held, expected) - limit)
             if least is None or short < least:
                 least = short
@@ -440,27 +475,46 @@ class AdaptivePolicy(BasePolicy):
 
     # --- feedback -------------------------------------------------------------------------------
 
+    def on_first_token(self, ticket: Ticket) -> None:
+        self._streamed(ticket, super().on_first_token)
+
+    def on_tokens(self, ticket: Ticket, output_tokens: int) -> None:
+        self._streamed(ticket, lambda t: BasePolicy.on_tokens(self, t, output_tokens))
+
+    def _streamed(self, ticket: Ticket, event: Callable[[Ticket], None]) -> None:
+        """The base policy's stream event; what it changed feeds the node's meter."""
+        hold = self.holds.live.get(ticket.key)
+        if hold is None or not self.overbook:
+            return event(ticket)
+        prefilled, tokens = hold.prefilled, hold.tok_cur
+        event(ticket)
+        self.ceilings.streamed(hold, prefilled, tokens, ticket.first_token_at, self.clock.now())
+
+    def release(self, ticket: Ticket, outcome: Outcome) -> None:
+        hold = self.holds.live.get(ticket.key)
+        if hold is not None and not ticket.released:
+            self.ceilings.ended(hold)
+        super().release(ticket, outcome)
+
     def _before_observe(self, node: NodeState) -> None:
-        if self.feedback and node.cap and node.sample is not None:
-            self._planned[node.node_id] = self.forecast.envelope(node).peak() / node.cap
+        if node.cap and node.sample is not None and (self.feedback or self.overbook):
+            peak = self.forecast.envelope(node).peak() / node.cap
+            self._planned[node.node_id] = peak
+            if self.overbook:
+                panic = self.settings.panic_watermark
+                self.ceilings.planned(node, self.clock.now(), peak, panic)
 
     def _on_observe(self, now: float, node: NodeState) -> None:
+        planned = self._planned.pop(node.node_id, None)
         if node.cap is not None:
             self.routing.capacity(node.node_id, node.cap)
-        size = self.block_sizes.get(node.node_id)
-        if size and isinstance(self.routing, PrefixRouting):
-            self.routing.block_size(node.node_id, size)  # a new size resets its index
-        queries = None if node.sample is None else node.sample.prefix_queries_total
-        if queries is not None:
-            last = self._prefix_queries.get(node.node_id)
-            self._prefix_queries[node.node_id] = queries
-            if last is not None and queries < last and isinstance(self.routing, PrefixRouting):
-                # Its counters started again: the engine restarted, its cache is empty.
-                self.routing.events.reset(node.node_id)
-        if not self.feedback:
-            return
+        self._prefix_reset(node)
         sample = node.sample
-        if sample is None or sample.kv_usage is None or node.cap is None:
+        if sample is None:
+            return
+        if self.overbook:
+            self.ceilings.sampled(node, now, sample)
+        if not self.feedback or sample.kv_usage is None or node.cap is None:
             return
         margin = self.margins.get(node.node_id)
         panic = self.settings.panic_watermark
@@ -468,17 +522,38 @@ class AdaptivePolicy(BasePolicy):
             floor = self.settings.high_watermark * CEILING_FLOOR
             margin = self.margins[node.node_id] = MarginController(panic - floor)
         # Evidence that the plan is wrong: the engine holds more than the peak that was
-        # planned for it (never judged above the panic watermark).
-        planned = self._planned.pop(node.node_id, panic) + PLAN_TOLERANCE
-        margin.update(now, sample.kv_usage, min(panic, planned))
+        # planned for it (never judged above the panic watermark). Not while kvgate itself
+        # planned the node above its cache (`kvgate.core.plan.ceiling`): the engine is meant
+        # to be full then.
+        if node.preemption_tolerated:
+            margin.update(now, 0.0, panic)  # no evidence either way: it fades
+        else:
+            target = panic if planned is None else planned + PLAN_TOLERANCE
+            margin.update(now, sample.kv_usage, min(panic, target))
 
     def remove_node(self, node_id: str) -> None:
         super().remove_node(node_id)
         self.margins.pop(node_id, None)
+        self.ceilings.forget(node_id)
         self._prefix_queries.pop(node_id, None)
         self.routing.forget(node_id)
 
     # --- routing --------------------------------------------------------------------------------
+
+    def _prefix_reset(self, node: NodeState) -> None:
+        """The engine's block size, and its prefix cache emptied by a restart (its counters
+        started again): the prefix routing's index follows."""
+        if not isinstance(self.routing, PrefixRouting):
+            return
+        size = self.block_sizes.get(node.node_id)
+        if size:
+            self.routing.block_size(node.node_id, size)  # a new size resets its index
+        queries = None if node.sample is None else node.sample.prefix_queries_total
+        if queries is not None:
+            last = self._prefix_queries.get(node.node_id)
+            self._prefix_queries[node.node_id] = queries
+            if last is not None and queries < last:
+                self.routing.events.reset(node.node_id)
 
     def _open(
         self, now: float, request: AdmissionRequest, node_id: str, expected: int, cached: int = 0
@@ -499,6 +574,7 @@ class AdaptivePolicy(BasePolicy):
             **super()._controller_snapshot(now),
             "routing": self.routing.name,
             "feedback": self.feedback,
+            "overbook": self.overbook,
             "margins": {nid: m.margin for nid, m in self.margins.items()},
         }
 
@@ -507,8 +583,14 @@ class AdaptivePolicy(BasePolicy):
         margin = self.margins.get(node.node_id)
         entry["margin"] = 0.0 if margin is None else margin.margin
         entry.update(self.routing.node_snapshot(node.node_id))
-        if node.cap is not None:
-            entry["peak_usage"] = self.forecast.envelope(node).peak() / node.cap
-        else:
-            entry["peak_usage"] = None
-        return entry
+        cap = node.cap
+        entry["peak_usage"] = None if cap is None else self.forecast.envelope(node).peak() / cap
+        # The ceiling for cheap standard work, why, and what it was measured from.
+        entry["ceiling"] = self.ceiling(node, Priority.STANDARD, cheap=True)
+        measured = self.ceilings.snapshot(node.node_id, now) if self.overbook else None
+        measured = measured or {"reason": "fixed", "detail": ""}
+        entry["ceiling_reason"], entry["ceiling_detail"] = (
+            measured.pop("reason"),
+            measured.pop("detail"),
+        )
+        return entry | measured

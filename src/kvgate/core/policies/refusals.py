@@ -13,13 +13,16 @@ the cause that stood closest to letting it start, in this order:
 - `replica_claim`: other gateway replicas hold the rest of the room until their next sync;
 - `wait_exceeded`: the room is promised to requests already waiting;
 - `engine_queue`: the candidates have no KV gauge and requests wait in their own queues.
+
+`RefusalMemo` keeps such refusals until anything changes, so a storm of refusals between two
+samples costs O(1) each instead of a scan of every node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvgate.core.admission import PlannedPeak
+from kvgate.core.admission import PlannedPeak, Reject
 from kvgate.core.nodes import NodeState
 from kvgate.core.request import Priority
 
@@ -27,14 +30,19 @@ from kvgate.core.request import Priority
 class Fit:
     """The outcome of checking one request against one node."""
 
-    __slots__ = ("headroom", "planned", "reason")
+    __slots__ = ("above", "headroom", "planned", "reason")
 
     def __init__(
-        self, headroom: float | None, reason: str = "", planned: PlannedPeak | None = None
+        self,
+        headroom: float | None,
+        reason: str = "",
+        planned: PlannedPeak | None = None,
+        above: bool = False,
     ) -> None:
         self.headroom = headroom  # fraction of capacity left after it; None: does not fit
         self.reason = reason
         self.planned = planned  # reason "peak": the plan that refused it
+        self.above = above  # it fits only with the node planned above its panic watermark
 
 
 def planned_peak(node: NodeState, peak: float, limit: float) -> Fit:
@@ -92,3 +100,56 @@ def no_room(fits: Sequence[Fit], priority: Priority) -> tuple[str, str, PlannedP
             ("Every backend for this model has requests waiting in its own queue; retry later."),
         )
     return reason, message, best if reason == "kv_planned_peak" else None
+
+
+_MEMO_KEYS = 256
+_MEMO_SIZES = 8
+MemoKey = tuple[Priority, tuple[str, ...]]
+
+
+class RefusalMemo:
+    """Waitable refusals per (priority, candidates), valid while the policy's generation
+    stands (no sample, start, end or node change since) and until a node they counted on
+    goes stale."""
+
+    def __init__(self, overhead: int) -> None:
+        self.overhead = overhead
+        self._memo: dict[MemoKey, tuple[int, float, list[tuple[int, int, Reject]]]] = {}
+
+    def recall(
+        self, generation: int, now: float, key: MemoKey, held: int, expected: int
+    ) -> Reject | None:
+        """A refusal of a request no larger than this one, made since anything changed:
+        it holds for this one too (it needs at least as much room, on the same nodes), if
+        that one was no cheaper to preempt (`kvgate.core.plan.ceiling.cheap` rises with the
+        prompt's share: it has no higher ceiling anywhere)."""
+        memo = self._memo.get(key)
+        if memo is None or memo[0] != generation or now >= memo[1]:
+            return None
+        ovh = self.overhead
+        for smaller_held, smaller_expected, refusal in memo[2]:
+            if (
+                smaller_held <= held
+                and smaller_expected <= expected
+                and (smaller_held - ovh) * expected <= (held - ovh) * smaller_expected
+            ):
+                return refusal
+        return None
+
+    def remember(
+        self,
+        generation: int,
+        now: float,
+        until: float,
+        key: MemoKey,
+        sizes: tuple[int, int],
+        refusal: Reject,
+    ) -> None:
+        """Keep `refusal` of a request of `sizes` (held, expected) until `until` at most."""
+        memo = self._memo.get(key)
+        if memo is None or memo[0] != generation or now >= memo[1]:
+            if len(self._memo) >= _MEMO_KEYS:
+                self._memo.clear()
+            memo = self._memo[key] = (generation, until, [])
+        if len(memo[2]) < _MEMO_SIZES:
+            memo[2].append((*sizes, refusal))

@@ -346,6 +346,27 @@ _NODE_GAUGES = (
         ("margin",),
     ),
     (
+        "kvgate_node_ceiling",
+        "The planned peak the node may reach with standard work cheap to recompute (0-1;"
+        " above 1: planned above the cache, where its engine's measurement allows).",
+        ("ceiling",),
+    ),
+    (
+        "kvgate_node_prefill_seconds_per_token",
+        "The node's measured prefill pace: what recomputing a preempted request costs.",
+        ("prefill_s_per_token",),
+    ),
+    (
+        "kvgate_node_tpot_seconds",
+        "Seconds per output token the node's streams get (preempted requests' stalls in).",
+        ("tpot_s",),
+    ),
+    (
+        "kvgate_node_recompute_share",
+        "The share of the engine's time its recent preemptions cost in recomputation.",
+        ("recompute_share",),
+    ),
+    (
         "kvgate_inflight_tokens",
         "KV tokens reserved by requests admitted to the node and not yet released.",
         ("inflight_tokens", "reserved_tokens", "reservations_tokens"),
@@ -380,8 +401,9 @@ def _policy_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
         family = GaugeMetricFamily(name, doc, labels=["node"])
         for node_id, state in nodes:
             value = next((_number(state.get(k)) for k in keys if k in state), None)
-            if value is None and isinstance(state.get("sample"), Mapping):
-                value = next((_number(state["sample"].get(k)) for k in keys), None)
+            for part in ("sample", "measured"):  # the engine's sample, the ceiling's inputs
+                if value is None and isinstance(state.get(part), Mapping):
+                    value = next((_number(state[part].get(k)) for k in keys), None)
             if value is not None:
                 family.add_metric([node_id], value)
         yield family

@@ -14,7 +14,10 @@ name, next to `adaptive`:
 - `seed` (`seed.py`): a port of the original sketch's behaviour, flaws included;
 - `headroom-only`, `prefix-aware`: `adaptive` with one routing or the other
   (`kvgate.core.policies.routing`; `prefix-aware` is `adaptive`'s own), to compare them on
-  the same admission.
+  the same admission;
+- `adaptive-fixed`: kvgate's own policy with its planned peak held under the fixed
+  watermarks, never above the cache (`AdaptivePolicy(overbook=False)`): the ceiling before
+  it was measured (`kvgate.core.plan.ceiling`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ PolicyName = Literal[
     "seed",
     "headroom-only",
     "prefix-aware",
+    "adaptive-fixed",
 ]
 #: Every policy a benchmark may name: kvgate's first, then the baselines.
 POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
@@ -86,6 +90,8 @@ def build_named(
         )
     if name == "prefix-aware":
         return AdaptivePolicy(settings, clock, rng_seed=rng_seed, lengths=lengths, routing="prefix")
+    if name == "adaptive-fixed":
+        return AdaptivePolicy(settings, clock, rng_seed=rng_seed, lengths=lengths, overbook=False)
     raise ValueError(_unknown(name))
 
 

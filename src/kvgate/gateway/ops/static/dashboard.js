@@ -471,7 +471,7 @@
     const td = (cls) => { const c = document.createElement("td"); if (cls) c.className = cls; tr.appendChild(c); return c; };
     const cells = {
       id: td(), state: td(), age: td("num"), kv: td("kvcol"), rep: td("num"), pred: td("num"),
-      reserved: td("num"), inflight: td("num"), running: td("num"), waiting: td("num"),
+      ceiling: td("num"), reserved: td("num"), inflight: td("num"), running: td("num"), waiting: td("num"),
       latency: td("num"), scrape: td("num"), spark: td(),
     };
     cells.id.textContent = id;
@@ -555,6 +555,10 @@
     setStyle(row, "panic", "left", wm.panic === null ? "-10px" : `${wm.panic * 100}%`);
     setText(row, "rep", fmtPct(rep));
     setText(row, "pred", fmtPct(pred));
+    // The ceiling the engine's measurement sets (kvgate.core.plan.ceiling), and why.
+    setText(row, "ceiling", fmtPct(num(n.ceiling)));
+    const why = n.ceiling_reason ? `${n.ceiling_reason}: ${n.ceiling_detail ?? ""}` : "";
+    if (row.cells.ceiling.title !== why) row.cells.ceiling.title = why;
     setText(row, "reserved", fmtNum(num(n.reserved_tokens)));
     setText(row, "inflight", fmtNum(num(n.in_flight)));
     setText(row, "running", fmtNum(num(sample?.running)));
