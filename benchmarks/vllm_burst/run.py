@@ -8,6 +8,7 @@ what the engine saw (its preemption counter before and after, and, polled every 
 peak KV usage and peak running/waiting counts).
 
     python benchmarks/vllm_burst/run.py --prompts 32 --input 500 --output 500 --runs 2
+    python benchmarks/vllm_burst/run.py --prompts 32 --prefixes 2 --input 1100 --output 250
     python benchmarks/vllm_burst/run.py --prompts 16 --input 500 --output 1000 --runs 20 \
         --modes kvgate   # through kvgate only: its preemptions, run after run
 
@@ -108,14 +109,7 @@ def client_command(target: str, args: argparse.Namespace, out_dir: Path, name: s
         "tiny-llama",
         "--tokenizer",
         str(TOKENIZER),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(args.input),
-        "--random-output-len",
-        str(args.output),
-        "--random-range-ratio",
-        str(args.range_ratio),
+        *dataset(args),
         "--num-prompts",
         str(args.prompts),
         "--request-rate",
@@ -132,6 +126,26 @@ def client_command(target: str, args: argparse.Namespace, out_dir: Path, name: s
         "--percentile-metrics",
         "ttft,tpot,itl,e2el",
     ]
+
+
+def dataset(args: argparse.Namespace) -> list[str]:
+    """The client's dataset: `random` (`--input`/`--output` tokens), or `prefix_repetition`
+    with `--prefixes` shared prefixes of `--input` tokens, each prompt's own suffix of
+    `--suffix` tokens and `--output` tokens out."""
+    if args.prefixes:
+        return [
+            "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(args.input),
+            "--prefix-repetition-suffix-len", str(args.suffix),
+            "--prefix-repetition-num-prefixes", str(args.prefixes),
+            "--prefix-repetition-output-len", str(args.output),
+        ]  # fmt: skip
+    return [
+        "--dataset-name", "random",
+        "--random-input-len", str(args.input),
+        "--random-output-len", str(args.output),
+        "--random-range-ratio", str(args.range_ratio),
+    ]  # fmt: skip
 
 
 async def one_run(
@@ -230,6 +244,8 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     if engine is None:
         port = free_port()
         engine = f"http://127.0.0.1:{port}"
+        if args.prefixes:
+            os.environ["EXTRA"] = "--enforce-eager --enable-prefix-caching"
         engine_proc = start_engine(port, work / "engine.log")
     gw_port = free_port()
     gateway_url = f"http://127.0.0.1:{gw_port}"
@@ -262,6 +278,14 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--input", type=int, default=500)
     parser.add_argument("--output", type=int, default=500)
     parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument(
+        "--prefixes",
+        type=int,
+        default=0,
+        help="vLLM's prefix_repetition dataset with this many shared prefixes of --input"
+        " tokens (the engine then runs with --enable-prefix-caching)",
+    )
+    parser.add_argument("--suffix", type=int, default=100, help="with --prefixes")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument(
         "--modes", default="direct,kvgate", help="which of direct,kvgate to run, in this order"
