@@ -59,7 +59,9 @@ class HeldBlocks:
             self._from[key] = tally
             for o, n in tally.items():
                 self._sharers.setdefault(o, {})[key] = n
-        run = list(hashes[shared:])
+        # It owns what nobody owns: past `most` (the block of its prompt's last token, which
+        # the engine computes again) another hold may own the same block.
+        run = [h for h in hashes[shared:] if h not in owner]
         owner.update(dict.fromkeys(run, key))
         self._owned[key] = (node_id, run)
         return shared
