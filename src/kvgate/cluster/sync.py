@@ -56,8 +56,8 @@ import os
 import secrets
 import socket
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from kvgate.cluster import shards
@@ -132,6 +132,24 @@ class SyncStats:
         out = list(self._latencies)
         self._latencies.clear()
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    """One peer's blob as read: its publication, its core view, and when it was published
+    (this replica's clock; None when it does not say)."""
+
+    publication: Publication | None
+    view: PeerView | None
+    published_at: float | None
+
+    def aged(self, now: float) -> PeerView:
+        """Its core view with its age: the core compares how long each replica's queue head
+        has waited at one instant."""
+        assert self.view is not None
+        if self.published_at is None:
+            return self.view
+        return replace(self.view, age_s=max(0.0, now - self.published_at))
 
 
 class ClusterSync:
@@ -231,7 +249,13 @@ class ClusterSync:
         except TimeoutError:
             self.failed(f"no answer within {SYNC_TIMEOUT_S * 1000:.0f} ms", timeout=True)
             return False
-        self.incoming(reply, sent_at, self.clock.now())
+        self._answered(reply, sent_at, self.clock.now())
+        peers: dict[str, _Peer] = {}
+        for member, view in reply.views.items():
+            if member != self.member_id:
+                peers[member] = self._read(member, view)
+                await asyncio.sleep(0)  # requests due meanwhile wait for one view, not all
+        self._apply(peers, reply.views.keys(), self.clock.now())
         return True
 
     # ---- one tick's halves: also how a virtual-time simulation drives a replica ---------
@@ -244,13 +268,18 @@ class ClusterSync:
 
     def incoming(self, reply: Exchange, sent_at: float, received_at: float) -> None:
         """The store's answer to the view sent at `sent_at`, received at `received_at`."""
+        self._answered(reply, sent_at, received_at)
+        me = self.member_id
+        peers = {m: self._read(m, view) for m, view in reply.views.items() if m != me}
+        self._apply(peers, reply.views.keys(), received_at)
+
+    def _answered(self, reply: Exchange, sent_at: float, received_at: float) -> None:
         self._timeouts = 0
         self.link.observe(sent_at, received_at, reply.store_time)
         self.stats.exchanges_total += 1
         self.stats.last_latency_s = received_at - sent_at
         self.stats._latencies.append(received_at - sent_at)
         self.stats.last_ok_at = received_at
-        self._apply(reply.views, received_at)
 
     def failed(self, reason: str, *, timeout: bool = False) -> None:
         """An exchange failed (`timeout`: it had no answer in time)."""
@@ -279,10 +308,24 @@ class ClusterSync:
         core = view.to_json() if isinstance(view, PeerView) else {}
         return Publication(core, samples, meta)
 
-    def _apply(self, views: Mapping[str, bytes], now: float) -> None:
+    def _read(self, member: str, blob: bytes) -> _Peer:
+        """A peer's blob, decoded: its publication and its core view (None when this
+        version cannot read it), and when it was published on this replica's clock."""
+        pub = decode(blob)
+        if pub is None:
+            if member not in self._bad_peers:
+                self._bad_peers.add(member)
+                log.warning("cluster: member %s publishes a view this version cannot read", member)
+            return _Peer(None, None, None)
+        at = pub.meta.get("at")
+        published = self.link.to_local(at) if isinstance(at, int | float) else None
+        return _Peer(pub, PeerView.from_json(pub.core), published)
+
+    def _apply(self, peers: dict[str, _Peer], live: Iterable[str], now: float) -> None:
+        """Take the live members and their views (`peers`: every live one but this one)."""
         me = self.member_id
-        self._peers = {m: self._decode(m, blob) for m, blob in views.items() if m != me}
-        self.members = tuple(sorted({*views, me}))
+        self._peers = {m: peer.publication for m, peer in peers.items()}
+        self.members = tuple(sorted({*live, me}))
         served = self.served_nodes()
         self.ledger.keep_only(set(served))
         key = (self.members, served)
@@ -302,7 +345,7 @@ class ClusterSync:
             if self._served_by(owner, node_id, now):
                 remote.add(node_id)
         self._remote = frozenset(remote)
-        views_in = [self._view(pub, now) for pub in self._peers.values() if pub is not None]
+        views_in = [peer.aged(now) for peer in peers.values() if peer.view is not None]
         self._call(self.participant.set_peer_views, views_in, len(self.members))
         if self.state == "isolated" and self.stats.isolated_since is not None:
             log.info(
@@ -321,16 +364,6 @@ class ClusterSync:
         self.state = "synced"
         self.stats.isolated_since = None
         self.stats.last_error = None
-
-    def _view(self, pub: Publication, now: float) -> PeerView:
-        """A peer's core view with its age (from the store's clock): the core compares how
-        long each replica's queue head has waited at one instant."""
-        at = pub.meta.get("at")
-        if not isinstance(at, int | float) or not self.link.known:
-            return PeerView.from_json(pub.core)
-        return PeerView.from_json(
-            {**pub.core, "view_age_s": max(0.0, now - self.link.to_local(at))}
-        )
 
     def _isolate(self, reason: str) -> None:
         self.stats.failures_total += 1
@@ -370,13 +403,6 @@ class ClusterSync:
             if record is not None and (newest is None or record.attempt_at > newest.attempt_at):
                 newest = record
         return newest
-
-    def _decode(self, member: str, blob: bytes) -> Publication | None:
-        pub = decode(blob)
-        if pub is None and member not in self._bad_peers:
-            self._bad_peers.add(member)
-            log.warning("cluster: member %s publishes a view this version cannot read", member)
-        return pub
 
     def served_nodes(self) -> tuple[str, ...]:
         """The engines this replica serves now, sorted."""

@@ -19,6 +19,8 @@ from kvgate.core.replicas.peers import PeerState
 from kvgate.core.replicas.view import PeerHold
 from kvgate.core.settings import AdmissionSettings
 
+_new_tuple = tuple.__new__  # a PeerHold without NamedTuple's argument handling (hot path)
+
 
 class Claims:
     """The claims this replica published at its last sync and what is left of them."""
@@ -101,15 +103,12 @@ class Claims:
         """This replica's requests per node, as its view tells them to the others (age:
         seconds since the request was sent to the engine)."""
         overhead = self._holds.overhead
-        return {
-            node_id: tuple(
-                PeerHold(
-                    h.prompt + h.tok_cur + overhead - h.reflected,
-                    h.prompt + h.tok_cur + overhead,
-                    h.remaining(),
-                    round(now - h.ticket.admitted_at, 3),
-                )
-                for h in book.holds.values()
-            )
-            for node_id, book in self._holds.books.items()
-        }
+        out: dict[str, tuple[PeerHold, ...]] = {}
+        for node_id, book in self._holds.books.items():
+            holds = []
+            for h in book.holds.values():
+                held = h.prompt + h.tok_cur + overhead
+                age = round(now - h.ticket.admitted_at, 3)
+                holds.append(_new_tuple(PeerHold, (held - h.reflected, held, h.remaining(), age)))
+            out[node_id] = tuple(holds)
+        return out
