@@ -79,9 +79,9 @@ def test_the_others_views_reach_policy_tenants_and_fairness() -> None:
 
 def test_isolated_everything_is_split_statically() -> None:
     exchange, _ = rig()
-    exchange.set_isolated(4)
+    exchange.set_isolated(4, 0.0)
     assert exchange.policy.claims.peers.isolated and exchange.policy.claims.peers.members == 4
     assert exchange.tenants.split == 4 and exchange.tenants.allowance is None
     assert exchange.tenants.limits_for("acme").max_in_flight_tokens == 5000 // 4
-    exchange.set_isolated(1)  # alone: nothing to split
+    exchange.set_isolated(1, 0.0)  # alone: nothing to split
     assert not exchange.policy.claims.peers.isolated

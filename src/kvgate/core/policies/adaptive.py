@@ -271,14 +271,10 @@ class AdaptivePolicy(BasePolicy):
         return _Fit((limit - peak) / cap)
 
     def _fit_isolated(self, node: NodeState, limit: float, held: int, expected: int) -> _Fit:
-        """Without the other replicas' views: this replica's own requests against its
-        static part of the node, under the panic gate the measured usage keeps."""
-        assert node.cap is not None
-        part = limit / max(1, self.forecast.peers.members)
-        peak = self.forecast.own_envelope(node.node_id).peak(held, expected)
-        if peak > part or node.used + held > limit:
-            return _Fit(None, "full")
-        return _Fit((part - peak) / node.cap)
+        """Without the other replicas' views: this replica's part of the node
+        (`Claims.isolated_headroom`)."""
+        headroom = self.claims.isolated_headroom(node, limit, held, expected)
+        return _Fit(None, "full") if headroom is None else _Fit(headroom)
 
     def _refuse(
         self, now: float, request: AdmissionRequest, expected: int, reasons: list[str]
