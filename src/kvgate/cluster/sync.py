@@ -19,9 +19,11 @@ left in the core.
 **Membership.** A member is alive while its heartbeat, renewed by every tick, is younger
 than `MEMBER_TTL_S` on the store's clock. A replica killed with SIGKILL stops beating: the
 first tick of any replica after its deadline removes it (and its view) from the store, and
-every other replica stops counting its holds at its own next tick. So a dead replica's
-holds are gone everywhere within `REMOVAL_BOUND_S` (TTL + one period + one tick's timeout
-= 2.2 s). A replica that stops cleanly leaves at once.
+every other replica hears no more of it at its own next tick: within `REMOVAL_BOUND_S` (TTL
++ one period + one tick's timeout = 2.2 s). Its requests stay planned, though, until they
+would have ended or a sample shows them gone (`kvgate.core.replicas.departed`): a replica
+that stopped beating may only be frozen or cut off, its streams still growing in the
+engines. A replica that stops cleanly leaves at once.
 
 **When the store fails.** A tick that fails (down, unreachable, refusing the password), or
 two in a row that do not complete within `SYNC_TIMEOUT_S` (slow: one late tick may be this
@@ -31,6 +33,17 @@ count given at start), so each replica keeps to 1/N of each node's headroom; and
 engine is scraped locally again, since nobody's samples arrive. It keeps trying, every
 period at first, then backing off to `RETRY_MAX_S`; the first good tick (a restarted, empty
 store included: each replica simply beats itself back in) returns to normal, no restart.
+Before that, once no exchange has succeeded for `STALLED_S` (a stalled store is found
+failed only after two timeouts and a reconnect, over a second), every engine is polled
+locally again: the peers' samples have stopped arriving, and the engines must not go
+stale meanwhile.
+
+**A store never reached.** A replica that has never completed an exchange cannot know what
+the others admit, nor how many there are: it admits nothing (`set_isolated(0)`, 503
+`store_unreachable`, `ready` False) and logs why at ERROR, the problem named
+(`kvgate.cluster.redis_store.problem`), when the reason changes and every
+`UNREACHED_LOG_S`. Told how many replicas there are (`expected_members`, `--workers N`),
+it keeps to that share instead.
 
 **Shards in flux.** An engine whose owner has not published a view for `SHARED_FRESH_S`
 (it died, or is isolated), or does not say that it polls the engine (it does not know it
@@ -79,8 +92,13 @@ PREPARE_TIMEOUT_S = 1.0
 RETRY_MAX_S = 1.0
 #: A store that does not answer this many ticks in a row within `SYNC_TIMEOUT_S` is slow.
 TIMEOUTS_TO_ISOLATE = 2
+#: No exchange succeeded for this long (two periods and a tick's timeout): the peers'
+#: samples have stopped arriving, so this replica polls every engine itself meanwhile.
+STALLED_S = 2 * SYNC_PERIOD_S + SYNC_TIMEOUT_S
 #: How long a SIGKILLed replica's holds may still count anywhere (documented bound).
 REMOVAL_BOUND_S = MEMBER_TTL_S + SYNC_PERIOD_S + SYNC_TIMEOUT_S
+#: A replica that has never reached its store repeats why this often (and when it changes).
+UNREACHED_LOG_S = 60.0
 
 State = Literal["starting", "synced", "isolated"]
 
@@ -159,7 +177,10 @@ class ClusterSync:
     policy): the scraper must feed `self.sink` instead, so that its samples are published,
     and skip the engines for which `scrapes(node_id)` is False. `nodes` returns the ids of
     the engines this replica serves now. `expected_members` is how many replicas to assume
-    when the store is down from the start (e.g. `--workers N`).
+    when the store is down from the start (e.g. `--workers N`); without it (or with 1) a
+    replica that has never reached its store admits nothing (see the module docstring).
+    `agreed` holds the settings every replica must have alike (`publication.agreed`; none
+    until the caller sets them): each publishes its own and warns of a peer whose differ.
     """
 
     def __init__(
@@ -170,14 +191,17 @@ class ClusterSync:
         clock: Clock,
         *,
         nodes: Callable[[], Iterable[str]],
-        expected_members: int = 1,
+        expected_members: int | None = None,
         member_id: str | None = None,
     ) -> None:
         self.store = store
         self.participant = participant
         self.clock = clock
         self.member_id = member_id or new_member_id()
-        self.expected_members = max(1, expected_members)
+        self.expected_members = (
+            expected_members if expected_members and expected_members > 1 else None
+        )
+        self.agreed: dict[str, float] = {}
         self.ledger = SampleLedger()
         self.sink = SharingSink(sink, self.ledger, clock)
         self._target = sink
@@ -191,13 +215,27 @@ class ClusterSync:
         self._remote: frozenset[str] = frozenset()  # engines scraped by their owner, not us
         self._assigned: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._bad_peers: set[str] = set()
+        self._disagreeing: set[str] = set()  # peers warned of for settings unlike ours
         self._timeouts = 0  # consecutive ticks without an answer in time
+        self._told: tuple[str, float] | None = None  # the last never-synced ERROR: why, when
 
     # ---- what the scraper asks ---------------------------------------------------------
 
     def scrapes(self, node_id: str) -> bool:
-        """Should this replica poll `node_id` itself now?"""
-        return node_id not in self._remote
+        """Should this replica poll `node_id` itself now? Yes unless its owner shares its
+        samples, and they still arrive: once no exchange has succeeded for `STALLED_S`,
+        every engine is polled here again, well before its last shared sample is stale
+        (the store may be stalled, long before it is found failed)."""
+        if node_id not in self._remote:
+            return True
+        last = self.stats.last_ok_at
+        return last is None or self.clock.now() - last > STALLED_S
+
+    @property
+    def ready(self) -> bool:
+        """May this replica admit: it has reached its store once, or it knows how many
+        replicas share the engines (`expected_members`)."""
+        return self.stats.exchanges_total > 0 or self.expected_members is not None
 
     @property
     def remote(self) -> frozenset[str]:
@@ -209,7 +247,7 @@ class ClusterSync:
     async def run(self) -> None:
         """Sync until cancelled; then leave the store (bounded) and close it."""
         loop = asyncio.get_running_loop()
-        self._call(self.participant.set_isolated, self.expected_members)  # until a tick
+        self._call(self.participant.set_isolated, self.expected_members or 0)  # until a tick
         failures = 0
         try:
             while True:
@@ -304,6 +342,7 @@ class ClusterSync:
             "state": self.state,
             "scrapes": sorted(n for n in self.served_nodes() if n not in self._remote),
             "at": self.link.to_store(now) if self.link.known else None,
+            "agreed": self.agreed,
         }
         core = view.to_json() if isinstance(view, PeerView) else {}
         return Publication(core, samples, meta)
@@ -326,6 +365,9 @@ class ClusterSync:
         me = self.member_id
         self._peers = {m: peer.publication for m, peer in peers.items()}
         self.members = tuple(sorted({*live, me}))
+        for member, pub in self._peers.items():
+            if pub is not None and member not in self._disagreeing:
+                self._check_agreed(member, pub)
         served = self.served_nodes()
         self.ledger.keep_only(set(served))
         key = (self.members, served)
@@ -369,19 +411,59 @@ class ClusterSync:
         self.stats.failures_total += 1
         self.stats.last_error = reason
         self._remote = frozenset()  # nobody's samples arrive: scrape everything
-        if self.state == "isolated":
+        if self.stats.exchanges_total == 0:
+            self._unreached(reason)
             return
-        members = max(len(self.members), self.expected_members)
-        log.warning(
-            "cluster store %s failed (%s): isolated, keeping a 1/%d share of each node",
-            self.store.describe(),
-            reason,
-            members,
-        )
-        self.state = "isolated"
-        self.stats.isolations_total += 1
-        self.stats.isolated_since = self.clock.now()
+        members = max(len(self.members), self.expected_members or 1)
+        if self.state != "isolated":
+            log.warning(
+                "cluster store %s failed (%s): isolated, keeping a 1/%d share of each node",
+                self.store.describe(),
+                reason,
+                members,
+            )
+            self.state = "isolated"
+            self.stats.isolations_total += 1
+            self.stats.isolated_since = self.clock.now()
+        # Every failed tick: the departed replicas' requests age (kvgate.core.replicas).
         self._call(self.participant.set_isolated, members)
+
+    def _unreached(self, reason: str) -> None:
+        """The store has never been reached: say why, loudly, when the reason changes and
+        every `UNREACHED_LOG_S`; admit within the expected share, or not at all."""
+        now = self.clock.now()
+        told = self._told
+        if told is None or told[0] != reason or now - told[1] >= UNREACHED_LOG_S:
+            self._told = (reason, now)
+            if self.expected_members is not None:
+                then = f"it keeps a 1/{self.expected_members} share of each node until it does"
+            else:
+                then = (
+                    "it cannot know what the other replicas admit, so it admits nothing"
+                    " (503 store_unreachable, /readyz 503) until it does"
+                )
+            log.error(
+                "cluster store %s unusable: %s. This replica has never reached it: %s",
+                self.store.describe(),
+                reason,
+                then,
+            )
+        self._call(self.participant.set_isolated, self.expected_members or 0)
+
+    def _check_agreed(self, member: str, pub: Publication) -> None:
+        theirs = pub.meta.get("agreed")
+        if not isinstance(theirs, dict):
+            return
+        differ = sorted(k for k, v in self.agreed.items() if k in theirs and theirs[k] != v)
+        if differ:
+            self._disagreeing.add(member)
+            log.warning(
+                "cluster: member %s admits with %s where this replica has %s: replicas that"
+                " share a store must agree on these, or they plan the same room differently",
+                member,
+                ", ".join(f"{k}={theirs[k]}" for k in differ),
+                ", ".join(f"{k}={self.agreed[k]}" for k in differ),
+            )
 
     def _served_by(self, owner: str, node_id: str, now: float) -> bool:
         """Does `owner` poll `node_id` for us: its view was published lately, says it polls
@@ -444,6 +526,8 @@ class ClusterSync:
         return {
             "member_id": self.member_id,
             "state": self.state,
+            "ready": self.ready,
+            "expected_members": self.expected_members,
             "store": self.store.describe(),
             "replicas": len(self.members) if self.members else None,
             "members": members,

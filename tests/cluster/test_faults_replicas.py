@@ -1,0 +1,152 @@
+"""Replicas under faults, as real processes: `kvgate serve` replicas sharing a real
+redis-server in front of simulated engines (the tiny CPU preset, 4,096 KV tokens each,
+every step watched for the highest KV usage and for preemptions).
+
+- a replica frozen (SIGSTOP) while its requests run: the others keep planning them after
+  its heartbeat expires, until they end, so the room those streams grow into is never
+  given away (peak KV under the ceiling, no preemption);
+- the store down: a replica alone on an engine starts a request larger than its static
+  share of it, and the small requests behind it are served too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from kvgate.procs.redis_server import RedisServer
+
+from .helpers import (
+    Replica,
+    SimEngines,
+    completion,
+    fresh_everywhere,
+    replicas,
+    state,
+    synced_again,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.redis_server]
+
+CEILING = 0.92  # the panic watermark: what standard requests may plan a node up to
+
+
+def departed(gw: Replica) -> Any:
+    """The replica plans requests of a replica it no longer hears from."""
+
+    async def check() -> bool:
+        return bool((await state(gw))["policy"]["cluster"]["departed_requests"])
+
+    return check
+
+
+def in_flight(gw: Replica, n: int) -> Any:
+    async def check() -> bool:
+        return int((await state(gw))["policy"]["in_flight_requests"]) >= n
+
+    return check
+
+
+class Clients:
+    """`per_replica` clients per replica, each sending one completion after another until
+    stopped; every status kept."""
+
+    def __init__(self, served: list[Replica], per_replica: int, prompt: int, output: int):
+        self.statuses: list[int] = []
+        self._stop = asyncio.Event()
+        self._tasks = [
+            asyncio.create_task(self._client(gw, prompt, output))
+            for gw in served
+            for _ in range(per_replica)
+        ]
+
+    async def _client(self, gw: Replica, prompt: int, output: int) -> None:
+        while not self._stop.is_set():
+            self.statuses.append(await completion(gw, prompt, output, within=120.0))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.wait_for(asyncio.gather(*self._tasks), 120)
+
+
+async def test_a_frozen_replicas_requests_stay_planned_until_they_end(
+    redis: RedisServer,
+) -> None:
+    async with (
+        SimEngines(2, time_scale=3.0) as engines,
+        replicas(3, redis.url, engines.urls) as served,
+    ):
+        await synced_again(served, "started")
+        assert await wait_for(fresh_everywhere(served), 10.0)
+        *others, frozen = served
+        # Its long requests, two per engine: 100 prompt tokens each that grow to 1,616 over
+        # 1,500 steps (~15 s at this time scale), 86 % of an engine for the two at the end.
+        held = []
+        for n in range(1, 5):
+            held.append(asyncio.create_task(completion(frozen, 100, 1500, within=180.0)))
+            assert await wait_for(in_flight(frozen, n), 10.0, every=0.02)
+        await asyncio.sleep(1.0)  # running, in the samples, and in the others' plans
+        frozen.process.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        # The others' clients contend for the rest of the room meanwhile.
+        load = Clients(others, 8, 100, 300)
+        assert await wait_for(departed(others[0]), 10.0), "its heartbeat never expired"
+        seen_departed_after = time.monotonic() - frozen_at
+        await asyncio.sleep(max(0.0, 10.0 - (time.monotonic() - frozen_at)))
+        frozen.process.send_signal(signal.SIGCONT)
+        await load.stop()
+        statuses = await asyncio.wait_for(asyncio.gather(*held), 180)
+        engines.watching = False
+    print(
+        f"frozen 10 s (departed after {seen_departed_after:.1f} s): peak KV {engines.peak:.3f},"
+        f" {engines.preemptions} preemptions, other requests {_count(load.statuses)}"
+    )
+    assert statuses == [200] * 4
+    assert set(load.statuses) <= {200, 429}, _count(load.statuses)  # 429: predicted too long
+    assert load.statuses.count(200) >= 8, _count(load.statuses)
+    assert engines.preemptions == 0
+    assert engines.peak <= CEILING
+
+
+async def test_with_the_store_down_a_request_larger_than_the_share_starts(
+    redis: RedisServer,
+) -> None:
+    async with (
+        SimEngines(1, time_scale=2.0) as engines,
+        replicas(3, redis.url, engines.urls) as served,
+    ):
+        await synced_again(served, "started")
+        assert await wait_for(fresh_everywhere(served), 10.0)
+        redis.kill()
+
+        async def isolated() -> bool:
+            states = [await state(gw) for gw in served]
+            return all(s["cluster"]["state"] == "isolated" for s in states)
+
+        assert await wait_for(isolated, 10.0)
+        gw = served[0]
+        # 1,000 prompt tokens and 800 steps: 1,816 tokens at its end, more than a third of
+        # the engine's room under its ceiling (1,256), well inside the room itself.
+        started = time.monotonic()
+        large = [await completion(gw, 1000, 800, within=60.0) for _ in range(3)]
+        took = time.monotonic() - started
+        # Small requests behind a large one wait for it, then start.
+        small = await asyncio.gather(
+            completion(gw, 1000, 800, within=60.0),
+            *(completion(gw, 100, 50, within=60.0) for _ in range(6)),
+        )
+        engines.watching = False
+    print(f"3 large requests in {took:.1f} s with the store down; peak KV {engines.peak:.3f}")
+    assert large == [200, 200, 200]
+    assert small == [200] * 7
+    assert engines.preemptions == 0
+    assert engines.peak <= CEILING
+
+
+def _count(statuses: list[int]) -> dict[int, int]:
+    return {s: statuses.count(s) for s in sorted(set(statuses))}
