@@ -2,9 +2,10 @@
 redis-server in front of simulated engines (the tiny CPU preset, 4,096 KV tokens each,
 every step watched for the highest KV usage and for preemptions).
 
-- a replica frozen (SIGSTOP) while its requests run: the others keep planning them after
-  its heartbeat expires, until they end, so the room those streams grow into is never
-  given away (peak KV under the ceiling, no preemption);
+- a replica frozen (SIGSTOP), or cut off from Redis while it still reaches the engines,
+  while its requests run: the others keep planning them after its heartbeat expires,
+  until they end, so the room those streams grow into is never given away (peak KV under
+  the ceiling, no preemption);
 - the store down: a replica alone on an engine starts a request larger than its static
   share of it, and the small requests behind it are served too.
 """
@@ -12,6 +13,7 @@ every step watched for the highest KV usage and for preemptions).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from typing import Any
@@ -20,6 +22,7 @@ import pytest
 
 from kvgate.procs.redis_server import RedisServer
 
+from .conftest import DelayProxy
 from .helpers import (
     Replica,
     SimEngines,
@@ -74,36 +77,48 @@ class Clients:
         await asyncio.wait_for(asyncio.gather(*self._tasks), 120)
 
 
-async def test_a_frozen_replicas_requests_stay_planned_until_they_end(
-    redis: RedisServer,
+@pytest.mark.parametrize("fault", ["frozen", "partitioned"])
+async def test_a_departed_replicas_requests_stay_planned_until_they_end(
+    redis: RedisServer, delay_proxy: DelayProxy, fault: str
 ) -> None:
-    async with (
-        SimEngines(2, time_scale=3.0) as engines,
-        replicas(3, redis.url, engines.urls) as served,
-    ):
+    """`frozen`: SIGSTOP for 10 s. `partitioned`: cut off from Redis for 10 s (its store
+    connections reset, new ones accepted and never answered) while it still reaches the
+    engines and its streams go on."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = await stack.enter_async_context(SimEngines(2, time_scale=3.0))
+        others = await stack.enter_async_context(replicas(2, redis.url, engines.urls))
+        store = redis.url if fault == "frozen" else delay_proxy.url
+        (departing,) = await stack.enter_async_context(replicas(1, store, engines.urls))
+        served = [*others, departing]
         await synced_again(served, "started")
         assert await wait_for(fresh_everywhere(served), 10.0)
-        *others, frozen = served
         # Its long requests, two per engine: 100 prompt tokens each that grow to 1,616 over
         # 1,500 steps (~15 s at this time scale), 86 % of an engine for the two at the end.
         held = []
         for n in range(1, 5):
-            held.append(asyncio.create_task(completion(frozen, 100, 1500, within=180.0)))
-            assert await wait_for(in_flight(frozen, n), 10.0, every=0.02)
+            held.append(asyncio.create_task(completion(departing, 100, 1500, within=180.0)))
+            assert await wait_for(in_flight(departing, n), 10.0, every=0.02)
         await asyncio.sleep(1.0)  # running, in the samples, and in the others' plans
-        frozen.process.send_signal(signal.SIGSTOP)
-        frozen_at = time.monotonic()
+        if fault == "frozen":
+            departing.process.send_signal(signal.SIGSTOP)
+        else:
+            delay_proxy.blackhole = True
+            delay_proxy.cut()
+        departed_at = time.monotonic()
         # The others' clients contend for the rest of the room meanwhile.
-        load = Clients(others, 8, 100, 300)
+        load = Clients(others, 8, 100, 200)
         assert await wait_for(departed(others[0]), 10.0), "its heartbeat never expired"
-        seen_departed_after = time.monotonic() - frozen_at
-        await asyncio.sleep(max(0.0, 10.0 - (time.monotonic() - frozen_at)))
-        frozen.process.send_signal(signal.SIGCONT)
+        seen_departed_after = time.monotonic() - departed_at
+        await asyncio.sleep(max(0.0, 10.0 - (time.monotonic() - departed_at)))
+        if fault == "frozen":
+            departing.process.send_signal(signal.SIGCONT)
+        else:
+            delay_proxy.blackhole = False
         await load.stop()
         statuses = await asyncio.wait_for(asyncio.gather(*held), 180)
         engines.watching = False
     print(
-        f"frozen 10 s (departed after {seen_departed_after:.1f} s): peak KV {engines.peak:.3f},"
+        f"{fault} 10 s (departed after {seen_departed_after:.1f} s): peak KV {engines.peak:.3f},"
         f" {engines.preemptions} preemptions, other requests {_count(load.statuses)}"
     )
     assert statuses == [200] * 4
