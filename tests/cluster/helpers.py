@@ -223,3 +223,23 @@ async def completion(
         async for _ in response.aiter_bytes():
             pass
         return response.status_code
+
+
+@contextlib.asynccontextmanager
+async def on_sim_engines(
+    n: int, store_url: str, engines: int, *, time_scale: float
+) -> AsyncIterator[tuple[SimEngines, list[Replica]]]:
+    """`n` replicas on one store in front of `engines` simulated engines, in sync and with
+    every engine fresh everywhere."""
+    async with (
+        SimEngines(engines, time_scale=time_scale) as sims,
+        replicas(n, store_url, sims.urls) as served,
+    ):
+        await synced_again(served, "started")
+        assert await wait_for(fresh_everywhere(served), 10.0)
+        yield sims, served
+
+
+def count(statuses: list[int]) -> dict[int, int]:
+    """How many of each status."""
+    return {s: statuses.count(s) for s in sorted(set(statuses))}

@@ -27,7 +27,9 @@ from .helpers import (
     Replica,
     SimEngines,
     completion,
+    count,
     fresh_everywhere,
+    on_sim_engines,
     replicas,
     state,
     synced_again,
@@ -119,11 +121,11 @@ async def test_a_departed_replicas_requests_stay_planned_until_they_end(
         engines.watching = False
     print(
         f"{fault} 10 s (departed after {seen_departed_after:.1f} s): peak KV {engines.peak:.3f},"
-        f" {engines.preemptions} preemptions, other requests {_count(load.statuses)}"
+        f" {engines.preemptions} preemptions, other requests {count(load.statuses)}"
     )
     assert statuses == [200] * 4
-    assert set(load.statuses) <= {200, 429}, _count(load.statuses)  # 429: predicted too long
-    assert load.statuses.count(200) >= 8, _count(load.statuses)
+    assert set(load.statuses) <= {200, 429}, count(load.statuses)  # 429: predicted too long
+    assert load.statuses.count(200) >= 8, count(load.statuses)
     assert engines.preemptions == 0
     assert engines.peak <= CEILING
 
@@ -131,12 +133,7 @@ async def test_a_departed_replicas_requests_stay_planned_until_they_end(
 async def test_with_the_store_down_a_request_larger_than_the_share_starts(
     redis: RedisServer,
 ) -> None:
-    async with (
-        SimEngines(1, time_scale=2.0) as engines,
-        replicas(3, redis.url, engines.urls) as served,
-    ):
-        await synced_again(served, "started")
-        assert await wait_for(fresh_everywhere(served), 10.0)
+    async with on_sim_engines(3, redis.url, 1, time_scale=2.0) as (engines, served):
         redis.kill()
 
         async def isolated() -> bool:
@@ -161,7 +158,3 @@ async def test_with_the_store_down_a_request_larger_than_the_share_starts(
     assert small == [200] * 7
     assert engines.preemptions == 0
     assert engines.peak <= CEILING
-
-
-def _count(statuses: list[int]) -> dict[int, int]:
-    return {s: statuses.count(s) for s in sorted(set(statuses))}
