@@ -95,7 +95,8 @@ TIMEOUTS_TO_ISOLATE = 2
 #: No exchange succeeded for this long (two periods and a tick's timeout): the peers'
 #: samples have stopped arriving, so this replica polls every engine itself meanwhile.
 STALLED_S = 2 * SYNC_PERIOD_S + SYNC_TIMEOUT_S
-#: How long a SIGKILLed replica's holds may still count anywhere (documented bound).
+#: How long a SIGKILLed replica stays a member anywhere (documented bound); its requests
+#: count until a sample after that shows them gone (`kvgate.core.replicas.departed`).
 REMOVAL_BOUND_S = MEMBER_TTL_S + SYNC_PERIOD_S + SYNC_TIMEOUT_S
 #: A replica that has never reached its store repeats why this often (and when it changes).
 UNREACHED_LOG_S = 60.0
