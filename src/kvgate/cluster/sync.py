@@ -92,9 +92,12 @@ PREPARE_TIMEOUT_S = 1.0
 RETRY_MAX_S = 1.0
 #: A store that does not answer this many ticks in a row within `SYNC_TIMEOUT_S` is slow.
 TIMEOUTS_TO_ISOLATE = 2
-#: No exchange succeeded for this long (two periods and a tick's timeout): the peers'
-#: samples have stopped arriving, so this replica polls every engine itself meanwhile.
-STALLED_S = 2 * SYNC_PERIOD_S + SYNC_TIMEOUT_S
+#: No exchange succeeded for this long: the peers' samples have stopped arriving, so this
+#: replica polls every engine itself meanwhile. As long as an owner may stay silent before
+#: its engines are polled by all (`SHARED_FRESH_S`): a loaded host delays ticks by a few
+#: hundred ms now and then, which must not triple the polls; half of `stale_after_s` is
+#: left to sample the engines before they go stale.
+STALLED_S = SHARED_FRESH_S
 #: How long a SIGKILLed replica stays a member anywhere (documented bound); its requests
 #: count until a sample after that shows them gone (`kvgate.core.replicas.departed`).
 REMOVAL_BOUND_S = MEMBER_TTL_S + SYNC_PERIOD_S + SYNC_TIMEOUT_S
