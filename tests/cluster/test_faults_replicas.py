@@ -107,8 +107,9 @@ async def test_a_departed_replicas_requests_stay_planned_until_they_end(
             delay_proxy.blackhole = True
             delay_proxy.cut()
         departed_at = time.monotonic()
-        # The others' clients contend for the rest of the room meanwhile.
-        load = Clients(others, 8, 100, 200)
+        # The others' clients contend for the rest of the room meanwhile: 400 tokens each,
+        # 13 KV blocks of 32, which their footprint (with half a block of rounding) covers.
+        load = Clients(others, 8, 100, 300)
         assert await wait_for(departed(others[0]), 10.0), "its heartbeat never expired"
         seen_departed_after = time.monotonic() - departed_at
         await asyncio.sleep(max(0.0, 10.0 - (time.monotonic() - departed_at)))
@@ -125,7 +126,7 @@ async def test_a_departed_replicas_requests_stay_planned_until_they_end(
     )
     assert statuses == [200] * 4
     assert set(load.statuses) <= {200, 429}, count(load.statuses)  # 429: predicted too long
-    assert load.statuses.count(200) >= 8, count(load.statuses)
+    assert load.statuses.count(200) >= 4, count(load.statuses)  # they are served too
     assert engines.preemptions == 0
     assert engines.peak <= CEILING
 
