@@ -148,10 +148,11 @@ async def test_with_the_store_down_a_request_larger_than_the_share_starts(
         started = time.monotonic()
         large = [await completion(gw, 1000, 800, within=60.0) for _ in range(3)]
         took = time.monotonic() - started
-        # Small requests behind a large one wait for it, then start.
+        # Small requests behind a large one wait for it, then start (a bound of 60 s: on a
+        # loaded host a large one ran 8 s; the test is whether they start, not how soon).
         small = await asyncio.gather(
-            completion(gw, 1000, 800, within=60.0),
-            *(completion(gw, 100, 50, within=60.0) for _ in range(6)),
+            completion(gw, 1000, 800, within=120.0, max_wait_ms=60_000),
+            *(completion(gw, 100, 50, within=120.0, max_wait_ms=60_000) for _ in range(6)),
         )
         engines.watching = False
     print(f"3 large requests in {took:.1f} s with the store down; peak KV {engines.peak:.3f}")
