@@ -25,8 +25,9 @@ Measured per mode:
   trips), per second over the loaded phase and over an idle phase of the same length (the
   peers and the sync task running, no requests): the difference per admitted request is
   what requests add. And this replica's own exchanges per second (its sync task's count);
-- how long each sync tick holds the loop (building and encoding its view, then applying
-  the answer: the peers' views decoded and folded into the core), p50 and p99;
+- each sync tick's work (building and encoding its view, reading each peer's, then
+  folding them into the core) and the longest of those pieces, which is how long the tick
+  holds the loop at once (it yields between them), p50 and p99;
 - the loop's CPU per request (the whole benchmark process: loop, sync task, samples).
 
     .venv/bin/python benchmarks/workers/hot_path.py [--rounds 3] [--rate 400] [--seconds 15]
@@ -49,9 +50,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 from kvgate.cluster.redis_store import RedisStore
-from kvgate.cluster.store import Exchange
 from kvgate.cluster.sync import ClusterSync
 from kvgate.core.admission import Admit, Decision, Outcome
 from kvgate.core.clock import MonotonicClock
@@ -195,7 +196,8 @@ class Phase:
     own_idle: int  # this replica's exchanges while idle, and while loaded
     own_loaded: int
     cpu_s: float
-    ticks: list[float]  # how long each sync tick held the loop (encode, then apply)
+    ticks: list[float]  # each sync tick's work (encode, read the peers' views, apply)
+    holds: list[float]  # the longest piece of each tick (it yields to the loop between)
 
     def pct(self, q: float, of: str = "latencies") -> float:
         ordered = sorted(getattr(self, of))
@@ -238,8 +240,9 @@ async def phase(mode: str, url: str, args: argparse.Namespace, seed: int) -> Pha
             return 0 if sync is None else sync.stats.exchanges_total
 
         ticks: list[float] = []
+        holds: list[float] = []
         if sync is not None:
-            time_ticks(sync, ticks)
+            time_ticks(sync, ticks, holds)
 
         await asyncio.sleep(1.0)  # a few syncs first
         length = args.seconds + args.hold + 0.1  # the load's length, its releases included
@@ -257,39 +260,42 @@ async def phase(mode: str, url: str, args: argparse.Namespace, seed: int) -> Pha
     await feeder
     return Phase(
         mode, latencies, durations, admitted, waited, length, loaded, idle, own_idle,
-        own_loaded, cpu, ticks or [0.0],
+        own_loaded, cpu, ticks or [0.0], holds or [0.0],
     )  # fmt: skip
 
 
-def time_ticks(sync: ClusterSync, into: list[float]) -> None:
-    """Record how long each tick's own work holds the loop: building and encoding the view
-    (`outgoing`), and applying the answer (`incoming`: decoding the peers' views, feeding
-    their samples, folding their holds into the core)."""
-    outgoing, incoming = sync.outgoing, sync.incoming
-    pending = [0.0]
+def time_ticks(sync: ClusterSync, into: list[float], holds: list[float]) -> None:
+    """Record each tick's own work (`into`: building and encoding the view, reading each
+    peer's, applying them) and the longest of its pieces (`holds`: the tick yields to the
+    loop between them, so this is the longest a request due during a tick can wait)."""
+    outgoing, read, apply = sync.outgoing, sync._read, sync._apply
+    pieces: list[float] = []
 
-    def timed_out() -> bytes:
-        began = time.perf_counter()
-        blob = outgoing()
-        pending[0] = time.perf_counter() - began
-        return blob
+    def timed(fn: Callable[..., Any], last: bool = False) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            began = time.perf_counter()
+            out = fn(*args)
+            pieces.append(time.perf_counter() - began)
+            if last:
+                into.append(sum(pieces))
+                holds.append(max(pieces))
+                pieces.clear()
+            return out
 
-    def timed_in(reply: Exchange, sent_at: float, received_at: float) -> None:
-        began = time.perf_counter()
-        incoming(reply, sent_at, received_at)
-        into.append(pending[0] + time.perf_counter() - began)
+        return run
 
-    sync.outgoing = timed_out  # type: ignore[method-assign]
-    sync.incoming = timed_in  # type: ignore[method-assign]
+    sync.outgoing = timed(outgoing)  # type: ignore[method-assign]
+    sync._read = timed(read)  # type: ignore[method-assign]
+    sync._apply = timed(apply, last=True)  # type: ignore[method-assign]
 
 
 def table(phases: list[Phase]) -> list[str]:
     lines = [
         "| mode | requests | waited | due to decided p50 ms | p99 ms | p99.9 ms | max ms |"
         " `submit()` p50 ms | p99 ms | round trips/s, idle | loaded | per request |"
-        " this replica's exchanges/s, idle | loaded | a tick holds the loop, p50 ms | p99 ms |"
-        " CPU ms / request |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " this replica's exchanges/s, idle | loaded | a tick's work, p50 ms | p99 ms |"
+        " its longest hold of the loop, p50 ms | p99 ms | CPU ms / request |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode in ("alone", "store"):
         runs = [p for p in phases if p.mode == mode]
@@ -312,6 +318,8 @@ def table(phases: list[Phase]) -> list[str]:
             f" {med(lambda r: r.own_loaded / r.seconds):.1f} |"
             f" {med(lambda r: r.pct(0.5, 'ticks')):.3f} |"
             f" {med(lambda r: r.pct(0.99, 'ticks')):.3f} |"
+            f" {med(lambda r: r.pct(0.5, 'holds')):.3f} |"
+            f" {med(lambda r: r.pct(0.99, 'holds')):.3f} |"
             f" {med(lambda r: r.cpu_s / r.admitted * 1000):.3f} |"
         )
     return lines
@@ -334,7 +342,8 @@ async def run(args: argparse.Namespace) -> list[Phase]:
                         f"round {round_} {mode}: p50 {result.pct(0.5):.3f} ms, p99"
                         f" {result.pct(0.99):.3f} ms, max {max(result.latencies) * 1000:.2f}"
                         f" ms, waited {result.waited};"
-                        f" tick p99 {result.pct(0.99, 'ticks'):.3f} ms;"
+                        f" tick p99 {result.pct(0.99, 'ticks'):.3f} ms, longest hold p99"
+                        f" {result.pct(0.99, 'holds'):.3f} ms;"
                         f" submit p99 {result.pct(0.99, 'durations'):.3f} ms; redis"
                         f" {result.idle_per_s:.1f}/s idle, {result.per_s:.1f}/s loaded,"
                         f" {result.per_request:+.4f} per request; own exchanges"

@@ -115,9 +115,21 @@ async def test_rediss_with_a_private_ca(self_signed: tuple[Path, Path]) -> None:
 
 def test_urls_are_checked_and_redacted() -> None:
     assert check_url("redis://h:6379/0") and check_url("unix:///run/redis.sock?db=1")
+    assert check_url("redis://h") and check_url("redis://h:6379/15?db=15")
     for bad in ("http://h:6379", "redis://", "unix://", "h:6379"):
         with pytest.raises(ValueError):
             check_url(bad)
+    for bad, said in [
+        ("redis://h:6379/abc", "database 'abc'"),
+        ("redis://:pw@h:6379/0?db=x", "database 'x'"),
+        ("unix:///run/redis.sock?db=two", "database 'two'"),
+        ("redis://:s3cret@h:notaport/0", "port is not a number"),
+        ("redis://h:99999/0", "port is not a number"),
+    ]:
+        with pytest.raises(ValueError, match=said) as raised:
+            check_url(bad)
+        assert "s3cret" not in str(raised.value)
+    assert redact("redis://:s3cret@h:notaport/0") == "redis://:***@h:notaport/0"
     assert redact("rediss://:s3cret@h:6380/2") == "rediss://:***@h:6380/2"
     assert redact("redis://user:s3cret@h/0") == "redis://user:***@h/0"
     assert redact("redis://h:6379/0") == "redis://h:6379/0"

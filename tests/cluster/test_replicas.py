@@ -3,7 +3,8 @@
 Each engine is polled by one replica and its samples reach the others; a replica killed
 with SIGKILL is forgotten within the documented bound; the store slow, unreachable, killed
 and restarted empty never makes a replica hang or answer 500, and the replicas find each
-other again without a restart.
+other again without a restart; `--workers` restarts its private redis-server when it dies,
+and the workers rejoin it.
 """
 
 from __future__ import annotations
@@ -248,6 +249,60 @@ async def test_workers_share_one_port_and_a_private_store(fake_engine: FakeEngin
     assert process.returncode == 0, stderr.decode()[-2000:]
     socket_dir = store.removeprefix("unix://").split("?")[0].rsplit("/", 1)[0]
     assert not await asyncio.to_thread(Path(socket_dir).exists)  # stopped, and removed
+
+
+async def test_workers_restart_their_private_redis_server_when_it_dies(
+    fake_engine: FakeEngine, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    log = tmp_path / "supervisor.log"
+    with log.open("wb") as stderr:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvgate", "serve", "--workers", "2", "--port", str(port),
+            "--backend", fake_engine.url, "--log-level", "warning", env=env, stderr=stderr,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    async def both_synced() -> bool:
+        states = await states_by_connection(url, 12)
+        synced = {s["cluster"]["state"] for s in states}
+        return all_members_seen(states) == 2 and synced == {"synced"}
+
+    try:
+        assert await wait_for(both_synced, 30.0)
+        [first] = redis_children(process.pid)
+        os.kill(first, signal.SIGKILL)
+
+        async def restarted() -> bool:
+            return bool(set(redis_children(process.pid)) - {first})
+
+        assert await wait_for(restarted, 10.0), log.read_text()
+        assert await wait_for(both_synced, 20.0), await states_by_connection(url, 4)
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 30)
+    said = log.read_text()
+    assert process.returncode == 0, said[-2000:]
+    assert f"redis-server (pid {first}) exited" in said and "restarted" in said, said[-2000:]
+
+
+def redis_children(pid: int) -> list[int]:
+    """The live redis-server processes `pid` started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, _, rest = stat.partition(") ")
+        state, ppid = rest.split()[:2]
+        if int(ppid) == pid and name.endswith("(redis-server") and state != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 async def states_by_connection(url: str, n: int) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from kvgate.cluster import publication
 from kvgate.cluster.samples import SHARED_FRESH_S
 from kvgate.cluster.shards import owner
 from kvgate.cluster.store import MemoryStore
-from kvgate.cluster.sync import MEMBER_TTL_S, SYNC_PERIOD_S, ClusterSync
+from kvgate.cluster.sync import MEMBER_TTL_S, STALLED_S, SYNC_PERIOD_S, ClusterSync
 from kvgate.core.clock import ManualClock
 from kvgate.core.replicas.view import PeerView
 from kvgate.core.signals import NodeSample
@@ -98,7 +98,10 @@ async def test_store_down_isolates_with_the_last_member_count_and_recovers() -> 
         assert r.core.isolated == 3
         assert all(r.sync.scrapes(n) for n in NODES)  # nobody's samples arrive
     await tick_all(replicas, clock, 3)
-    assert [r.core.calls.count("isolated") for r in replicas] == [1, 1, 1]  # told once
+    # One isolation (counted and logged once); the core hears of it at every failed tick,
+    # so that the requests of the replicas it no longer hears from age.
+    assert [r.sync.stats.isolations_total for r in replicas] == [1, 1, 1]
+    assert all(r.core.calls[-4:] == ["isolated"] * 4 for r in replicas)
     store.available = True
     store.wipe()  # and it came back empty
     await tick_all(replicas, clock, 2)
@@ -134,6 +137,22 @@ async def test_each_engine_is_scraped_by_its_owner_and_fed_to_the_others() -> No
         assert {n for n in NODES if r.sync.scrapes(n)} == mine
         fed = {n for n, _ in r.policy.samples}
         assert fed == set(NODES)  # its own scrapes and every peer's
+
+    # no exchange succeeds for STALLED_S (a stalled store, not yet found failed): every
+    # replica polls every engine itself, and stops once an exchange succeeds again
+    def polled_by_their_owners() -> bool:
+        return all(
+            {n for n in NODES if r.sync.scrapes(n)}
+            == {n for n in NODES if owner(n, members) == r.sync.member_id}
+            for r in replicas
+        )
+
+    clock.advance(STALLED_S - 2 * SYNC_PERIOD_S)  # the last exchange: a period ago
+    assert polled_by_their_owners()
+    clock.advance(2 * SYNC_PERIOD_S)
+    assert all(r.sync.scrapes(n) for r in replicas for n in NODES)
+    await tick_all(replicas, clock, 2)  # the first tick reads views from before the stall
+    assert polled_by_their_owners()
     # the owner of an engine dies: its records age out, the others scrape it meanwhile
     dead = replicas[0]
     orphan = next(n for n in NODES if owner(n, members) == dead.sync.member_id)

@@ -3,7 +3,8 @@
     {"v": 1,
      "core": {...},        # the core's view (`PeerView.to_json`, kvgate.core.replicas.view)
      "samples": {...},     # engine id -> record (kvgate.cluster.samples), first hand
-     "meta": {...}}        # host, pid, state and which engines it scrapes: for operators
+     "meta": {...}}        # host, pid, state and which engines it scrapes: for operators;
+                           # "agreed": the settings every replica must have alike
 
 A blob that is not valid JSON of this version is ignored (that member still counts as a
 member: its holds are unknown, not absent).
@@ -17,8 +18,21 @@ from typing import Any
 import orjson
 
 from kvgate.cluster.samples import Record
+from kvgate.core.settings import AdmissionSettings
 
 VERSION = 1
+
+
+def agreed(settings: AdmissionSettings) -> dict[str, float]:
+    """The admission settings replicas that share a store must have alike: they size each
+    node's slack and each request's footprint, which every replica's claims are parts of
+    (a replica with a higher ceiling claims room the others plan as full)."""
+    return {
+        "high_watermark": settings.high_watermark,
+        "panic_watermark": settings.panic_watermark,
+        "stale_after_s": settings.stale_after_s,
+        "reservation_overhead_tokens": settings.tuning.reservation_overhead_tokens,
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from kvgate.cluster.publication import agreed
 from kvgate.cluster.redis_store import RedisStore
 from kvgate.cluster.sync import ClusterParticipant, ClusterSync, new_member_id
 from kvgate.core.clock import Clock
 from kvgate.core.replicas.exchange import ReplicaExchange
+from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import SignalSink
 
 
@@ -29,13 +31,15 @@ def join(
     clock: Clock,
     *,
     nodes: Callable[[], Iterable[str]],
-    expected_members: int = 1,
+    expected_members: int | None = None,
+    settings: AdmissionSettings | None = None,
 ) -> ClusterSync:
     """The sync task of one replica (not started: the caller owns `run()`). The admission
-    core takes the member id as its replica name, the one its views carry."""
+    core takes the member id as its replica name, the one its views carry; `settings` are
+    its admission settings, those the replicas must have alike are published."""
     member_id = new_member_id()
     admission.exchange.replica = member_id
-    return ClusterSync(
+    sync = ClusterSync(
         RedisStore(url, client_name=f"kvgate-{member_id}"),
         admission,
         admission,
@@ -44,3 +48,6 @@ def join(
         expected_members=expected_members,
         member_id=member_id,
     )
+    if settings is not None:
+        sync.agreed = agreed(settings)
+    return sync

@@ -19,9 +19,11 @@ left in the core.
 **Membership.** A member is alive while its heartbeat, renewed by every tick, is younger
 than `MEMBER_TTL_S` on the store's clock. A replica killed with SIGKILL stops beating: the
 first tick of any replica after its deadline removes it (and its view) from the store, and
-every other replica stops counting its holds at its own next tick. So a dead replica's
-holds are gone everywhere within `REMOVAL_BOUND_S` (TTL + one period + one tick's timeout
-= 2.2 s). A replica that stops cleanly leaves at once.
+every other replica hears no more of it at its own next tick: within `REMOVAL_BOUND_S` (TTL
++ one period + one tick's timeout = 2.2 s). Its requests stay planned, though, until they
+would have ended or a sample shows them gone (`kvgate.core.replicas.departed`): a replica
+that stopped beating may only be frozen or cut off, its streams still growing in the
+engines. A replica that stops cleanly leaves at once.
 
 **When the store fails.** A tick that fails (down, unreachable, refusing the password), or
 two in a row that do not complete within `SYNC_TIMEOUT_S` (slow: one late tick may be this
@@ -31,6 +33,17 @@ count given at start), so each replica keeps to 1/N of each node's headroom; and
 engine is scraped locally again, since nobody's samples arrive. It keeps trying, every
 period at first, then backing off to `RETRY_MAX_S`; the first good tick (a restarted, empty
 store included: each replica simply beats itself back in) returns to normal, no restart.
+Before that, once no exchange has succeeded for `STALLED_S` (a stalled store is found
+failed only after two timeouts and a reconnect, over a second), every engine is polled
+locally again: the peers' samples have stopped arriving, and the engines must not go
+stale meanwhile.
+
+**A store never reached.** A replica that has never completed an exchange cannot know what
+the others admit, nor how many there are: it admits nothing (`set_isolated(0)`, 503
+`store_unreachable`, `ready` False) and logs why at ERROR, the problem named
+(`kvgate.cluster.redis_store.problem`), when the reason changes and every
+`UNREACHED_LOG_S`. Told how many replicas there are (`expected_members`, `--workers N`),
+it keeps to that share instead.
 
 **Shards in flux.** An engine whose owner has not published a view for `SHARED_FRESH_S`
 (it died, or is isolated), or does not say that it polls the engine (it does not know it
@@ -56,8 +69,8 @@ import os
 import secrets
 import socket
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from kvgate.cluster import shards
@@ -79,8 +92,17 @@ PREPARE_TIMEOUT_S = 1.0
 RETRY_MAX_S = 1.0
 #: A store that does not answer this many ticks in a row within `SYNC_TIMEOUT_S` is slow.
 TIMEOUTS_TO_ISOLATE = 2
-#: How long a SIGKILLed replica's holds may still count anywhere (documented bound).
+#: No exchange succeeded for this long: the peers' samples have stopped arriving, so this
+#: replica polls every engine itself meanwhile. As long as an owner may stay silent before
+#: its engines are polled by all (`SHARED_FRESH_S`): a loaded host delays ticks by a few
+#: hundred ms now and then, which must not triple the polls; half of `stale_after_s` is
+#: left to sample the engines before they go stale.
+STALLED_S = SHARED_FRESH_S
+#: How long a SIGKILLed replica stays a member anywhere (documented bound); its requests
+#: count until a sample after that shows them gone (`kvgate.core.replicas.departed`).
 REMOVAL_BOUND_S = MEMBER_TTL_S + SYNC_PERIOD_S + SYNC_TIMEOUT_S
+#: A replica that has never reached its store repeats why this often (and when it changes).
+UNREACHED_LOG_S = 60.0
 
 State = Literal["starting", "synced", "isolated"]
 
@@ -134,6 +156,24 @@ class SyncStats:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    """One peer's blob as read: its publication, its core view, and when it was published
+    (this replica's clock; None when it does not say)."""
+
+    publication: Publication | None
+    view: PeerView | None
+    published_at: float | None
+
+    def aged(self, now: float) -> PeerView:
+        """Its core view with its age: the core compares how long each replica's queue head
+        has waited at one instant."""
+        assert self.view is not None
+        if self.published_at is None:
+            return self.view
+        return replace(self.view, age_s=max(0.0, now - self.published_at))
+
+
 class ClusterSync:
     """Shares this replica's admission state and engine samples through `store`.
 
@@ -141,7 +181,10 @@ class ClusterSync:
     policy): the scraper must feed `self.sink` instead, so that its samples are published,
     and skip the engines for which `scrapes(node_id)` is False. `nodes` returns the ids of
     the engines this replica serves now. `expected_members` is how many replicas to assume
-    when the store is down from the start (e.g. `--workers N`).
+    when the store is down from the start (e.g. `--workers N`); without it (or with 1) a
+    replica that has never reached its store admits nothing (see the module docstring).
+    `agreed` holds the settings every replica must have alike (`publication.agreed`; none
+    until the caller sets them): each publishes its own and warns of a peer whose differ.
     """
 
     def __init__(
@@ -152,14 +195,17 @@ class ClusterSync:
         clock: Clock,
         *,
         nodes: Callable[[], Iterable[str]],
-        expected_members: int = 1,
+        expected_members: int | None = None,
         member_id: str | None = None,
     ) -> None:
         self.store = store
         self.participant = participant
         self.clock = clock
         self.member_id = member_id or new_member_id()
-        self.expected_members = max(1, expected_members)
+        self.expected_members = (
+            expected_members if expected_members and expected_members > 1 else None
+        )
+        self.agreed: dict[str, float] = {}
         self.ledger = SampleLedger()
         self.sink = SharingSink(sink, self.ledger, clock)
         self._target = sink
@@ -173,13 +219,27 @@ class ClusterSync:
         self._remote: frozenset[str] = frozenset()  # engines scraped by their owner, not us
         self._assigned: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._bad_peers: set[str] = set()
+        self._disagreeing: set[str] = set()  # peers warned of for settings unlike ours
         self._timeouts = 0  # consecutive ticks without an answer in time
+        self._told: tuple[str, float] | None = None  # the last never-synced ERROR: why, when
 
     # ---- what the scraper asks ---------------------------------------------------------
 
     def scrapes(self, node_id: str) -> bool:
-        """Should this replica poll `node_id` itself now?"""
-        return node_id not in self._remote
+        """Should this replica poll `node_id` itself now? Yes unless its owner shares its
+        samples, and they still arrive: once no exchange has succeeded for `STALLED_S`,
+        every engine is polled here again, well before its last shared sample is stale
+        (the store may be stalled, long before it is found failed)."""
+        if node_id not in self._remote:
+            return True
+        last = self.stats.last_ok_at
+        return last is None or self.clock.now() - last > STALLED_S
+
+    @property
+    def ready(self) -> bool:
+        """May this replica admit: it has reached its store once, or it knows how many
+        replicas share the engines (`expected_members`)."""
+        return self.stats.exchanges_total > 0 or self.expected_members is not None
 
     @property
     def remote(self) -> frozenset[str]:
@@ -191,7 +251,7 @@ class ClusterSync:
     async def run(self) -> None:
         """Sync until cancelled; then leave the store (bounded) and close it."""
         loop = asyncio.get_running_loop()
-        self._call(self.participant.set_isolated, self.expected_members)  # until a tick
+        self._call(self.participant.set_isolated, self.expected_members or 0)  # until a tick
         failures = 0
         try:
             while True:
@@ -231,7 +291,13 @@ class ClusterSync:
         except TimeoutError:
             self.failed(f"no answer within {SYNC_TIMEOUT_S * 1000:.0f} ms", timeout=True)
             return False
-        self.incoming(reply, sent_at, self.clock.now())
+        self._answered(reply, sent_at, self.clock.now())
+        peers: dict[str, _Peer] = {}
+        for member, view in reply.views.items():
+            if member != self.member_id:
+                peers[member] = self._read(member, view)
+                await asyncio.sleep(0)  # requests due meanwhile wait for one view, not all
+        self._apply(peers, reply.views.keys(), self.clock.now())
         return True
 
     # ---- one tick's halves: also how a virtual-time simulation drives a replica ---------
@@ -244,13 +310,18 @@ class ClusterSync:
 
     def incoming(self, reply: Exchange, sent_at: float, received_at: float) -> None:
         """The store's answer to the view sent at `sent_at`, received at `received_at`."""
+        self._answered(reply, sent_at, received_at)
+        me = self.member_id
+        peers = {m: self._read(m, view) for m, view in reply.views.items() if m != me}
+        self._apply(peers, reply.views.keys(), received_at)
+
+    def _answered(self, reply: Exchange, sent_at: float, received_at: float) -> None:
         self._timeouts = 0
         self.link.observe(sent_at, received_at, reply.store_time)
         self.stats.exchanges_total += 1
         self.stats.last_latency_s = received_at - sent_at
         self.stats._latencies.append(received_at - sent_at)
         self.stats.last_ok_at = received_at
-        self._apply(reply.views, received_at)
 
     def failed(self, reason: str, *, timeout: bool = False) -> None:
         """An exchange failed (`timeout`: it had no answer in time)."""
@@ -275,14 +346,32 @@ class ClusterSync:
             "state": self.state,
             "scrapes": sorted(n for n in self.served_nodes() if n not in self._remote),
             "at": self.link.to_store(now) if self.link.known else None,
+            "agreed": self.agreed,
         }
         core = view.to_json() if isinstance(view, PeerView) else {}
         return Publication(core, samples, meta)
 
-    def _apply(self, views: Mapping[str, bytes], now: float) -> None:
+    def _read(self, member: str, blob: bytes) -> _Peer:
+        """A peer's blob, decoded: its publication and its core view (None when this
+        version cannot read it), and when it was published on this replica's clock."""
+        pub = decode(blob)
+        if pub is None:
+            if member not in self._bad_peers:
+                self._bad_peers.add(member)
+                log.warning("cluster: member %s publishes a view this version cannot read", member)
+            return _Peer(None, None, None)
+        at = pub.meta.get("at")
+        published = self.link.to_local(at) if isinstance(at, int | float) else None
+        return _Peer(pub, PeerView.from_json(pub.core), published)
+
+    def _apply(self, peers: dict[str, _Peer], live: Iterable[str], now: float) -> None:
+        """Take the live members and their views (`peers`: every live one but this one)."""
         me = self.member_id
-        self._peers = {m: self._decode(m, blob) for m, blob in views.items() if m != me}
-        self.members = tuple(sorted({*views, me}))
+        self._peers = {m: peer.publication for m, peer in peers.items()}
+        self.members = tuple(sorted({*live, me}))
+        for member, pub in self._peers.items():
+            if pub is not None and member not in self._disagreeing:
+                self._check_agreed(member, pub)
         served = self.served_nodes()
         self.ledger.keep_only(set(served))
         key = (self.members, served)
@@ -302,7 +391,7 @@ class ClusterSync:
             if self._served_by(owner, node_id, now):
                 remote.add(node_id)
         self._remote = frozenset(remote)
-        views_in = [self._view(pub, now) for pub in self._peers.values() if pub is not None]
+        views_in = [peer.aged(now) for peer in peers.values() if peer.view is not None]
         self._call(self.participant.set_peer_views, views_in, len(self.members))
         if self.state == "isolated" and self.stats.isolated_since is not None:
             log.info(
@@ -322,33 +411,63 @@ class ClusterSync:
         self.stats.isolated_since = None
         self.stats.last_error = None
 
-    def _view(self, pub: Publication, now: float) -> PeerView:
-        """A peer's core view with its age (from the store's clock): the core compares how
-        long each replica's queue head has waited at one instant."""
-        at = pub.meta.get("at")
-        if not isinstance(at, int | float) or not self.link.known:
-            return PeerView.from_json(pub.core)
-        return PeerView.from_json(
-            {**pub.core, "view_age_s": max(0.0, now - self.link.to_local(at))}
-        )
-
     def _isolate(self, reason: str) -> None:
         self.stats.failures_total += 1
         self.stats.last_error = reason
         self._remote = frozenset()  # nobody's samples arrive: scrape everything
-        if self.state == "isolated":
+        if self.stats.exchanges_total == 0:
+            self._unreached(reason)
             return
-        members = max(len(self.members), self.expected_members)
-        log.warning(
-            "cluster store %s failed (%s): isolated, keeping a 1/%d share of each node",
-            self.store.describe(),
-            reason,
-            members,
-        )
-        self.state = "isolated"
-        self.stats.isolations_total += 1
-        self.stats.isolated_since = self.clock.now()
+        members = max(len(self.members), self.expected_members or 1)
+        if self.state != "isolated":
+            log.warning(
+                "cluster store %s failed (%s): isolated, keeping a 1/%d share of each node",
+                self.store.describe(),
+                reason,
+                members,
+            )
+            self.state = "isolated"
+            self.stats.isolations_total += 1
+            self.stats.isolated_since = self.clock.now()
+        # Every failed tick: the departed replicas' requests age (kvgate.core.replicas).
         self._call(self.participant.set_isolated, members)
+
+    def _unreached(self, reason: str) -> None:
+        """The store has never been reached: say why, loudly, when the reason changes and
+        every `UNREACHED_LOG_S`; admit within the expected share, or not at all."""
+        now = self.clock.now()
+        told = self._told
+        if told is None or told[0] != reason or now - told[1] >= UNREACHED_LOG_S:
+            self._told = (reason, now)
+            if self.expected_members is not None:
+                then = f"it keeps a 1/{self.expected_members} share of each node until it does"
+            else:
+                then = (
+                    "it cannot know what the other replicas admit, so it admits nothing"
+                    " (503 store_unreachable, /readyz 503) until it does"
+                )
+            log.error(
+                "cluster store %s unusable: %s. This replica has never reached it: %s",
+                self.store.describe(),
+                reason,
+                then,
+            )
+        self._call(self.participant.set_isolated, self.expected_members or 0)
+
+    def _check_agreed(self, member: str, pub: Publication) -> None:
+        theirs = pub.meta.get("agreed")
+        if not isinstance(theirs, dict):
+            return
+        differ = sorted(k for k, v in self.agreed.items() if k in theirs and theirs[k] != v)
+        if differ:
+            self._disagreeing.add(member)
+            log.warning(
+                "cluster: member %s admits with %s where this replica has %s: replicas that"
+                " share a store must agree on these, or they plan the same room differently",
+                member,
+                ", ".join(f"{k}={theirs[k]}" for k in differ),
+                ", ".join(f"{k}={self.agreed[k]}" for k in differ),
+            )
 
     def _served_by(self, owner: str, node_id: str, now: float) -> bool:
         """Does `owner` poll `node_id` for us: its view was published lately, says it polls
@@ -370,13 +489,6 @@ class ClusterSync:
             if record is not None and (newest is None or record.attempt_at > newest.attempt_at):
                 newest = record
         return newest
-
-    def _decode(self, member: str, blob: bytes) -> Publication | None:
-        pub = decode(blob)
-        if pub is None and member not in self._bad_peers:
-            self._bad_peers.add(member)
-            log.warning("cluster: member %s publishes a view this version cannot read", member)
-        return pub
 
     def served_nodes(self) -> tuple[str, ...]:
         """The engines this replica serves now, sorted."""
@@ -418,6 +530,8 @@ class ClusterSync:
         return {
             "member_id": self.member_id,
             "state": self.state,
+            "ready": self.ready,
+            "expected_members": self.expected_members,
             "store": self.store.describe(),
             "replicas": len(self.members) if self.members else None,
             "members": members,

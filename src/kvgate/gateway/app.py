@@ -248,6 +248,7 @@ class Gateway:
             self.clock,
             nodes=lambda: [b.node_id for b in self.backends],
             expected_members=self.replicas,
+            settings=self.config.admission,
         )
         self.metrics.registry.register(ClusterCollector(self.cluster))
         self.spawn(self.cluster.run())
@@ -379,7 +380,12 @@ class Gateway:
         nodes = self.admission.snapshot().get("nodes", {})
         live = {nid: bool(state.get("live")) for nid, state in nodes.items()}  # fresh or lagging
         ready = any(live.values()) or (self.scraper is None and self.catalog.known)
-        body = orjson.dumps({"ready": ready, "backends": live})
+        status: dict[str, Any] = {"ready": ready, "backends": live}
+        cluster = self.cluster
+        if cluster is not None and not cluster.ready:  # it admits nothing until it syncs
+            status.update(ready=False, store=cluster.stats.last_error or "not reached yet")
+            ready = False
+        body = orjson.dumps(status)
         await send_json(send, 200 if ready else 503, body)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -5,10 +5,13 @@ private directory (mode 0700: only this user can reach it, and no port can be ta
 under it) or on a TCP port of 127.0.0.1. It is started and waited for (a `PING` answered)
 before `start` returns, and `stop` ends it (SIGTERM, then SIGKILL after a bound). On Linux
 it also dies with the process that started it, so a killed supervisor leaves no server.
+A supervisor that keeps it for others calls `revive` now and then: a server that died is
+started again where it was, with a backoff.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -23,6 +26,13 @@ from kvgate.procs.ports import free_port
 REDIS_SERVER = "redis-server"
 _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 5.0
+# A dead server is started again this long after its death, twice as long each time it
+# dies again within `_REVIVE_RESET_S` of a start, up to `_REVIVE_MAX_S`.
+_REVIVE_FIRST_S = 0.5
+_REVIVE_MAX_S = 30.0
+_REVIVE_RESET_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 class RedisServerUnavailable(RuntimeError):
@@ -44,6 +54,10 @@ class RedisServer:
         self.workdir = workdir
         self.port = port
         self.password = password
+        self.command: list[str] = []  # how it was started (`revive` starts it so again)
+        self._started_at = time.monotonic()
+        self._dead_since: float | None = None
+        self._backoff = _REVIVE_FIRST_S
 
     @property
     def socket_path(self) -> Path:
@@ -87,21 +101,45 @@ class RedisServer:
             *(["--requirepass", password] if password else []),
             *extra_args,
         ]  # fmt: skip
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # Ctrl-C reaches the supervisor, which stops it
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
-        )
-        server = cls(process, workdir, port=port, password=password)
+        server = cls(_launch(command), workdir, port=port, password=password)
+        server.command = command
         try:
             server._wait_ready(timeout_s)
         except BaseException:
             server.stop()
             raise
         return server
+
+    def revive(self) -> None:
+        """Called now and then by a supervisor: start the server again if it died, on the
+        same socket or port with the same password (and empty: its clients find that out
+        and beat back in), `_REVIVE_FIRST_S` after its death, doubling to `_REVIVE_MAX_S`
+        while it dies again within `_REVIVE_RESET_S` of a start. It does not wait for
+        the new server to answer. Each death and restart is logged."""
+        now = time.monotonic()
+        code = self.process.poll()
+        if code is None:
+            return
+        if self._dead_since is None:
+            self._dead_since = now
+            log.warning(
+                "the private redis-server (pid %d) exited with code %d: restarting it in %.1f s",
+                self.process.pid,
+                code,
+                self._backoff,
+            )
+            return
+        if now - self._dead_since < self._backoff:
+            return
+        ran = self._dead_since - self._started_at
+        self._backoff = (
+            _REVIVE_FIRST_S if ran >= _REVIVE_RESET_S else min(_REVIVE_MAX_S, self._backoff * 2)
+        )
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+        self.process = _launch(self.command)
+        self._started_at, self._dead_since = now, None
+        log.warning("restarted the private redis-server (pid %d)", self.process.pid)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -159,6 +197,17 @@ class RedisServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _launch(command: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # Ctrl-C reaches the supervisor, which stops it
+        preexec_fn=die_with_parent if sys.platform == "linux" else None,
+    )
 
 
 def _command(*parts: str) -> bytes:

@@ -5,7 +5,8 @@ process the user started) starts N `kvgate serve` children that each listen on t
 port with SO_REUSEPORT, so the kernel spreads connections over them, and that share one
 store, so they admit as one gateway (`kvgate.cluster`). With no store configured it starts
 a private `redis-server` on a unix socket in a private directory (or says what it needs
-when none is installed) and stops it on exit.
+when none is installed), starts it again if it dies (`RedisServer.revive`: the workers,
+isolated meanwhile, find it empty and rejoin), and stops it on exit.
 
 The supervisor owns its children: it holds the port for them (a bound, non-listening
 SO_REUSEPORT socket, so a restarted worker gets the same port), forwards SIGTERM, SIGINT
@@ -71,8 +72,10 @@ class Supervisor:
         port: int,
         drain_timeout_s: float,
         env: dict[str, str],
+        store: RedisServer | None = None,
     ) -> None:
         self.command = list(command)
+        self.store = store  # the private redis-server, kept alive while the workers run
         self.env = env
         self.count = count
         self.host = host
@@ -120,6 +123,8 @@ class Supervisor:
                 self._forward(self._signals.pop(0))
             if self._stopping and all(w.process.poll() is not None for w in self.workers):
                 return 0
+            if self.store is not None and not self._stopping:
+                self.store.revive()
             for worker in self.workers:
                 code = worker.process.poll()
                 if code is None or self._stopping:
@@ -219,7 +224,7 @@ def serve_workers(
             env = {**os.environ, "KVGATE_STORE__URL": store_url}
             private = "" if redis is None else " (private)"
             log.info("workers share the store %s%s", redact(store_url), private)
-            return Supervisor(command, count, host, port, drain_timeout_s, env).run()
+            return Supervisor(command, count, host, port, drain_timeout_s, env, redis).run()
     finally:
         if redis is not None:
             redis.stop()

@@ -146,6 +146,9 @@ class FlowController:
     # --- the three answers ---------------------------------------------------------------------
 
     def submit(self, request: AdmissionRequest) -> Decision | Waiter:
+        blind = self.exchange.refusal()
+        if blind is not None:  # a replica that cannot know what the others admit
+            return blind
         now = self.clock.now()
         tokens = request.cost.total
         too_big = self.tenants.never_fits(request.tenant, tokens)
@@ -378,7 +381,8 @@ class FlowController:
 
     def set_isolated(self, members: int) -> None:
         """The other replicas cannot be seen: keep to a static `1/members` part of every
-        node's room and every tenant's limits until `set_peer_views` is called again."""
+        node's room and every tenant's limits until `set_peer_views` is called again
+        (`members` 0: how many there are is unknown, admit nothing)."""
         self.exchange.set_isolated(members, self.clock.now())
         self.dispatch()
 

@@ -58,6 +58,11 @@ class Forecast:
         self._envelopes: dict[str, tuple[tuple[int, int], Envelope]] = {}
         self._drain_cache: tuple[int, tuple[str, ...], list[float], list[float]] | None = None
 
+    @property
+    def pace(self) -> Pace:
+        """Seconds per token of each node's streams (`kvgate.core.plan.pace`)."""
+        return self._pace
+
     # --- keeping the cache true ---------------------------------------------------------------
 
     def opened(self, hold: Hold) -> None:

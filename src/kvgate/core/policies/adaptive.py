@@ -297,17 +297,12 @@ class AdaptivePolicy(BasePolicy):
         return Fit((room - peak) / cap, above=peak > panic)
 
     def _fit_isolated(self, node: NodeState, limit: float, held: int, expected: int) -> Fit:
-        """Without the other replicas' views: this replica's own requests against its
-        static part of the node, under the panic gate the measured usage keeps."""
-        assert node.cap is not None
-        part = limit / max(1, self.forecast.peers.members)
-        peak = self.forecast.own_envelope(node.node_id).peak(held, expected)
-        if peak > part:
-            return planned_peak(node, peak, part)
-        used = self.forecast.used(node)
-        if used + held > limit:
-            return planned_peak(node, used + held, limit)
-        return Fit((part - peak) / node.cap)
+        """Without the other replicas' views: this replica's part of the node
+        (`Claims.isolated_headroom`)."""
+        headroom = self.claims.isolated_headroom(node, limit, held, expected)
+        if headroom is None:
+            return planned_peak(node, self.forecast.envelope(node).peak(held, expected), limit)
+        return Fit(headroom)
 
     def _refuse(
         self, now: float, request: AdmissionRequest, expected: int, misses: list[Fit]

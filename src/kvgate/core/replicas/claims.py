@@ -6,6 +6,15 @@ peak, `kvgate.core.plan.forecast`) and, until its next sync, adds requests to a 
 within what is left of its claim *and* of the slack the others' published claims leave (its
 *allowance*). Every start spends from both. How the slack is split is `peers.share_of`; why
 the claims of two replicas never overlap is in `kvgate.core.replicas.peers`.
+
+**Isolated** (no view can be exchanged), a replica has no claims: it keeps to its static
+part of each node, `1/members` of the room under the ceiling for its own requests
+(`isolated_headroom`), and the node's whole envelope (the last sample, its own requests and
+the departed replicas' ones, `kvgate.core.replicas.departed`) must stay under the ceiling
+too. A request larger than that part starts only when the replica has nothing else running
+on the node: it then takes what the envelope leaves. That is a bet that no other isolated
+replica starts one in the same moment (it cannot know); it is what lets a large request
+start at all while the store is down, and a replica makes it for one request at a time.
 """
 
 from __future__ import annotations
@@ -15,9 +24,13 @@ from collections.abc import Callable, Mapping
 from kvgate.core.nodes import NodeState
 from kvgate.core.plan.forecast import Forecast
 from kvgate.core.plan.holds import Holds
+from kvgate.core.replicas.departed import NodeView
 from kvgate.core.replicas.peers import PeerState
 from kvgate.core.replicas.view import PeerHold
 from kvgate.core.settings import AdmissionSettings
+
+_new_tuple = tuple.__new__  # a PeerHold without NamedTuple's argument handling (hot path)
+_INF = float("inf")
 
 
 class Claims:
@@ -52,6 +65,42 @@ class Claims:
         if node is None or node.cap is None:
             return 0.0
         return max(0.0, self._panic * node.cap - self._forecast.envelope(node).peak())
+
+    def isolated_headroom(
+        self, node: NodeState, limit: float, held: int, expected: int
+    ) -> float | None:
+        """Isolated: the fraction of the node's capacity left after a newcomer that holds
+        `held` now and runs `expected` steps, within this replica's part (see the module
+        docstring); None when it does not fit."""
+        cap = node.cap
+        members = self._forecast.peers.members
+        if cap is None or members <= 0:
+            return None
+        whole = self._forecast.envelope(node).peak(held, expected)
+        if whole > limit:
+            return None
+        own = self._forecast.own_envelope(node.node_id)
+        part = limit / members
+        mine = own.peak(held, expected)
+        if mine <= part:
+            return (part - mine) / cap
+        if len(own) == 0:  # alone on the node, as far as this replica knows: a larger part
+            return (limit - whole) / cap
+        return None
+
+    def node_view(self, node_id: str) -> NodeView:
+        """The node as `kvgate.core.replicas.departed` ages and proves departed requests."""
+        pace = self._forecast.pace
+        node = self._nodes.get(node_id)
+        sample = None if node is None else node.sample
+        step = pace.step_s(node_id)
+        slow = max(step, (node.step_s if node is not None else None) or 0.0)
+        fast = min(step, pace.fastest_step_s(node_id))
+        if sample is None or node is None or node.cap is None or sample.kv_usage is None:
+            return NodeView(slow, fast, None if sample is None else sample.sampled_at, _INF)
+        book = self._holds.books.get(node_id)
+        own = sum(h.reflected for h in book.holds.values()) if book is not None else 0
+        return NodeView(slow, fast, sample.sampled_at, node.used - own)
 
     def allowance(self, node_id: str) -> float | None:
         """Tokens (final footprints) this replica may still add to the node before the next
@@ -101,15 +150,12 @@ class Claims:
         """This replica's requests per node, as its view tells them to the others (age:
         seconds since the request was sent to the engine)."""
         overhead = self._holds.overhead
-        return {
-            node_id: tuple(
-                PeerHold(
-                    h.prompt + h.tok_cur + overhead - h.reflected,
-                    h.prompt + h.tok_cur + overhead,
-                    h.remaining(),
-                    round(now - h.ticket.admitted_at, 3),
-                )
-                for h in book.holds.values()
-            )
-            for node_id, book in self._holds.books.items()
-        }
+        out: dict[str, tuple[PeerHold, ...]] = {}
+        for node_id, book in self._holds.books.items():
+            holds = []
+            for h in book.holds.values():
+                held = h.prompt + h.tok_cur + overhead
+                age = round(now - h.ticket.admitted_at, 3)
+                holds.append(_new_tuple(PeerHold, (held - h.reflected, held, h.remaining(), age)))
+            out[node_id] = tuple(holds)
+        return out

@@ -15,7 +15,12 @@ shell's three calls to it (`kvgate.cluster.sync` and the simulator make them):
   tenant ledger (their usage and claims), the budgets (their counts and claims), and the
   fairness (their service).
 - `set_isolated(members)`: the others cannot be seen; the policy, the ledger and the
-  budgets keep to a static `1/members` part until views flow again.
+  budgets keep to a static `1/members` part until views flow again. `members` 0: how many
+  replicas share the engines is unknown (this one has never reached the store, and was not
+  told): it admits nothing (`refusal`) until views flow.
+
+Either way the replicas it no longer hears from keep their requests in its plans until
+they end (`kvgate.core.replicas.departed`).
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from kvgate.core.admission import Reject
 from kvgate.core.budgets import Budgets
 from kvgate.core.rates import DecayingRate
 from kvgate.core.replicas import peers
+from kvgate.core.replicas.departed import Departed
 from kvgate.core.replicas.view import PeerView, QueueDemand, TenantDemand
+from kvgate.core.retry_after import MAX_RETRY_AFTER_S, jittered
 from kvgate.core.tenants import TenantLedger
 
 if TYPE_CHECKING:
@@ -38,6 +46,8 @@ if TYPE_CHECKING:
 ARRIVALS_HALFLIFE_S = 1.0
 
 _NO_DEMAND = TenantDemand(0.0, 0.0, 0.0, 0.0)
+# Retry-After of a replica that admits nothing until it reaches the store.
+BLIND_RETRY_S = 2.0
 
 
 class ReplicaExchange:
@@ -61,6 +71,9 @@ class ReplicaExchange:
         self._peer_demands: list[peers.Demand] = []  # the others' queues, as of the last sync
         self._peer_tenant_queues: list[tuple[str, Mapping[str, TenantDemand]]] = []
         self._peers_at = 0.0
+        self.departed = Departed(policy.claims.node_view)
+        # Why this replica admits nothing (None: it may); see `set_isolated`.
+        self.blind = False
 
     def arrived(self, now: float, tokens: int) -> None:
         """A request of `tokens` was submitted (to this replica's arrival rate)."""
@@ -91,7 +104,12 @@ class ReplicaExchange:
     def set_peer_views(self, views: Sequence[PeerView], members: int, now: float) -> None:
         """The other live replicas' latest views (`members` counts this one too)."""
         others = [v for v in views if v.replica != self.replica]
+        self.blind = False
+        self.departed.heard(others, now)
         state = peers.merge(others, now)
+        if self.departed:
+            explained = {node_id: p.reflected() for node_id, p in state.nodes.items()}
+            peers.merge(self.departed.views(now, explained), now, state, departed=True)
         state.members = max(members, len(others) + 1)
         self._peer_demands = [peers.demand_of(v) for v in others]
         self._peers_at = now
@@ -106,8 +124,12 @@ class ReplicaExchange:
     def set_isolated(self, members: int, now: float) -> None:
         """The other replicas cannot be seen: keep to a static `1/members` part of every
         node's room, every tenant's limits and budgets until `set_peer_views` is called
-        again."""
-        state = peers.PeerState(members=max(1, members), isolated=members > 1)
+        again (`members` 0: admit nothing, see the module docstring). The replicas heard
+        last have departed: their requests stay planned until they end."""
+        self.blind = members <= 0
+        self.departed.isolated()
+        state = peers.PeerState(members=max(1, members), isolated=members != 1)
+        peers.merge(self.departed.views(now, {}), now, state, departed=True)
         self._peer_demands = []
         self.policy.set_peers(state)
         self.tenants.peers = {}
@@ -117,6 +139,20 @@ class ReplicaExchange:
         self.budgets.isolate(members, now)
         self.queue.fairness.set_peer_service({})
 
+    def refusal(self) -> Reject | None:
+        """The 503 of a replica that admits nothing (`blind`, see `set_isolated`), None when
+        it admits."""
+        if not self.blind:
+            return None
+        return Reject(
+            503,
+            "store_unreachable",
+            jittered(BLIND_RETRY_S, self.policy.rng, MAX_RETRY_AFTER_S),
+            "This gateway replica has not reached the cluster store it shares with the other"
+            " replicas, so it cannot know what they admit; it admits nothing until it does"
+            " (its log says why). Retry shortly, or on another replica.",
+        )
+
     def snapshot(self) -> dict[str, Any]:
         """The replicas as this one sees them, for `/admin/state`."""
         claims = self.policy.claims
@@ -125,7 +161,9 @@ class ReplicaExchange:
             "replica": self.replica,
             "members": state.members,
             "isolated": state.isolated,
-            "peer_requests": {n: len(p.loads) for n, p in state.nodes.items()},
+            "blind": self.blind,
+            "peer_requests": {n: len(p.loads) - p.departed for n, p in state.nodes.items()},
+            "departed_requests": {n: p.departed for n, p in state.nodes.items() if p.departed},
             "allowance_tokens": claims.allowances(),
             "claimed_by_others": {n: p.claimed for n, p in state.nodes.items()},
         }

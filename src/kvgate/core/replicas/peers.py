@@ -34,10 +34,15 @@ waits for that exchange; it folds the latest views in when they arrive (`merge`,
   served by one replica is not first in line at another. What a limited tenant's limits
   leave is claimed like a node's slack; a replica starts a limited tenant's request only
   within its claim (so a replica's first request of such a tenant waits for a sync).
+- **Departed.** A replica whose view stops arriving (its heartbeat expired, or this one is
+  isolated) may still have requests running: they stay in every envelope, aged, until they
+  would have ended or a sample shows them gone (`kvgate.core.replicas.departed`).
 - **Isolated.** When the store cannot be reached the shell says so with the number of
-  members it last saw: each replica then plans only its own requests against `1/members` of
-  each node's room under its ceiling, and of each tenant's limits, until views flow again.
-  The panic gate on measured usage stays on throughout.
+  members it last saw: each replica then plans its own requests against `1/members` of
+  each node's room under its ceiling (`Claims.isolated_headroom`), and of each tenant's
+  limits, until views flow again; the departed replicas' requests stay in the envelope.
+  The panic gate on measured usage stays on throughout. A replica that has never reached
+  the store and was not told how many replicas there are (`members` 0) admits nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +68,11 @@ class NodePeers:
     unseen: list[tuple[float, float]] = field(default_factory=list)
     upper: float = 0.0  # unreflected + every remaining step: nothing ends
     loads: list[tuple[float, float]] = field(default_factory=list)  # (remaining, held)
+    departed: int = 0  # how many of `loads` are departed replicas' requests
+
+    def reflected(self) -> float:
+        """Tokens of their requests that the node's samples hold."""
+        return sum(held for _, held in self.loads) - self.unreflected
 
 
 @dataclass(slots=True)
@@ -93,13 +103,19 @@ class Demand:
         return self.waiting_tokens + self.arrival_tokens_per_s * DEMAND_HORIZON_S
 
 
-def merge(views: Iterable[PeerView], now: float) -> PeerState:
-    """Other replicas' views, received at `now`, folded into one state."""
-    state = PeerState()
+def merge(
+    views: Iterable[PeerView], now: float, state: PeerState | None = None, departed: bool = False
+) -> PeerState:
+    """Other replicas' views, received at `now`, folded into one state (`state`, when
+    given, else a new one). `departed`: the views are departed replicas' requests
+    (`kvgate.core.replicas.departed`), counted apart."""
+    state = PeerState() if state is None else state
     for view in views:
         published = now - view.age_s
         for node_id, holds in view.nodes.items():
             peers = state.nodes.setdefault(node_id, NodePeers())
+            if departed:
+                peers.departed += len(holds)
             for unreflected, held, remaining, age in holds:
                 peers.unreflected += unreflected
                 peers.upper += unreflected + remaining

@@ -33,6 +33,9 @@ from typing import Any, NamedTuple
 
 from kvgate.core.budgets.bucket import BucketEntry, BudgetView
 
+_NUM = frozenset((int, float))  # exact types: JSON numbers as orjson reads them (no bool)
+_new_tuple = tuple.__new__
+
 
 class PeerHold(NamedTuple):
     """One live request of a replica on one node."""
@@ -107,7 +110,7 @@ class PeerView:
             data = {}
         queue = _section(data, "queue")
         nodes = {
-            str(n): tuple(PeerHold(*h) for e in entries if (h := _numbers(e, 4)))
+            str(n): _holds(entries)
             for n, entries in _section(data, "nodes").items()
             if isinstance(entries, list)
         }
@@ -168,6 +171,18 @@ def _budgets(section: Mapping[str, Any]) -> BudgetView:
     }
     names = tuple(str(m) for m in members) if isinstance(members, list) else ()
     return BudgetView(names, buckets)
+
+
+def _holds(entries: list[Any]) -> tuple[PeerHold, ...]:
+    """The well-formed `[unreflected, held, remaining, age_s]` entries (the hot path of
+    reading a view: one check per field, no intermediate tuples)."""
+    holds = []
+    for entry in entries:
+        if type(entry) is list and len(entry) == 4:
+            a, b, c, d = entry
+            if type(a) in _NUM and type(b) in _NUM and type(c) in _NUM and type(d) in _NUM:
+                holds.append(_new_tuple(PeerHold, entry))
+    return tuple(holds)
 
 
 def _section(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
