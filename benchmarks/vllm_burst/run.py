@@ -110,6 +110,7 @@ def client_command(target: str, args: argparse.Namespace, out_dir: Path, name: s
         "--tokenizer",
         str(TOKENIZER),
         *dataset(args),
+        *(["--header", *args.header] if getattr(args, "header", None) else []),
         "--num-prompts",
         str(args.prompts),
         "--request-rate",
@@ -132,7 +133,7 @@ def dataset(args: argparse.Namespace) -> list[str]:
     """The client's dataset: `random` (`--input`/`--output` tokens), or `prefix_repetition`
     with `--prefixes` shared prefixes of `--input` tokens, each prompt's own suffix of
     `--suffix` tokens and `--output` tokens out."""
-    if args.prefixes:
+    if getattr(args, "prefixes", 0):
         return [
             "--dataset-name", "prefix_repetition",
             "--prefix-repetition-prefix-len", str(args.input),
@@ -286,6 +287,9 @@ def parse() -> argparse.Namespace:
         " tokens (the engine then runs with --enable-prefix-caching)",
     )
     parser.add_argument("--suffix", type=int, default=100, help="with --prefixes")
+    parser.add_argument(
+        "--header", nargs="*", help="KEY=VALUE headers of every request (e.g. a priority)"
+    )
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument(
         "--modes", default="direct,kvgate", help="which of direct,kvgate to run, in this order"

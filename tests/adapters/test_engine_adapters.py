@@ -357,9 +357,12 @@ def test_label_escapes_are_decoded_in_one_pass() -> None:
 
 
 def test_vllm_block_size_and_prefix_cache_counters() -> None:
-    """The block size kvgate hashes prompts by, and the engine's own prefix cache hit
-    counters (prompt tokens found cached / looked up)."""
-    text = page("vllm")
+    """The block size kvgate hashes prompts by (only from an engine that caches prefixes:
+    one that does not shares no block), and the engine's own prefix cache hit counters
+    (prompt tokens found cached / looked up)."""
+    plain = page("vllm")  # the real engine's page: enable_prefix_caching="False"
+    assert adapter_for("vllm").parse(plain, 0.0).block_size is None
+    text = plain.replace(b'enable_prefix_caching="False"', b'enable_prefix_caching="True"')
     text = replace_line(
         text,
         b"vllm:prefix_cache_queries_total{",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvgate.core.admission import Admit, Outcome, Ticket
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.request import RequestCost
@@ -18,7 +20,8 @@ def _prompt(user: int, n: int = 256) -> tuple[int, ...]:
 
 def _policy() -> BasePolicy:
     policy, clock = make("headroom-only")
-    policy.observe("a", sample(clock, usage=0.0, capacity=100_000))
+    # An engine with prefix caching (its block size known): only such an engine shares.
+    policy.observe("a", replace(sample(clock, usage=0.0, capacity=100_000), block_size=16))
     return policy
 
 
@@ -96,7 +99,7 @@ def test_a_node_is_asked_only_for_what_it_lacks() -> None:
     policy, clock = make("headroom-only")
     # Room under the panic watermark (0.92 x 3,000 = 2,760) for one 1,396-token request,
     # not two: the second fits only because the system prompt is held there already.
-    policy.observe("a", sample(clock, usage=0.0, capacity=3000))
+    policy.observe("a", replace(sample(clock, usage=0.0, capacity=3000), block_size=16))
     first = _admit(policy, "r0", _prompt(1))
     second = _admit(policy, "r1", _prompt(2))
     third = admit(policy, "r2", RequestCost(1280, 100))  # no ids: its whole length
@@ -127,3 +130,14 @@ def test_the_ledger_passes_each_block_to_a_holder_until_the_last_ends() -> None:
     assert held.held("n", c, 99) == 7
     assert held.drop("C", ends.__getitem__) == {}
     assert held.blocks_on("n") == 0 and held.held("n", a, 99) == 0
+
+
+def test_an_engine_without_prefix_caching_shares_nothing() -> None:
+    """Without a block size (vLLM's `enable_prefix_caching` off) every request holds its
+    whole prompt, however many share it: such an engine stores each copy."""
+    policy, clock = make("headroom-only")
+    policy.observe("a", sample(clock, usage=0.0, capacity=100_000))
+    first = _admit(policy, "r0", _prompt(1))
+    assert policy.shared_on("a", first.request) == 0
+    _admit(policy, "r1", _prompt(1))
+    assert _reserved(policy) == 2 * (1280 + 100 + OVH)

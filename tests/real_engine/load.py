@@ -152,7 +152,11 @@ async def burst(
 # Overload through kvgate's queue
 # ---------------------------------------------------------------------------------------
 
-NO_WAIT = {"X-Kvgate-Max-Wait-Ms": "0"}  # a client that wants a decision at once
+# The overload bursts are sheddable: kvgate never plans sheddable work above the cache,
+# whatever the engine's measured cost of a preemption (`kvgate.core.plan.ceiling`), so they
+# wait in its queue on any engine.
+SHEDDABLE = {"X-Kvgate-Priority": "sheddable"}
+NO_WAIT = {**SHEDDABLE, "X-Kvgate-Max-Wait-Ms": "0"}  # a client that wants a decision at once
 
 
 @dataclass
@@ -209,7 +213,8 @@ async def queued_burst(
         started = time.monotonic()
         async with MetricsRecorder(engine_url) as recorder:
             patient = [
-                asyncio.create_task(_one_completion(client, gateway_url, body)) for _ in range(n)
+                asyncio.create_task(_one_completion(client, gateway_url, body, SHEDDABLE))
+                for _ in range(n)
             ]
             try:
                 # Half the burst waiting in kvgate (or a request already answered: the

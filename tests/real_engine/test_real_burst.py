@@ -6,7 +6,10 @@ driven by benchmarks/vllm_burst/run.py) sends 32 prompts of 500 random tokens fo
 output tokens each (ignore_eos), all at once, and never retries: the burst a benchmark, a
 batch script or curl sends. Straight to the engine it is served in full while the engine
 preempts; through kvgate it must be served in full too (requests wait in the gateway for
-room instead of being refused) with no preemption at all.
+room instead of being refused) with no preemption at all. The burst is sheddable
+(`X-Kvgate-Priority`): kvgate never plans sheddable work above the cache, whatever the
+engine's measured cost of a preemption (`kvgate.core.plan.ceiling`), so this is its
+protection on any engine.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ async def test_vllm_benchmark_burst_is_served_whole_without_preemption(
     # The engine's pace on a shared machine varies several-fold (this burst takes the
     # engine alone 13-70 s): the bound covers the slowest, so that the test is of the
     # queue serving the burst whole, not of the machine's speed.
-    gateway = start_gateway("adaptive", queue__max_wait_s='{"standard": 240}')
-    args = argparse.Namespace(prompts=32, input=500, output=500, range_ratio=0.0, seed=0)
+    gateway = start_gateway("adaptive", queue__max_wait_s='{"sheddable": 240}')
+    args = argparse.Namespace(
+        prompts=32, input=500, output=500, range_ratio=0.0, seed=0,
+        header=["X-Kvgate-Priority=sheddable"],
+    )  # fmt: skip
     row = await bench.one_run("kvgate", gateway.url, idle_engine.url, args, tmp_path, 1)
     record_figure(
         "vLLM benchmark client, 32 x (500 + 500) through kvgate",

@@ -7,7 +7,8 @@ defaults, the requests that cannot start wait in kvgate's queue (not in the engi
 cache) until room frees, so a client that never retries is served in full. While that queue
 is full, clients sending `X-Kvgate-Max-Wait-Ms: 0` (a decision at once) are refused at once
 with 429, an OpenAI-shaped error and a Retry-After computed from what runs and waits: never
-a 500, never the clamp by default. Behaviour is asserted, not wall-clock thresholds.
+a 500, never the clamp by default. Behaviour is asserted, not wall-clock thresholds. The
+burst is sheddable, which kvgate never plans above the cache (`real_engine.load.SHEDDABLE`).
 """
 
 from __future__ import annotations

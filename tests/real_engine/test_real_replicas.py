@@ -4,7 +4,8 @@ The overload burst (16 x 500 prompt tokens, 120 output tokens, ignore_eos: strai
 vLLM it preempts) is split between the two replicas, half to each, all at once. As one
 gateway they must serve every request in full (the ones without room wait in their
 replica's queue) and the engine must not preempt: each replica plans the other's requests
-and starts its own only within its share of the engine's room.
+and starts its own only within its share of the engine's room. The burst is sheddable,
+which kvgate never plans above the cache (`real_engine.load.SHEDDABLE`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from real_engine.engine import (
     record_figure,
     thrashing_seen,
 )
-from real_engine.load import BurstResult, Outcome
+from real_engine.load import SHEDDABLE, BurstResult, Outcome
 
 pytestmark = pytest.mark.real_engine
 
@@ -73,7 +74,7 @@ async def _completion(
         "ignore_eos": True,
     }
     started = time.monotonic()
-    response = await client.post(url + "/v1/completions", json=body)
+    response = await client.post(url + "/v1/completions", json=body, headers=SHEDDABLE)
     tokens = None
     if response.status_code == 200:
         tokens = int(response.json()["usage"]["completion_tokens"])

@@ -125,9 +125,11 @@ class VllmAdapter(AbortAPI):
             blocks = positive_int_label(s, "num_gpu_blocks", CACHE_INFO)
             size = positive_int_label(s, "block_size", CACHE_INFO)
             out[s.label("engine") or ""] = blocks * size if blocks and size else None
-            sizes.add(size)
+            # The block size matters only to an engine that shares prompt blocks.
+            caching = (s.label("enable_prefix_caching") or "").lower() == "true"
+            sizes.add(size if caching else None)
         self._capacity_key, self._capacity_memo = key, out
-        # One block size for the node (its engines agree), else none.
+        # One block size for the node (its engines agree and cache prefixes), else none.
         self._block_size = sizes.pop() if len(sizes) == 1 else None
         return out
 

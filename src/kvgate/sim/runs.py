@@ -307,6 +307,7 @@ def scrape(engine: Engine, now: float, seen: list[tuple[float, int]], i: int) ->
         iteration_latency_s=latency,
         sampled_at=now,
         preemptions_total=float(engine.preemptions_total),
+        block_size=engine.config.block_size if engine.config.enable_prefix_caching else None,
     )
 
 

@@ -143,9 +143,9 @@ class BasePolicy:
     def shared_on(self, node_id: str, request: AdmissionRequest) -> int:
         """Prompt tokens of `request` that running requests on the node hold already."""
         ids = request.prompt_ids
-        if not ids:
+        size = self.block_sizes.get(node_id)
+        if not ids or not size:  # an engine without prefix caching shares no block
             return 0
-        size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
         most = reusable(len(ids), size)
         return self.held.held(node_id, self.prompt_blocks.of(ids, size), most) * size
 
@@ -374,8 +374,8 @@ class BasePolicy:
         likely = self.lengths.likely(model, cost.max_output_tokens, exact)
         shared = 0
         ids = request.prompt_ids
-        if ids:
-            size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
+        size = self.block_sizes.get(node_id)
+        if ids and size:  # only an engine with prefix caching shares blocks
             blocks = self.prompt_blocks.of(ids, size)
             shared = self.held.take(key, node_id, blocks, reusable(len(ids), size)) * size
         hold = self.holds.open(ticket, guessed, likely, shared, cached)
