@@ -464,6 +464,11 @@ async def full_kv_cache(engine_url: str) -> AsyncIterator[EngineMetrics]:
         httpx.AsyncClient(timeout=120.0) as client,
         httpx.AsyncClient(timeout=10.0) as poller,  # its own pool, free while fillers run
     ):
+        # The engine idle first: what an earlier test left running (a stream whose abort
+        # is still on its way) would end under the fillers and leave room they do not fill.
+        await poll_until(
+            poller, engine_url, lambda m: m.running == 0 and m.waiting == 0, timeout_s=60.0
+        )
         filler = {
             "model": MODEL_NAME,
             "prompt": await exact_prompt(poller, engine_url, FILLER_PROMPT_TOKENS),
