@@ -38,20 +38,19 @@ import os
 import platform
 import random
 import re
-import signal
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from kvgate.procs.children import die_with_parent
+from kvgate.procs.children import die_with_parent, stop_async
 from kvgate.procs.redis_server import RedisServer
 from kvgate.testing import free_port
+from kvgate.testing.polling import until_ready
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.md"
@@ -119,7 +118,7 @@ async def start_engines() -> tuple[asyncio.subprocess.Process, list[str]]:
     urls = [f"http://127.0.0.1:{base + i}" for i in range(ENGINES)]
     async with httpx.AsyncClient(timeout=2.0) as client:
         for url in urls:
-            await _until(lambda u=url: _ok(client, f"{u}/health"), 30.0, f"engine {url}")
+            await until_ready(lambda u=url: _ok(client, f"{u}/health"), 30.0, f"engine {url}")
     return process, urls
 
 
@@ -139,7 +138,7 @@ async def start_gateways(
         out.append((f"http://127.0.0.1:{port}", process))
     async with httpx.AsyncClient(timeout=2.0) as client:
         for url, _ in out:
-            await _until(lambda u=url: _ready(client, u, n, store is not None), 60.0, url)
+            await until_ready(lambda u=url: _ready(client, u, n, store is not None), 60.0, url)
     return out
 
 
@@ -155,27 +154,6 @@ async def _ready(client: httpx.AsyncClient, url: str, n: int, shared: bool) -> b
 
 async def _ok(client: httpx.AsyncClient, url: str) -> bool:
     return (await client.get(url)).status_code == 200
-
-
-async def _until(check: Any, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, KeyError, TypeError, ValueError):
-            if await check():
-                return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{what} was not ready within {within:.0f} s")
-
-
-async def stop(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(process.wait(), 20)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
 
 
 # ---- load and watching ------------------------------------------------------------------------
@@ -272,8 +250,8 @@ async def one_run(n: int, mode: str, rate: float, seed: int, redis: RedisServer)
         await watcher
     finally:
         for _, process in gateways:
-            await stop(process)
-        await stop(sim)
+            await stop_async(process)
+        await stop_async(sim)
         with contextlib.suppress(Exception):
             await redis_flush(redis)
     return run

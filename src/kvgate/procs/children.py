@@ -4,6 +4,7 @@ politely, then firmly."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -41,3 +42,16 @@ def stop(process: subprocess.Popen[Any], timeout_s: float, *, group: bool = Fals
     except subprocess.TimeoutExpired:
         send(signal.SIGKILL)
         process.wait()
+
+
+async def stop_async(process: asyncio.subprocess.Process, timeout_s: float = 20.0) -> None:
+    """`stop` for a child started with asyncio: SIGTERM, up to `timeout_s`, then SIGKILL."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -41,9 +41,10 @@ from typing import Any
 
 import httpx
 
-from kvgate.procs.children import die_with_parent
+from kvgate.procs.children import die_with_parent, stop_async
 from kvgate.procs.ports import free_port
 from kvgate.procs.redis_server import RedisServer
+from kvgate.testing.polling import until_ready
 
 KEY = "budget-run-key-0123456789abcdef"
 ADMIN = "budget-run-admin-0123456789abcdef"
@@ -209,27 +210,6 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
 
 
-async def _until(check: Any, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, KeyError, TypeError, ValueError):
-            if await check():
-                return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{what} was not ready within {within:.0f} s")
-
-
-async def _stop(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(process.wait(), 20)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-
-
 @contextlib.asynccontextmanager
 async def _cluster(load: BudgetLoad, store: str, logs: Path) -> AsyncIterator[list[str]]:
     """Engines and `load.replicas` gateways on `store`, all ready and in sync; each
@@ -269,11 +249,11 @@ async def _cluster(load: BudgetLoad, store: str, logs: Path) -> AsyncIterator[li
             urls.append(f"http://127.0.0.1:{port}")
         async with httpx.AsyncClient(timeout=2.0) as client:
             for url in urls:
-                await _until(lambda u=url: _ready(client, u, load), 60.0, url)
+                await until_ready(functools.partial(_ready, client, url, load), 60.0, url)
         yield urls
     finally:
         for process in processes:
-            await _stop(process)
+            await stop_async(process)
 
 
 def _place(answers: list[Answer], logs: Path, offset: float) -> None:

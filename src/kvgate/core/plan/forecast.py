@@ -171,7 +171,7 @@ class Forecast:
         claimed: float = self._holds.reflected_on(node.node_id) + node.freed_unseen
         peers = self.peers.nodes.get(node.node_id)
         if peers is not None:
-            claimed += sum(held for _, held in peers.loads) - peers.unreflected
+            claimed += peers.reflected()
         return max(node.used, claimed)
 
     def peers_upper(self, node_id: str) -> float:

@@ -69,10 +69,16 @@ class NodePeers:
     upper: float = 0.0  # unreflected + every remaining step: nothing ends
     loads: list[tuple[float, float]] = field(default_factory=list)  # (remaining, held)
     departed: int = 0  # how many of `loads` are departed replicas' requests
+    held: float = 0.0  # the sum of `loads`' held tokens (`merge` keeps it)
+
+    def __post_init__(self) -> None:
+        if not self.held:
+            self.held = sum(held for _, held in self.loads)
 
     def reflected(self) -> float:
-        """Tokens of their requests that the node's samples hold."""
-        return sum(held for _, held in self.loads) - self.unreflected
+        """Tokens of their requests that the node's samples hold (read on every admission
+        decision: kept as a sum, not summed)."""
+        return self.held - self.unreflected
 
 
 @dataclass(slots=True)
@@ -120,6 +126,7 @@ def merge(
                 peers.unreflected += unreflected
                 peers.upper += unreflected + remaining
                 peers.loads.append((remaining, held))
+                peers.held += held
                 if unreflected > 0:
                     peers.unseen.append((published - age, unreflected))
         for node_id, claimed in view.claims.items():
