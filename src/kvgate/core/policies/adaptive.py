@@ -138,7 +138,13 @@ class AdaptivePolicy(BasePolicy):
     def _limit(self, node: NodeState, request: AdmissionRequest, expected: int) -> float:
         """The request's ceiling on the node: above the cache if it may be placed there
         (`_may_overbook`) and its prompt fits the cache now, next to every prompt sent to
-        the node counted whole: the engine queues nothing kvgate could keep."""
+        the node counted whole: the engine queues nothing kvgate could keep. The node's
+        overbooking is asked first: where it allows none (the common case) nothing else is
+        computed on this path, which every candidate of every decision takes."""
+        if not self.overbook or (
+            self.ceilings.overbook(node.node_id, request.priority, self.clock.now()) <= 0
+        ):
+            return self.ceiling(node, request.priority)
         held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
         above = node.cap is not None and self._may_overbook(node, request, expected)
         if above:
