@@ -59,15 +59,7 @@ def _unavailable(message: str) -> None:
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: the budget goes to a test that runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark everything here `real_engine`; give the first test time to install and start;
-    run the busy-engine test last.
-
-    After its 32 streams, the next filling of the cache by `load.full_kv_cache` left room
-    for the 2,000-token victim of the queued-disconnect test on every attempt (the engine
-    idle in between; the cause, in the engine, is not found). Last, it precedes nothing."""
-    busy = [item for item in items if Path(str(item.path)).name == "test_real_busy.py"]
-    if busy:
-        items[:] = [item for item in items if item not in busy] + busy
+    """Mark everything here `real_engine`; give the first test time to install and start."""
     ours = [item for item in items if HERE in Path(str(item.path)).resolve().parents]
     for item in ours:
         item.add_marker(pytest.mark.real_engine)
