@@ -216,3 +216,32 @@ def test_a_waiter_above_the_cache_is_predicted_to_start_when_the_cache_frees_its
     first_end = min(policy.forecast.time_left(policy.holds.live[t.key]) for t in tickets)
     assert estimate.seconds >= first_end * 0.99
     _release(policy, tickets)
+
+
+def test_a_prompt_whose_prefix_the_node_holds_is_cheap_by_its_own_part() -> None:
+    # On an engine with prefix caching (its block size known), a request sharing a long
+    # prefix with the requests running there is recomputed as its own part only: the shared
+    # blocks stay cached when it is preempted. 1,920 shared tokens + 80 of its own, 100 out.
+    shared = tuple(range(1000, 2920))
+    cap = 3000
+    policy, clock = make("adaptive")
+    assert isinstance(policy, AdaptivePolicy)
+    page = NodeSample(0.0, cap, 0, 0, STEP, clock.now(), 0.0, block_size=16)
+    policy.observe("a", page)
+    assert policy.ceilings.is_cheap("a", 80, 100)
+    assert not policy.ceilings.is_cheap("a", 2000, 100)
+    tickets = []
+    for i in range(20):
+        ids = shared + tuple(range(10_000 * (i + 1), 10_000 * (i + 1) + 80))
+        decision = admit(policy, f"r{i}", cost(2000, 100), prompt_ids=ids)
+        if isinstance(decision, Admit):
+            tickets.append(decision.ticket)
+    # Under the panic watermark, 4 fit (2,116 for the first, 196 for each sharer); planned
+    # above it, sharers come until their prompts fill the cache now (2,016 + 96 each).
+    assert len(tickets) == 1 + int((PANIC * cap - 2016) // 96)
+    assert _peak(policy) > PANIC
+    _release(policy, tickets)
+    # Without their ids, the same requests are charged their whole prompts: dear, none above.
+    policy, clock = make("adaptive")
+    policy.observe("a", NodeSample(0.0, cap, 0, 0, STEP, clock.now(), 0.0, block_size=16))
+    assert len(_fill(policy, (2000, 100), 20, Priority.STANDARD)) == 1

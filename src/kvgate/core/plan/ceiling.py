@@ -14,7 +14,9 @@ panic watermark, up to `panic + overbook` of the capacity, only when
     recompute_s(prompt + expected output) <= CHEAP_SHARE x expected output x idle step
 
 i.e. being preempted once would add at most `CHEAP_SHARE` to its own decode time, priced
-at the node's measured prefill pace and decode step. Only such requests ever make the plan pass
+at the node's measured prefill pace and decode step. Its prompt is what the node lacks: on
+an engine with prefix caching the blocks other running requests hold stay cached when it
+is preempted, and only its own part is prefilled again. Only such requests ever make the plan pass
 the cache, and a request placed while it does is the engine's newest: the engine's victims
 are the requests the rule chose. Whatever the rule, a request above the cache must fit the
 cache *now* (its prompt next to what the node holds, every prompt sent counted whole), the

@@ -1,25 +1,24 @@
 """`adaptive`: kvgate's placement. A request starts on a node only if the node's future KV
 peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.core.flow`).
 
-1. **Ceilings on the envelope's peak, per node.** A request may go to node n only if n is
-   fresh or lagging (`core.nodes`: its page is slow but it serves), not thrashing, not at
-   panic on what it holds now, and the peak of n's envelope with the request
-   (`kvgate.core.plan.envelope`, built by `kvgate.core.plan.forecast`) stays under
-   `ceiling(q) * capacity(n)`: the high watermark for sheddable work (it fills the cache
-   only so far, leaving the rest for interactive work to start at once), the panic
-   watermark for standard and critical work; above the cache for a request cheap to
-   recompute where the node's measurement allows it (`kvgate.core.plan.ceiling`: the
-   engine's preemption is then the plan's own; the overbooking comes back down to the
-   watermarks where preemption costs goodput or latency). A request counts on a node what
-   that node lacks: its prompt less the leading blocks requests running there hold already
-   (`BasePolicy.shared_on`). A request's hold is taken at once, so no burst, however dense,
-   pushes a node's peak past its ceiling. Among the nodes that fit, the routing part ranks
-   (`kvgate.core.policies.routing`: by the prefill the request would wait for there,
-   counting the node's cached prefix of its prompt, and the headroom left under the panic
-   watermark; or by headroom alone). From `p2c_min_nodes` candidates on, only two random
-   nodes and the ones the routing names (those holding the prompt's longest cached prefix)
-   are checked, falling back to a full scan when none fits. Nodes are never averaged: one
-   node at 99 % and one at 10 % are two different answers.
+1. **Ceilings on the envelope's peak, per node.** A request may go to node n only if n is fresh or
+   lagging (`core.nodes`: its page is slow but it serves), not thrashing, not at panic on what it
+   holds now, and the peak of n's envelope with the request (`kvgate.core.plan.envelope`, built by
+   `kvgate.core.plan.forecast`) stays under `ceiling(q) * capacity(n)`: the high watermark for
+   sheddable work (it fills the cache only so far, leaving the rest for interactive work to start at
+   once), the panic watermark for standard and critical work; above the cache for a request cheap to
+   recompute where the node's measurement allows it (`kvgate.core.plan.ceiling`: the engine's
+   preemption is then the plan's own; it comes back to the watermarks where preemption costs goodput
+   or latency). A request counts on a node, in its peak and in what recomputing it costs, what that
+   node lacks: its prompt less the leading blocks requests running there hold already
+   (`BasePolicy.shared_on`). A request's hold is taken at once, so no burst, however dense, pushes a
+   node's peak past its ceiling. Among the nodes that fit, the routing part ranks
+   (`kvgate.core.policies.routing`: by the prefill the request would wait for there, counting the
+   node's cached prefix of its prompt, and the headroom left under the panic watermark; or by
+   headroom alone). From `p2c_min_nodes` candidates on, only two random nodes and the ones the
+   routing names (those holding the prompt's longest cached prefix) are checked, falling back to a
+   full scan when none fits. Nodes are never averaged: one node at 99 % and one at 10 % are two
+   different answers.
 
 2. **Room promised to a waiter is respected** (`promised`): on a node whose room is
    promised from time T to a request already waiting (the head of the queue), a newcomer is
@@ -135,30 +134,32 @@ class AdaptivePolicy(BasePolicy):
             return static
         return max(s.high_watermark * CEILING_FLOOR, static - lowered)
 
-    def _limit(self, node: NodeState, request: AdmissionRequest, expected: int) -> float:
-        """The request's ceiling on the node: above the cache if it may be placed there
-        (`_may_overbook`) and its prompt fits the cache now, next to every prompt sent to
-        the node counted whole: the engine queues nothing kvgate could keep. The node's
-        overbooking is asked first: where it allows none (the common case) nothing else is
-        computed on this path, which every candidate of every decision takes."""
+    def _limit(
+        self, node: NodeState, request: AdmissionRequest, expected: int, prompt: int
+    ) -> float:
+        """The request's ceiling on the node, where it adds `prompt` tokens: above the
+        cache if it may be placed there (`_may_overbook`) and that prompt fits the cache now,
+        next to every prompt sent to the node: the engine queues nothing kvgate could keep.
+        The overbooking is asked first: where it allows none (the common case) nothing else
+        is computed on this path, which every candidate of every decision takes."""
         if not self.overbook or (
             self.ceilings.overbook(node.node_id, request.priority, self.clock.now()) <= 0
         ):
             return self.ceiling(node, request.priority)
-        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
-        above = node.cap is not None and self._may_overbook(node, request, expected)
+        held = prompt + self.tuning.reservation_overhead_tokens
+        above = node.cap is not None and self._may_overbook(node, prompt, expected)
         if above:
             now = self.forecast.now_tokens(node)
             above = now is None or now + held <= self.settings.panic_watermark * (node.cap or 0)
         return self.ceiling(node, request.priority, above)
 
-    def _may_overbook(self, node: NodeState, request: AdmissionRequest, expected: int) -> bool:
-        """Is the request cheap to preempt on the node (`kvgate.core.plan.ceiling.cheap`)
-        and small enough to fit its cache alone, so that its ceiling there may lie above
-        the cache, as far as the node's overbooking allows."""
+    def _may_overbook(self, node: NodeState, prompt: int, expected: int) -> bool:
+        """Is a request adding `prompt` tokens (what the node lacks: blocks other requests
+        hold stay cached when it is preempted, so only its own part is recomputed) cheap to
+        preempt there (`kvgate.core.plan.ceiling.cheap`) and small enough to fit its cache
+        alone, so that its ceiling may lie above the cache, as the overbooking allows."""
         if node.cap is None or not self.overbook:
             return False
-        prompt = request.cost.prompt_tokens
         alone = prompt + self.tuning.reservation_overhead_tokens + expected
         return alone <= self.settings.panic_watermark * node.cap and self.ceilings.is_cheap(
             node.node_id, prompt, expected
@@ -282,7 +283,7 @@ class AdaptivePolicy(BasePolicy):
             limit = self.ceiling(node, request.priority) * cap
             return self._fit_isolated(node, limit, held, expected)
         if until is None:
-            limit = self._limit(node, request, expected) * cap
+            limit = self._limit(node, request, expected, prompt) * cap
         else:  # a waiter's turn is coming on the node: no room above the cache meanwhile
             limit = self.ceiling(node, request.priority) * cap
         panic = self.settings.panic_watermark * cap
@@ -439,11 +440,12 @@ class AdaptivePolicy(BasePolicy):
         fixed = self.ceiling(node, request.priority) * node.cap
         estimate = self.forecast.start_estimate(node, final, fixed, informed)
         over = self.ceiling(node, request.priority, cheap=True)
-        if over * node.cap <= fixed or not self._may_overbook(node, request, expected):
+        prompt = request.cost.prompt_tokens - self.shared_on(node.node_id, request)
+        if over * node.cap <= fixed or not self._may_overbook(node, prompt, expected):
             return estimate
         above = self.forecast.start_estimate(node, final, over * node.cap, informed)
         now = self.forecast.now_tokens(node) or 0.0
-        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
+        held = prompt + self.tuning.reservation_overhead_tokens
         short = now + held - self.settings.panic_watermark * node.cap
         node_id = node.node_id
         cache = 0.0 if short <= 0 else self.forecast.drain_time(short, (node_id,), self.generation)
@@ -462,13 +464,14 @@ class AdaptivePolicy(BasePolicy):
         expected = self.lengths.expected(
             request.model, request.cost.max_output_tokens, request.exact_output
         )
-        held = request.cost.prompt_tokens + self.tuning.reservation_overhead_tokens
         least: float | None = None
         for node_id in request.candidates:
             node = self.nodes.get(node_id)
             if node is None or node.cap is None:
                 continue
-            limit = self._limit(node, request, expected) * node.cap
+            prompt = request.cost.prompt_tokens - self.shared_on(node_id, request)
+            held = prompt + self.tuning.reservation_overhead_tokens
+            limit = self._limit(node, request, expected, prompt) * node.cap
             short = max(0.0, self.forecast.envelope(node).peak(held, expected) - limit)
             if least is None or short < least:
                 least = short
