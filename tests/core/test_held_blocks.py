@@ -40,7 +40,9 @@ def test_a_shared_prefix_is_counted_once() -> None:
     policy = _policy()
     first = _admit(policy, "r0", _prompt(1))
     assert _reserved(policy) == 1280 + 100 + OVH
-    assert policy.shared_on("a", first.request) == 1024 + 256 - 16  # all but its last block
+    assert (
+        policy.sharing.on("a", first.request.prompt_ids) == 1024 + 256 - 16
+    )  # all but its last block
     second = _admit(policy, "r1", _prompt(2))
     # The second holds only its own 256 prompt tokens: the system prompt is held already.
     assert _reserved(policy) == (1280 + 100 + OVH) + (256 + 100 + OVH)
@@ -95,6 +97,56 @@ def test_a_prompt_without_token_ids_counts_whole() -> None:
     assert_books_empty(policy)
 
 
+def test_ids_counted_after_the_start_share_then_and_are_shared() -> None:
+    """A burst's first request started on the estimate (no ids, 1,500 tokens guessed); its
+    count arrives while it runs: its hold takes the exact 1,280 tokens and owns their
+    blocks, so the next request with the same system prompt shares them."""
+    policy = _policy()
+    early = _admit(policy, "r0", None)
+    guessed = replace(early.request, cost=RequestCost(1500, 100))
+    early.request = guessed
+    policy.holds.recount(policy.holds.live[early.key], 1280, 1500, 0)  # the guess, as held
+    assert _reserved(policy) == 1500 + 100 + OVH
+    policy.recount(early, replace(guessed, cost=RequestCost(1280, 100), prompt_ids=_prompt(1)))
+    assert early.request.prompt_ids == _prompt(1)
+    assert _reserved(policy) == 1280 + 100 + OVH
+    second = _admit(policy, "r1", _prompt(2))
+    assert _reserved(policy) == (1280 + 100 + OVH) + (256 + 100 + OVH)
+    # A second count changes nothing: the hold has its ids.
+    policy.recount(early, replace(guessed, prompt_ids=_prompt(3)))
+    assert _reserved(policy) == (1280 + 100 + OVH) + (256 + 100 + OVH)
+    # Its blocks pass on as any owner's do.
+    policy.release(early, Outcome.DONE)
+    assert _reserved(policy) == 1280 + 100 + OVH
+    policy.release(second, Outcome.DONE)
+    policy.recount(second, replace(second.request, prompt_ids=_prompt(4)))  # ended: nothing
+    assert_books_empty(policy)
+
+
+def test_a_late_count_after_the_prompt_is_reflected_keeps_the_books_whole() -> None:
+    """The count comes after a sample reflected the request's (guessed) prompt: what was
+    reflected stays within its new footprint, and release empties the books."""
+    policy, clock = make("headroom-only", reflect_margin_s=0.0)
+    policy.observe("a", replace(sample(clock, usage=0.0, capacity=100_000), block_size=16))
+    first = _admit(policy, "r0", _prompt(1))
+    late = _admit(policy, "r1", None)  # 1,280 guessed, 256 of them its own
+    clock.advance(0.05)
+    policy.on_first_token(first)
+    policy.on_first_token(late)
+    clock.advance(0.05)
+    policy.observe(
+        "a", replace(sample(clock, usage=1536 / 100_000, capacity=100_000), block_size=16)
+    )
+    policy.recount(late, replace(late.request, prompt_ids=_prompt(2)))
+    hold = policy.holds.live[late.key]
+    # Its reflected prompt is its own 256 tokens now: only the two outputs are held.
+    assert hold.prompt == 256 and hold.reflected == 256
+    assert _reserved(policy) == 2 * (100 + OVH)
+    for t in (first, late):
+        policy.release(t, Outcome.DONE)
+    assert_books_empty(policy)
+
+
 def test_a_node_is_asked_only_for_what_it_lacks() -> None:
     policy, clock = make("headroom-only")
     # Room under the panic watermark (0.92 x 3,000 = 2,760) for one 1,396-token request,
@@ -138,6 +190,6 @@ def test_an_engine_without_prefix_caching_shares_nothing() -> None:
     policy, clock = make("headroom-only")
     policy.observe("a", sample(clock, usage=0.0, capacity=100_000))
     first = _admit(policy, "r0", _prompt(1))
-    assert policy.shared_on("a", first.request) == 0
+    assert policy.sharing.on("a", first.request.prompt_ids) == 0
     _admit(policy, "r1", _prompt(1))
     assert _reserved(policy) == 2 * (1280 + 100 + OVH)

@@ -208,6 +208,11 @@ class AdmissionPolicy(Protocol):
         """Give back the ticket's hold; idempotent."""
         ...
 
+    def recount(self, ticket: Ticket, request: AdmissionRequest) -> None:
+        """The admitted ticket's prompt was counted after it started (`request`: its copy
+        with the count and the prompt's ids); its hold takes them."""
+        ...
+
     def observe(self, node_id: str, sample: NodeSample) -> None: ...
 
     def observe_failure(self, node_id: str, hard: bool = True) -> None:

@@ -169,3 +169,34 @@ def test_what_is_asked_of_the_engine() -> None:
     assert engines.request_body("m", {"prompt": ["one", "two"]}) is None  # a batch
     assert engines.request_body("m", {"prompt": [1, 2]}) is None  # ids count themselves
     assert engines.backend_for(("nowhere",)) is None
+
+
+async def test_a_count_that_comes_after_the_start_recosts_the_running_request(
+    engine_factory, gateway_factory
+) -> None:
+    """The engine's `/tokenize` answers after 0.4 s, the request starts at once on the
+    estimate and runs 1.5 s: the count reaches its hold while it runs (the ticket takes the
+    exact cost and the ids), and its release leaves nothing held."""
+    engine = await engine_factory(tokenize=True, tokenize_delay=0.4)
+    policy = RecordingPolicy()
+    gw = await gateway_factory([engine.url], policy=policy)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
+        running = asyncio.create_task(
+            client.post(
+                "/v1/completions",
+                json={"model": "fake-model", "prompt": TEXT, "fake": {"delay": 1.5}},
+                headers={"x-request-id": "running"},
+            )
+        )
+        assert await eventually(lambda: len(policy.admitted) == 1, 5.0)
+        [(_, estimated, _)] = policy.admitted
+        assert not estimated.prompt_exact
+        [hold] = policy.holds.live.values()
+        ticket = hold.ticket
+        assert await eventually(lambda: ticket.request.cost.prompt_exact, 5.0)
+        assert not running.done()  # counted while it runs
+        assert ticket.request.prompt_ids == tuple(range(100, 100 + len(TEXT) // 4))
+        assert hold.prompt == len(TEXT) // 4 < estimated.prompt_tokens
+        assert (await running).status_code == 200
+    assert gw.gateway.relay.recosting.recosted == 1
+    assert policy.in_flight_requests == 0 and not policy.holds.live

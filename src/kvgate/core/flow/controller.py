@@ -232,15 +232,18 @@ class FlowController:
         self._decide(waiter, decision, WaitState.REFUSED)
         return decision
 
-    def recost(self, changes: Sequence[tuple[Waiter, AdmissionRequest]]) -> None:
-        """Waiting requests get new costs (a better count of their prompts arrived): each
-        copy replaces its waiter's request, which keeps its place in the queue; then the
-        waiters are walked, since a smaller cost may start now. Waiters that left are
-        skipped."""
+    def recost(self, changes: Sequence[tuple[Waiter | Ticket, AdmissionRequest]]) -> None:
+        """Requests get new costs (a better count of their prompts arrived): each copy
+        replaces its waiter's request, which keeps its place in the queue, or a started
+        request's (`AdmissionPolicy.recount`); then the waiters are walked, since a smaller
+        cost may start now. Waiters that left are skipped."""
         changed = False
-        for waiter, request in changes:
-            if waiter.waiting:
-                self.queue.update(waiter, request)
+        for entry, request in changes:
+            if isinstance(entry, Ticket):
+                self.policy.recount(entry, request)
+                changed = True
+            elif entry.waiting:
+                self.queue.update(entry, request)
                 changed = True
         if changed:
             self._walked = (-1, self._walked[1])  # the last walk's promises used old costs

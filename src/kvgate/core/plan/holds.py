@@ -302,6 +302,32 @@ class Holds:
         heir.reflected += reflected
         self.books[source.node_id].version += 1
 
+    def recount(self, hold: Hold, before: int, prompt_tokens: int, shared: int) -> None:
+        """The hold's prompt, opened as `before` tokens, was counted as `prompt_tokens`, of
+        which other holds on its node count `shared` already: its footprint moves by the
+        difference. A reflected hold counted its whole prompt as in the samples: that part
+        moves with it (the samples show the prompt the engine holds). Its prefill, if still
+        queued, keeps the part the engine's cache was expected to hold."""
+        book = self.books[hold.node_id]
+        delta = prompt_tokens - shared - hold.prompt
+        hold.prompt += delta
+        hold.full += delta
+        self.tokens += delta
+        book.full += delta
+        book.upper += delta
+        book.now += delta
+        if hold.reflected > 0:
+            shift = min(max(-hold.reflected, delta), hold.full - self.overhead - hold.reflected)
+            hold.reflected += shift
+            book.upper -= shift
+            book.now -= shift
+        if not hold.prefilled:
+            cached = before - hold.queued
+            queued = max(0, prompt_tokens - max(shared, cached))
+            book.prefill += queued - hold.queued
+            hold.queued = queued
+        book.version += 1
+
     def release(self, key: str) -> Hold | None:
         """Drop the ticket's hold (None if it holds none); a node left without holds loses
         its book, whose wake-up queue held only dead holds."""

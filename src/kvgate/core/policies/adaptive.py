@@ -11,7 +11,7 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    preemption is then the plan's own; it comes back to the watermarks where preemption costs goodput
    or latency). A request counts on a node, in its peak and in what recomputing it costs, what that
    node lacks: its prompt less the leading blocks requests running there hold already
-   (`BasePolicy.shared_on`). A request's hold is taken at once, so no burst, however dense, pushes a
+   (`BasePolicy.sharing`). A request's hold is taken at once, so no burst, however dense, pushes a
    node's peak past its ceiling. Among the nodes that fit, the routing part ranks
    (`kvgate.core.policies.routing`: by the prefill the request would wait for there, counting the
    node's cached prefix of its prompt, and the headroom left under the panic watermark; or by
@@ -272,7 +272,7 @@ class AdaptivePolicy(BasePolicy):
         if node.level == LEVEL_PANIC:
             return Fit(None, "panic")
         # What the node lacks: the prompt less the blocks its running requests hold already.
-        prompt = request.cost.prompt_tokens - self.shared_on(node_id, request)
+        prompt = request.cost.prompt_tokens - self.sharing.on(node_id, request.prompt_ids)
         held = prompt + self.tuning.reservation_overhead_tokens
         final = held + expected
         allowance = self.claims.left.get(node_id)
@@ -440,7 +440,7 @@ class AdaptivePolicy(BasePolicy):
         fixed = self.ceiling(node, request.priority) * node.cap
         estimate = self.forecast.start_estimate(node, final, fixed, informed)
         over = self.ceiling(node, request.priority, cheap=True)
-        prompt = request.cost.prompt_tokens - self.shared_on(node.node_id, request)
+        prompt = request.cost.prompt_tokens - self.sharing.on(node.node_id, request.prompt_ids)
         if over * node.cap <= fixed or not self._may_overbook(node, prompt, expected):
             return estimate
         above = self.forecast.start_estimate(node, final, over * node.cap, informed)
@@ -469,7 +469,7 @@ class AdaptivePolicy(BasePolicy):
             node = self.nodes.get(node_id)
             if node is None or node.cap is None:
                 continue
-            prompt = request.cost.prompt_tokens - self.shared_on(node_id, request)
+            prompt = request.cost.prompt_tokens - self.sharing.on(node_id, request.prompt_ids)
             held = prompt + self.tuning.reservation_overhead_tokens
             limit = self._limit(node, request, expected, prompt) * node.cap
             short = max(0.0, self.forecast.envelope(node).peak(held, expected) - limit)

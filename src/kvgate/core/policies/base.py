@@ -13,10 +13,11 @@
 - `claims`: this replica's claims on each node's slack while other replicas admit too
   (`kvgate.core.replicas.claims`);
 - `lengths`: the expected output length per model (`kvgate.core.plan.lengths`);
-- `held`: the prompt blocks the holds on each node share, counted once
+- `sharing`: the prompt blocks the holds on each node share, counted once
   (`kvgate.core.prefix.held`): a request whose prompt's leading blocks a running request
-  on the node holds already costs that node only the rest (`shared_on`), and a shared
-  block passes to the holder expected to end last when its owner ends.
+  on the node holds already costs that node only the rest (`sharing.on`), a request
+  whose ids come after it started takes its share then (`recount`), and a shared block
+  passes to the holder expected to end last when its owner ends.
 
 Here only the lifecycle of a ticket is wired through them (`admit`, `on_first_token`,
 `on_tokens`, `release`, `observe`), with what the baselines share: routing to the least
@@ -37,8 +38,7 @@ from kvgate.core.plan.forecast import Forecast
 from kvgate.core.plan.holds import Holds
 from kvgate.core.plan.lengths import OutputLengths
 from kvgate.core.plan.pace import Pace
-from kvgate.core.prefix.held import HeldBlocks, PromptBlocks, reusable
-from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE
+from kvgate.core.prefix.held import PromptBlocks, PromptSharing
 from kvgate.core.replicas.claims import Claims
 from kvgate.core.replicas.peers import PeerState
 from kvgate.core.request import AdmissionRequest
@@ -72,10 +72,10 @@ class BasePolicy:
         self.pace = Pace(self.nodes)
         self.forecast = Forecast(settings, clock, self.holds, self.pace)
         self.claims = Claims(settings, self.nodes, self.holds, self.forecast)
-        self.held = HeldBlocks()
         self.prompt_blocks = PromptBlocks()
-        # Each node's KV block size (its engine's `block_size`), vLLM's 16 until it says.
+        # Each node's KV block size, where its engine caches prefixes (`sample.block_size`).
         self.block_sizes: dict[str, int] = {}
+        self.sharing = PromptSharing(self.block_sizes, self.prompt_blocks)
         self._seq = itertools.count()
         self._rr = 0
         # Bumped whenever anything a decision depends on changes (sample, ticket, node set,
@@ -140,14 +140,20 @@ class BasePolicy:
         """Tokens the request will hold at its end if it runs as expected."""
         return request.cost.prompt_tokens + expected + self.tuning.reservation_overhead_tokens
 
-    def shared_on(self, node_id: str, request: AdmissionRequest) -> int:
-        """Prompt tokens of `request` that running requests on the node hold already."""
-        ids = request.prompt_ids
-        size = self.block_sizes.get(node_id)
-        if not ids or not size:  # an engine without prefix caching shares no block
-            return 0
-        most = reusable(len(ids), size)
-        return self.held.held(node_id, self.prompt_blocks.of(ids, size), most) * size
+    def recount(self, ticket: Ticket, request: AdmissionRequest) -> None:
+        """The admitted ticket's prompt was counted after it started: `request` is its copy
+        with the count (and, for one prompt, its ids). Its hold takes the count less the
+        blocks other holds on its node hold, and owns the rest for the requests after it.
+        Nothing changes once it ended, or where it was admitted with its ids."""
+        hold = self.holds.live.get(ticket.key)
+        if hold is None or ticket.request.prompt_ids:
+            return
+        before = ticket.request.cost.prompt_tokens
+        ticket.request = request
+        shared = self.sharing.take(ticket.key, hold.node_id, request.prompt_ids)
+        self.holds.recount(hold, before, request.cost.prompt_tokens, shared)
+        self.generation += 1
+        self._refresh_level(hold.node_id)
 
     def on_first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
@@ -190,10 +196,9 @@ class BasePolicy:
         live = self.holds.live
         source = live.get(ticket.key)
         if source is not None and ticket.request.prompt_ids:
-            size = self.block_sizes.get(source.node_id, DEFAULT_BLOCK_SIZE)
-            heirs = self.held.drop(ticket.key, lambda k: live[k].remaining())
-            for heir, blocks in heirs.items():
-                self.holds.transfer(source, live[heir], blocks * size)
+            heirs = self.sharing.drop(ticket.key, source.node_id, lambda k: live[k].remaining())
+            for heir, tokens in heirs.items():
+                self.holds.transfer(source, live[heir], tokens)
         hold = self.holds.release(ticket.key)
         if hold is None:
             return
@@ -372,12 +377,7 @@ class BasePolicy:
         cost, model, exact = request.cost, request.model, request.exact_output
         guessed = not self.lengths.informed(model, cost.max_output_tokens, exact)
         likely = self.lengths.likely(model, cost.max_output_tokens, exact)
-        shared = 0
-        ids = request.prompt_ids
-        size = self.block_sizes.get(node_id)
-        if ids and size:  # only an engine with prefix caching shares blocks
-            blocks = self.prompt_blocks.of(ids, size)
-            shared = self.held.take(key, node_id, blocks, reusable(len(ids), size)) * size
+        shared = self.sharing.take(key, node_id, request.prompt_ids)
         hold = self.holds.open(ticket, guessed, likely, shared, cached)
         self.forecast.opened(hold)
         if node_id in self.claims.left:

@@ -23,7 +23,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 
 from kvgate.core.prefix.blocks import block_hashes
-from kvgate.core.prefix.index import leading
+from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE, leading
 
 
 class HeldBlocks:
@@ -140,3 +140,41 @@ class PromptBlocks:
         if out is None:
             out = self._hashes[block_size] = block_hashes(ids, block_size)
         return out
+
+
+class PromptSharing:
+    """What each request shares on its node, by its prompt's token ids: the policy's part
+    over `HeldBlocks`. Only a node whose engine caches prefixes (its block size known, in
+    `block_sizes`) shares: elsewhere every prompt counts whole."""
+
+    __slots__ = ("block_sizes", "blocks", "held")
+
+    def __init__(self, block_sizes: dict[str, int], blocks: PromptBlocks) -> None:
+        self.block_sizes = block_sizes
+        self.blocks = blocks
+        self.held = HeldBlocks()
+
+    def on(self, node_id: str, ids: tuple[int, ...] | None) -> int:
+        """Prompt tokens of `ids` that running requests on the node hold already."""
+        size = self.block_sizes.get(node_id)
+        if not ids or not size:
+            return 0
+        return self.held.held(node_id, self.blocks.of(ids, size), reusable(len(ids), size)) * size
+
+    def take(self, key: str, node_id: str, ids: tuple[int, ...] | None) -> int:
+        """The hold `key` on the node holds the prompt `ids`: the tokens it shares (held by
+        others already); it owns the rest."""
+        size = self.block_sizes.get(node_id)
+        if not ids or not size:
+            return 0
+        blocks = self.blocks.of(ids, size)
+        return self.held.take(key, node_id, blocks, reusable(len(ids), size)) * size
+
+    def drop(self, key: str, node_id: str, last_end: Callable[[str], float]) -> dict[str, int]:
+        """The hold `key` ended: per heir, the prompt tokens it owned that pass to that heir
+        (`HeldBlocks.drop`)."""
+        heirs = self.held.drop(key, last_end)
+        if not heirs:
+            return heirs
+        size = self.block_sizes.get(node_id, DEFAULT_BLOCK_SIZE)
+        return {heir: blocks * size for heir, blocks in heirs.items()}

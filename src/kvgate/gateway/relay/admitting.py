@@ -84,6 +84,7 @@ class Admitter:
                 request = dataclasses.replace(request, candidates=candidates)
             ticket = await self._admit(call, request, after_failure=attempt > 0)
             request = ticket.request  # re-costed, perhaps, while it waited
+            self.recosting.started(record, ticket)
             backend = self.pool.backends.get(ticket.node_id)
             outcome = Outcome.UPSTREAM_ERROR
             reached = True  # the engine got the request (a connect failure: it did not)
@@ -110,6 +111,7 @@ class Admitter:
                     flow.on_tokens(ticket, record.completion_tokens)
                 used = tokens_used(record, request) if reached else 0
                 flow.release(ticket, outcome, used_tokens=used)
+                self.recosting.ended(record)
         record.ending = "upstream_error"
         message = str(last_error) if last_error else "No other backend to retry on."
         raise GatewayError(

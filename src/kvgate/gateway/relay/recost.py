@@ -10,17 +10,21 @@ count arrives:
   engine's `usage`: every waiter of that model still costed by the estimate is priced again.
 
 The waiter keeps its place in the queue (`FlowController.recost`), and the queue is walked
-again, since a smaller cost may start now. A request admitted before its count arrived
-keeps its hold (the policy replaces its prompt by what the engine measures once it ran),
-but its basis is updated all the same, so that what it teaches is right.
+again, since a smaller cost may start now. A request that started before its count arrived
+(`started`) has its hold re-costed the same way (`AdmissionPolicy.recount`): it takes its
+exact prompt, and, on an engine with prefix caching, its prompt's blocks, so the requests
+after it share them (a burst's first requests, started on the estimate, would otherwise
+leave their shared prefix counted whole by everyone after them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from functools import partial
 
+from kvgate.core.admission import Ticket
 from kvgate.core.cost import CostBasis, CostEstimator, PromptCount
 from kvgate.core.flow import FlowController, Waiter
 from kvgate.core.request import AdmissionRequest
@@ -35,6 +39,8 @@ class Recosting:
         self.estimator = estimator
         # model -> id(record) -> (waiter, record): waiters whose cost is an estimate.
         self._waiting: dict[str, dict[int, tuple[Waiter, AccessRecord]]] = {}
+        # id(record) -> ticket: started requests whose count is still on its way.
+        self._started: dict[int, Ticket] = {}
         self.recosted = 0
 
     def counted(self, record: AccessRecord, count: PromptCount) -> CostBasis | None:
@@ -51,6 +57,9 @@ class Recosting:
         if entry is not None and entry[0].waiting:
             waiter = entry[0]
             self._apply([(waiter, self._repriced(waiter.request, counted))])
+        ticket = self._started.pop(id(record), None)
+        if ticket is not None and not ticket.released:
+            self._apply([(ticket, self._repriced(ticket.request, counted))])
         if moved:
             self.ratio_moved(basis.model)
         return counted
@@ -65,6 +74,16 @@ class Recosting:
         count = task.result()
         if count is not None:
             self.counted(record, count)
+
+    def started(self, record: AccessRecord, ticket: Ticket) -> None:
+        """`ticket` started with the cost of `record.basis`: re-cost its hold when that
+        improves (`ended` forgets it)."""
+        basis = record.basis
+        if basis is not None and not basis.exact and record.late_count is not None:
+            self._started[id(record)] = ticket
+
+    def ended(self, record: AccessRecord) -> None:
+        self._started.pop(id(record), None)
 
     def watch(self, waiter: Waiter, record: AccessRecord) -> None:
         """`waiter` waits with the cost of `record.basis`: re-cost it when that improves."""
@@ -95,7 +114,7 @@ class Recosting:
         cost = self.estimator.price(basis)
         return dataclasses.replace(request, cost=cost, prompt_ids=basis.ids)
 
-    def _apply(self, changes: list[tuple[Waiter, AdmissionRequest]]) -> None:
+    def _apply(self, changes: Sequence[tuple[Waiter | Ticket, AdmissionRequest]]) -> None:
         if changes:
             self.recosted += len(changes)
             self.flow.recost(changes)
