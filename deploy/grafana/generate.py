@@ -337,6 +337,24 @@ def kv_cache(lay: Layout) -> None:
     )
     lay.add(
         timeseries(
+            "Prefix cache hits per engine",
+            "Solid: the engine's own hit rate since it started (vLLM's prefix_cache_hits /"
+            " prefix_cache_queries). Predicted: the share of the prompt tokens kvgate sent"
+            " there that its prefix index expected cached (prefix routing only). A predicted"
+            " rate well above the engine's means the index is stale (lost KV events, an"
+            " engine restart) or its cache smaller than kvgate thinks.",
+            [
+                (f"kvgate_node_prefix_hit_rate_seen{{{NODE}}}", "{{node}} engine"),
+                (f"kvgate_node_prefix_hit_rate_predicted{{{NODE}}}", "{{node}} predicted"),
+            ],
+            "percentunit",
+            max_value=1,
+        ),
+        8,
+        9,
+    )
+    lay.add(
+        timeseries(
             "KV usage, engine's own page (vLLM)",
             "vllm:kv_cache_usage_perc scraped by Prometheus directly: should match kvgate's "
             "scrape; a gap means kvgate's view is off.",

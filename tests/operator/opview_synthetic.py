@@ -110,6 +110,10 @@ class SyntheticCluster:
                 "predicted_usage": predicted,
                 "margin": margin,
                 "peak_usage": min(0.92, predicted + 0.02),
+                "prefix_hit_rate_seen": 0.83,
+                "prefix_hit_rate_predicted": 0.9,
+                "prefix_index_blocks": 4096 + i,
+                "prefix_resyncs": i % 2,
             }
         # The gateway's shape: the flow controller's snapshot (the policy's, with the queue
         # and the tenants) nested under "policy", its own counters under "gateway", the

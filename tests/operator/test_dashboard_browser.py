@@ -227,6 +227,23 @@ def test_before_any_data_the_time_axis_is_the_window_ending_now(chromium: Any) -
         assert high - low == pytest.approx(300, abs=0.01) and -60 <= high <= 0.5, span
 
 
+def test_each_node_shows_its_prefix_cache_hits_and_index(browser_page: Any) -> None:
+    page = browser_page
+    cluster = SyntheticCluster(2)
+    with serve(router(cluster.state)) as url:
+        _load(page, url, updates=2)
+        heads = page.locator("#node-table th").all_inner_texts()
+        column = heads.index("prefix hits")
+        cells = page.eval_on_selector_all(
+            "tr.node",
+            f"rows => rows.map(r => [r.cells[{column}].textContent, r.cells[{column}].title])",
+        )
+    assert cells == [
+        ["83% / 90%", "index: 4096 blocks"],
+        ["83% / 90%", "index: 4097 blocks, 1 resyncs"],
+    ]
+
+
 def test_no_column_heading_is_clipped_at_1400_pixels(chromium: Any) -> None:
     """Every heading of the node, tenant and replica tables fits its cell at 1,400 px."""
     cluster = SyntheticCluster(8)

@@ -471,7 +471,7 @@
     const td = (cls) => { const c = document.createElement("td"); if (cls) c.className = cls; tr.appendChild(c); return c; };
     const cells = {
       id: td(), state: td(), age: td("num"), kv: td("kvcol"), rep: td("num"), pred: td("num"),
-      ceiling: td("num"), reserved: td("num"), inflight: td("num"), running: td("num"), waiting: td("num"),
+      ceiling: td("num"), prefix: td("num"), reserved: td("num"), inflight: td("num"), running: td("num"), waiting: td("num"),
       latency: td("num"), scrape: td("num"), spark: td(),
     };
     cells.id.textContent = id;
@@ -559,6 +559,15 @@
     setText(row, "ceiling", fmtPct(num(n.ceiling)));
     const why = n.ceiling_reason ? `${n.ceiling_reason}: ${n.ceiling_detail ?? ""}` : "";
     if (row.cells.ceiling.title !== why) row.cells.ceiling.title = why;
+    // Prefix cache hits (kvgate.core.policies.routing): the engine's own rate, then what
+    // kvgate's index predicted for what it sent there; the index's size on hover.
+    const seen = num(n.prefix_hit_rate_seen), predicted = num(n.prefix_hit_rate_predicted);
+    setText(row, "prefix", seen === null && predicted === null ? "–"
+      : `${fmtPct(seen)} / ${fmtPct(predicted)}`);
+    const blocks = num(n.prefix_index_blocks), resyncs = num(n.prefix_resyncs);
+    const indexed = blocks === null ? "" : `index: ${fmtNum(blocks)} blocks` +
+      (resyncs ? `, ${fmtNum(resyncs)} resyncs` : "");
+    if (row.cells.prefix.title !== indexed) row.cells.prefix.title = indexed;
     setText(row, "reserved", fmtNum(num(n.reserved_tokens)));
     setText(row, "inflight", fmtNum(num(n.in_flight)));
     setText(row, "running", fmtNum(num(sample?.running)));
