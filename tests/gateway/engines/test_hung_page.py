@@ -62,9 +62,15 @@ async def test_requests_pass_again_within_a_second_of_the_page_answering_again(
             back_at = time.monotonic()
             response = await waiting
             recovered_after = time.monotonic() - back_at
+            page = (await client.get("/metrics")).text
         assert response.status_code == 200, response.text
         stats = scraper.stats()[node]
         assert recovered_after < RECOVERY_BOUND_S, (recovered_after, stats)
         assert stats.hedges_total >= 1, stats  # recovered through a hedge
+        # ... and operators see it: the hedges are a counter per node.
+        [hedges] = [
+            line for line in page.splitlines() if line.startswith("kvgate_scrape_hedges_total{")
+        ]
+        assert f'node="{node}"' in hedges and float(hedges.split()[-1]) >= 1, hedges
     finally:
         await engine.stop()

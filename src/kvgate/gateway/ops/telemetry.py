@@ -483,6 +483,12 @@ def _scraper_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
         "Scrapes that failed (refused, HTTP error, unparseable page, or hung past the bound).",
         labels=["node"],
     )
+    hedges = CounterMetricFamily(
+        "kvgate_scrape_hedges",
+        "Extra GETs of the node's page started because the one out had waited stale_after_s"
+        " (the first page to come is the sample): a page that hangs or answers late.",
+        labels=["node"],
+    )
     running = GaugeMetricFamily(
         "kvgate_scrape_in_flight_seconds",
         "How long the node's scrape in flight has been waiting for its page (0: none is).",
@@ -510,12 +516,15 @@ def _scraper_metrics(stats: Mapping[str, Any]) -> Iterator[Metric]:
         )
         if count is not None:
             failures.add_metric([node_id], count)
+        if (hedged := _number(state.get("hedges_total"))) is not None:
+            hedges.add_metric([node_id], hedged)
         if "in_flight_s" in state:
             running.add_metric([node_id], _number(state.get("in_flight_s")) or 0.0)
         if (value := _number(state.get("period_s"))) is not None:
             period.add_metric([node_id], value)
     yield latency
     yield failures
+    yield hedges
     yield running
     yield period
 
