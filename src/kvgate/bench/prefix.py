@@ -24,7 +24,9 @@ requests over the time from the first arrival to the last answer), TTFT p50/p90,
 engines' prefix-cache hit rate (`prefix_cache_hits / prefix_cache_queries`) against the
 ideal (one unbounded cache on the same trace, `ideal_hit_rate`), preemptions, and per
 engine its KV peak and the time it sat idle while another engine or the gateway's queue
-held waiting requests (a hot spot's signature).
+held waiting requests (a hot spot's signature). `turn_moves` counts, for chats, how often
+a conversation's next turn left the engine that caches its history, by whether one
+replica or two placed the two turns.
 """
 
 from __future__ import annotations
@@ -146,21 +148,35 @@ def caching(engine: EngineConfig | str) -> EngineConfig:
     return dataclasses.replace(config, enable_prefix_caching=True)
 
 
-def run(
+def configure(
     routing: Routing, load: Traffic, engine: EngineConfig, nodes: int, seed: int,
     series_s: float = 0.5,
-) -> dict[str, Any]:  # fmt: skip
-    """Play `load` on `nodes` engines under `routing`; its `score`."""
+) -> VirtualConfig:  # fmt: skip
+    """The virtual run that plays `load` on `nodes` engines under `routing` (one replica)."""
     horizon = load.duration_s or CHATS_HORIZON_S
-    config = VirtualConfig(
+    return VirtualConfig(
         engine=engine, workload=WorkloadSpec(), duration_s=horizon, nodes=nodes,
         policy=routing.policy, admission=routing.admission, queue=routing.queue,
         client=CLIENT, kv_events=routing.kv_events, series_interval_s=series_s, seed=seed,
         drain_s=DRAIN_S if load.duration_s else 0.0,
     )  # fmt: skip
+
+
+def run(
+    routing: Routing, load: Traffic, engine: EngineConfig, nodes: int, seed: int,
+    series_s: float = 0.5,
+) -> dict[str, Any]:  # fmt: skip
+    """Play `load` on `nodes` engines under `routing`; its `score`."""
+    config = configure(routing, load, engine, nodes, seed, series_s)
     result = VirtualCluster(config, load.arrivals, load.follow_ups).run()
-    out = score(result, load.issued, engine.block_size)
-    out.update(engine_stats(result, series_s, routing.admission.panic_watermark))
+    return scored(result, load, routing)
+
+
+def scored(result: VirtualResult, load: Traffic, routing: Routing) -> dict[str, Any]:
+    """A run's `score` and its `engine_stats`."""
+    config = result.config
+    out = score(result, load.issued, config.engine.block_size)
+    out.update(engine_stats(result, config.series_interval_s, routing.admission.panic_watermark))
     return out
 
 
@@ -192,6 +208,32 @@ def score(result: VirtualResult, issued: dict[str, RequestSpec], block_size: int
         "preemptions": totals["preemptions"],
         "refused_429": sum(o.rejections_429 for o in result.outcomes),
         "wall_s": result.wall_s,
+    }
+
+
+def turn_moves(result: VirtualResult) -> dict[str, Any]:
+    """How often a conversation's next turn (its prompt: the previous turn's prompt and
+    answer, cached where that turn ran, and a new message) went to another engine than the
+    previous turn; split by whether two replicas placed the pair (`across`: two replicas
+    sending one prefix to different engines) or one (`within`). Answered turns only."""
+    placed: dict[tuple[int, int], tuple[str | None, int | None]] = {}
+    for o in result.outcomes:
+        if o.status == "ok" and o.tries:
+            c, t = o.id[1:].split("-t")
+            placed[int(c), int(t)] = (o.tries[-1].node, o.tries[-1].replica)
+    pairs = {"across": 0, "within": 0}
+    moved = {"across": 0, "within": 0}
+    for (conv, turn), (node, replica) in placed.items():
+        before = placed.get((conv, turn - 1))
+        if before is not None:
+            kind = "within" if before[1] == replica else "across"
+            pairs[kind] += 1
+            moved[kind] += before[0] != node
+    return {
+        "pairs_across": pairs["across"],
+        "moved_across": moved["across"] / max(1, pairs["across"]),
+        "pairs_within": pairs["within"],
+        "moved_within": moved["within"] / max(1, pairs["within"]),
     }
 
 

@@ -16,7 +16,8 @@
   token ids: multi-turn chats, RAG, a system prompt per tenant, a hot prefix) + `virtual` +
   `runs`: virtual-time mode, a discrete-event cluster of engine
   models behind kvgate admission policies (`virtual`), for long and large experiments; a
-  run's configuration and what it records (`runs`)::
+  run's configuration and what it records (`runs`); how the engines' KV events reach the
+  replicas (`kv_fanout`)::
 
       from kvgate.sim.presets import GPU_8B
       from kvgate.sim.runs import VirtualConfig

@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 from kvgate.core.policies.baselines import BaselineOptions, PolicyName
 from kvgate.core.settings import AdmissionSettings, QueueSettings
 from kvgate.core.signals import NodeSample
+from kvgate.sim.kv_fanout import KVEventsVia
 from kvgate.sim.model.engine import Engine, EngineConfig
 from kvgate.sim.workload import WorkloadSpec
 
@@ -94,6 +95,7 @@ class Attempt:
     retry_after_s: float | None = None
     node: str | None = None
     waited_s: float = 0.0  # in the gateway's queue before it was admitted
+    replica: int | None = None  # the gateway replica that admitted it (virtual runs)
 
     @property
     def admitted(self) -> bool:
@@ -147,8 +149,11 @@ class VirtualConfig:
     drain_s: float = 0.0
     seed: int = 0
     # Engines record their KV events (with `engine.enable_prefix_caching`) and the runner
-    # hands each step's batch to the policies that take them (`KVEventSink`).
+    # hands each step's batch to the policies that take them (`KVEventSink`): every replica
+    # subscribed to every engine, or only each engine's owner, the others through its view
+    # (`kvgate.sim.kv_fanout`; needs `sync_interval_s`).
     kv_events: bool = False
+    kv_events_via: KVEventsVia = "subscribe"
 
 
 @dataclass(slots=True)

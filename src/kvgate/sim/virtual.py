@@ -6,7 +6,8 @@ function of its `VirtualConfig`) advances a `ManualClock` from event to event:
 - **Engines** step back to back while they have work: at each step boundary the previous
   step is finished (tokens, finishes, frees) and the next one begins. With
   `VirtualConfig.kv_events`, each step's KV events go at its end, as one numbered batch
-  per engine, to every replica's policy that takes them (`KVEventSink`) and to `kv_sink`.
+  per engine, to every replica's policy that takes them (`KVEventSink`) and to `kv_sink`:
+  to each replica as published, or through the owner's view (`kvgate.sim.kv_fanout`).
 - **Gateway replicas** each hold their own policy (`VirtualConfig.policy`), so each
   knows only its own reservations, like real replicas. Each scrapes every engine every
   `scrape_interval_s` (replicas spread over the interval); the page is taken at the send
@@ -57,6 +58,7 @@ from kvgate.core.prefix.events import KVEventBatch, KVEventSink
 from kvgate.core.replicas.view import PeerView
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.signals import NodeSample
+from kvgate.sim.kv_fanout import KVFanOut, Sink
 from kvgate.sim.model.engine import Engine, EngineError, StepResult
 from kvgate.sim.runs import (
     ERROR,
@@ -76,7 +78,7 @@ from kvgate.sim.runs import (
 from kvgate.sim.workload import FollowUps, RequestSpec, generate
 
 (_STEP, _ARRIVAL, _ATTEMPT, _SCRAPE, _DELIVER, _TIMEOUT, _SERIES, _DECIDED, _WAIT_END,
- _SYNC, _STORE, _REPLY) = range(12)  # fmt: skip
+ _SYNC, _STORE, _REPLY, _KV) = range(13)  # fmt: skip
 _PRIORITY_NAMES = {p: p.name.lower() for p in Priority}
 # A client request as its tries see it: its outcome record, its spec and its cost.
 _Request = tuple[RequestOutcome, RequestSpec, RequestCost]
@@ -134,10 +136,13 @@ class VirtualCluster:
         self.policies: list[FlowController] = [
             self._gateway(config, g) for g in range(config.gateways)
         ]
-        sinks = [flow.policy.kv_events for flow in self.policies
-                 if isinstance(flow.policy, KVEventSink)]  # fmt: skip
-        self._kv_sinks = [*sinks, kv_sink] if kv_sink is not None else sinks
-        self._kv_seq = [0] * config.nodes
+        sinks = [flow.policy.kv_events if isinstance(flow.policy, KVEventSink) else None
+                 for flow in self.policies]  # fmt: skip
+        sync = None if config.sync_interval_s is None else (config.sync_interval_s,
+                                                            config.store_latency_s)  # fmt: skip
+        self._kv = KVFanOut(config.nodes, sinks, kv_sink,
+                            lambda when, *kv: self._push(when, _KV, kv),
+                            config.kv_events_via, sync)  # fmt: skip
         for policy in self.policies:
             for nid in self.node_ids:
                 policy.add_node(nid)
@@ -238,7 +243,7 @@ class VirtualCluster:
         handlers = (self._on_step, self._on_arrival, self._on_attempt, self._on_scrape,
                     self._on_deliver, self._on_timeout, self._on_series, self._on_decided,
                     self._on_wait_end, self._on_sync, self._on_store,
-                    self._on_reply)  # fmt: skip
+                    self._on_reply, self._on_kv)  # fmt: skip
         while heap and heap[0][0] <= end:
             now, _, kind, payload = pop(heap)
             self.clock.set(now)
@@ -357,7 +362,7 @@ class VirtualCluster:
         self._counts["admissions"] += 1
         outcome.attempts += 1
         outcome.node = ticket.node_id
-        record = Attempt(started, math.nan, "", node=ticket.node_id)
+        record = Attempt(started, math.nan, "", node=ticket.node_id, replica=g)
         record.waited_s = now - started
         outcome.tries.append(record)
         attempt = _Attempt(payload, rid, node, g, ticket, record)
@@ -460,8 +465,8 @@ class VirtualCluster:
         engine = self.engines[node]
         if engine.in_flight:
             result = engine.finish_step()
-            if result.kv_events and self._kv_sinks:
-                self._publish(node, now, result)
+            if result.kv_events and self._kv.active:
+                self._kv.publish(node, self.node_ids[node], now, result.kv_events)
             self._apply(now, result)
         duration = engine.begin_step(now)
         if duration is None:
@@ -469,13 +474,9 @@ class VirtualCluster:
         else:
             self._push(now + duration, _STEP, node)
 
-    def _publish(self, node: int, now: float, result: StepResult) -> None:
-        seq = self._kv_seq[node]
-        self._kv_seq[node] = seq + 1
-        batch = KVEventBatch(now, tuple(result.kv_events), seq)
-        node_id = self.node_ids[node]
-        for sink in self._kv_sinks:
-            sink(node_id, batch)
+    def _on_kv(self, now: float, payload: tuple[Sink, str, KVEventBatch]) -> None:
+        sink, node_id, batch = payload  # a batch a replica learns through a view
+        sink(node_id, batch)
 
     def _apply(self, now: float, result: StepResult) -> None:
         attempts = self._attempts
