@@ -53,9 +53,14 @@ def _request(request_id: str) -> AdmissionRequest:
     return AdmissionRequest(request_id, COST, Priority.STANDARD, model="m", candidates=NODES)
 
 
-def _feed(policy: BasePolicy, clock: ManualClock, usage: float) -> None:
+def _feed(
+    policy: BasePolicy, clock: ManualClock, usage: float, block_size: int | None = None
+) -> None:
+    """A fresh sample of every node; `block_size`: its engine caches prefixes in blocks of
+    that many tokens (without one, nothing is shared: prompts count whole)."""
     for node in NODES:
-        policy.observe(node, NodeSample(usage, 1_000_000, 16, 0, 0.02, clock.now()))
+        sample = NodeSample(usage, 1_000_000, 16, 0, 0.02, clock.now(), block_size=block_size)
+        policy.observe(node, sample)
 
 
 def bench_admit_release(name: PolicyName, rounds: int, per_round: int) -> list[float]:
@@ -128,6 +133,8 @@ def bench_observe(name: PolicyName, rounds: int, per_round: int) -> list[float]:
 
 
 SYSTEM = tuple(range(100_000, 101_024))
+#: The engines' KV block size in `--prefix` (vLLM's default).
+BLOCK_SIZE = 16
 
 
 def _prefix_requests(n: int, ids: bool) -> list[AdmissionRequest]:
@@ -146,7 +153,7 @@ def bench_prefix(name: PolicyName, ids: bool, rounds: int, per_round: int) -> li
     figures = []
     for _ in range(rounds):
         clock.advance(0.05)
-        _feed(policy, clock, 0.30)
+        _feed(policy, clock, 0.30, BLOCK_SIZE)
         requests = _prefix_requests(per_round, ids)  # built outside the timing
         start = time.process_time()
         tickets = []
@@ -177,7 +184,7 @@ def main_prefix(quick: bool) -> int:
         prompts = [r.prompt_ids or () for r in _prefix_requests(per_round, True)]
         start = time.process_time()
         for ids in prompts:
-            block_hashes(ids, 16)
+            block_hashes(ids, BLOCK_SIZE)
         hashing.append((time.process_time() - start) / per_round * 1e6)
     rows.append(f"| - | `block_hashes` alone (128 blocks of 16) | {_cell(hashing)} |")
     print(rows[-1], flush=True)
