@@ -59,7 +59,7 @@ def block_hashes(
     tokens = iter(token_ids) if not start else islice(token_ids, start, None)
     out: list[int] = []
     append = out.append
-    for block in zip(*[tokens] * block_size):
+    for block in zip(*[tokens] * block_size, strict=False):
         parent = hash((parent, block))
         append(parent)
     return out
