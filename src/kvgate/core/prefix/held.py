@@ -26,16 +26,29 @@ from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE, leading
 
 
+class _Run:
+    """The blocks one hold owns: spans `[lo, hi)` of positions in its prompt's chain, in
+    order (a block's position is the same in every chain that holds it: it names its
+    prefix)."""
+
+    __slots__ = ("chain", "node_id", "spans")
+
+    def __init__(self, node_id: str, chain: Sequence[int], spans: list[tuple[int, int]]) -> None:
+        self.node_id = node_id
+        self.chain = chain
+        self.spans = spans
+
+
 class HeldBlocks:
-    """Per node: the owner of each held block. Per hold: the blocks it owns (a run of its
-    prompt's chain), the holds sharing them and how many (a sharer holds a leading part of
-    the run: sharing is by prefix), and the owners it shares from."""
+    """Per node: the owner of each held block. Per hold: the blocks it owns (spans of its
+    prompt's chain), the holds sharing them and how many (a sharer holds the leading ones:
+    sharing is by prefix), and the owners it shares from."""
 
     __slots__ = ("_from", "_owned", "_owner", "_sharers")
 
     def __init__(self) -> None:
         self._owner: dict[str, dict[int, str]] = {}  # node -> block -> owning key
-        self._owned: dict[str, tuple[str, list[int]]] = {}  # key -> (node, its run)
+        self._owned: dict[str, _Run] = {}  # key -> what it owns
         self._sharers: dict[str, dict[str, int]] = {}  # owner -> sharer -> blocks
         self._from: dict[str, Counter[str]] = {}  # sharer -> owner -> blocks
 
@@ -47,50 +60,61 @@ class HeldBlocks:
             return 0
         return min(most, leading(owner, hashes))
 
+    def holds_any(self, node_id: str) -> bool:
+        """Does any running request on the node hold a block?"""
+        return node_id in self._owner
+
     def take(self, key: str, node_id: str, hashes: Sequence[int], most: int) -> int:
         """The hold `key` on the node holds these blocks; returns how many it shares (held
         already, at most `most`: owned by others), the rest it owns."""
         owner = self._owner.get(node_id)
         if owner is None:
             owner = self._owner[node_id] = {}
-        shared = min(most, leading(owner, hashes)) if owner and hashes and most > 0 else 0
+        held = leading(owner, hashes) if owner and hashes else 0
+        shared = min(most, held) if most > 0 else 0
         if shared:
             tally = Counter(map(owner.__getitem__, hashes[:shared]))
             self._from[key] = tally
             for o, n in tally.items():
                 self._sharers.setdefault(o, {})[key] = n
-        # It owns what nobody owns: past `most` (the block of its prompt's last token, which
-        # the engine computes again) another hold may own the same block.
-        run = [h for h in hashes[shared:] if h not in owner]
-        owner.update(dict.fromkeys(run, key))
-        self._owned[key] = (node_id, run)
+        # It owns what nobody holds: the blocks past the held run (a node holds a held
+        # block's predecessors). Between `most` and that run (the block of its prompt's last
+        # token, which the engine computes again) it neither shares nor owns.
+        end = len(hashes)
+        owner.update(dict.fromkeys(hashes[held:], key))
+        self._owned[key] = _Run(node_id, hashes, [(held, end)] if held < end else [])
         return shared
 
     def drop(self, key: str, last_end: Callable[[str], float]) -> dict[str, int]:
         """The hold `key` ended: returns, per heir key, how many of the blocks it owned
         pass to that heir (still held by others: the sharer holding most of them, the one
-        expected to end last among equals, takes them all)."""
-        entry = self._owned.pop(key, None)
-        if entry is None:
+        expected to end last among equals, takes them all: the leading ones, by their
+        place in the prompt)."""
+        run = self._owned.pop(key, None)
+        if run is None:
             return {}
-        node_id, run = entry
-        owner = self._owner[node_id]
+        owner = self._owner[run.node_id]
         for o in self._from.pop(key, {}):
             theirs = self._sharers.get(o)
             if theirs is not None:
                 theirs.pop(key, None)
         mine = self._sharers.pop(key, None)
+        chain = run.chain
         if not mine:
-            _drain(map(owner.__delitem__, run))
+            for lo, hi in run.spans:
+                _drain(map(owner.__delitem__, chain[lo:hi]))
             if not owner:
-                del self._owner[node_id]
+                del self._owner[run.node_id]
             return {}
         heir = max(mine, key=lambda k: (mine[k], last_end(k)))
         n = mine.pop(heir)
-        owner.update(dict.fromkeys(run[:n], heir))
-        _drain(map(owner.__delitem__, run[n:]))
-        heir_node, heir_run = self._owned[heir]
-        self._owned[heir] = (heir_node, run[:n] + heir_run)
+        passed, gone = _split(run.spans, n)
+        for lo, hi in passed:
+            owner.update(dict.fromkeys(chain[lo:hi], heir))
+        for lo, hi in gone:
+            _drain(map(owner.__delitem__, chain[lo:hi]))
+        heirs = self._owned[heir]
+        heirs.spans = _merge(heirs.spans, passed)  # the heir's chain agrees there
         # The heir no longer shares these from `key`; the other sharers share from the heir.
         came = self._from.get(heir)
         if came is not None:
@@ -108,6 +132,33 @@ class HeldBlocks:
         """Distinct blocks held on the node."""
         owner = self._owner.get(node_id)
         return 0 if owner is None else len(owner)
+
+
+def _split(
+    spans: list[tuple[int, int]], n: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The first `n` positions of `spans` (in order) and the rest."""
+    head: list[tuple[int, int]] = []
+    for i, (lo, hi) in enumerate(spans):
+        if n <= 0:
+            return head, spans[i:]
+        if hi - lo > n:
+            head.append((lo, lo + n))
+            return head, [(lo + n, hi), *spans[i + 1 :]]
+        head.append((lo, hi))
+        n -= hi - lo
+    return head, []
+
+
+def _merge(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of two lists of disjoint spans, in order, adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(a + b):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def _drain(calls: Iterator[None]) -> None:
