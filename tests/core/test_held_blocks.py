@@ -245,10 +245,11 @@ def test_the_ledger_holds_exactly_the_running_prompts_blocks(
     from kvgate.core.prefix.blocks import block_hashes
     from kvgate.core.prefix.held import HeldBlocks
 
-    # Prompts from a small tree: a branch `b` of depth `d` shares its first blocks with
-    # the other branches.
+    # Prompts from a small tree: every branch shares the first block, branches 2k and
+    # 2k + 1 the second too; a prompt is a branch's first 1 + `depth` blocks.
     def chain(branch: int, depth: int) -> list[int]:
-        ids = tuple(range(16)) + tuple(range(100 * branch, 100 * branch + 16 * depth))
+        group = tuple(range(1000 + 16 * (branch // 2), 1016 + 16 * (branch // 2)))
+        ids = tuple(range(16)) + group + tuple(range(100 * branch, 100 * branch + 32))
         return block_hashes(ids[: 16 * (1 + depth)], 16)
 
     held = HeldBlocks()
@@ -262,7 +263,7 @@ def test_the_ledger_holds_exactly_the_running_prompts_blocks(
                 owned[heir] += n
             del live[key], owned[key]
         key = f"k{i}"
-        hashes = chain(branch % 3, depth)
+        hashes = chain(branch % 4, depth)
         best = max((common_blocks(hashes, c) for c in live.values()), default=0)
         ends[key] = rnd.random()
         assert held.take(key, "n", hashes, len(hashes)) == best

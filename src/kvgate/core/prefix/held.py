@@ -19,8 +19,7 @@ its prompt's, so a node's held prefix of a prompt is found by bisection.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE, leading
@@ -50,7 +49,7 @@ class HeldBlocks:
         self._owner: dict[str, dict[int, str]] = {}  # node -> block -> owning key
         self._owned: dict[str, _Run] = {}  # key -> what it owns
         self._sharers: dict[str, dict[str, int]] = {}  # owner -> sharer -> blocks
-        self._from: dict[str, Counter[str]] = {}  # sharer -> owner -> blocks
+        self._from: dict[str, dict[str, int]] = {}  # sharer -> owner -> blocks
 
     def held(self, node_id: str, hashes: Sequence[int], most: int) -> int:
         """How many leading blocks of `hashes` (at most `most`) running requests on the
@@ -62,7 +61,7 @@ class HeldBlocks:
 
     def holds_any(self, node_id: str) -> bool:
         """Does any running request on the node hold a block?"""
-        return node_id in self._owner
+        return bool(self._owner.get(node_id))
 
     def take(self, key: str, node_id: str, hashes: Sequence[int], most: int) -> int:
         """The hold `key` on the node holds these blocks; returns how many it shares (held
@@ -73,7 +72,7 @@ class HeldBlocks:
         held = leading(owner, hashes) if owner and hashes else 0
         shared = min(most, held) if most > 0 else 0
         if shared:
-            tally = Counter(map(owner.__getitem__, hashes[:shared]))
+            tally = self._tally(owner, hashes, shared)
             self._from[key] = tally
             for o, n in tally.items():
                 self._sharers.setdefault(o, {})[key] = n
@@ -84,6 +83,31 @@ class HeldBlocks:
         owner.update(dict.fromkeys(hashes[held:], key))
         self._owned[key] = _Run(node_id, hashes, [(held, end)] if held < end else [])
         return shared
+
+    def _tally(self, owner: dict[int, str], hashes: Sequence[int], shared: int) -> dict[str, int]:
+        """Per owner, how many of the leading `shared` blocks of `hashes` it owns. An owner's
+        spans are runs of its chain, which agrees with `hashes` up to where they part (the
+        same key at a position names the same prefix): one step per owner's span, not one
+        per block."""
+        tally: dict[str, int] = {}
+        p = 0
+        while p < shared:
+            o = owner[hashes[p]]
+            run = self._owned[o]
+            end = next(min(hi, shared) for lo, hi in run.spans if lo <= p < hi)
+            chain = run.chain
+            if hashes[end - 1] != chain[end - 1]:  # the chains part in the span: where?
+                lo, hi = p + 1, end - 1  # hashes[:lo] agree, hashes[hi] does not
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if hashes[mid] == chain[mid]:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                end = lo
+            tally[o] = tally.get(o, 0) + end - p
+            p = end
+        return tally
 
     def drop(self, key: str, last_end: Callable[[str], float]) -> dict[str, int]:
         """The hold `key` ended: returns, per heir key, how many of the blocks it owned
@@ -102,7 +126,8 @@ class HeldBlocks:
         chain = run.chain
         if not mine:
             for lo, hi in run.spans:
-                _drain(map(owner.__delitem__, chain[lo:hi]))
+                for h in chain[lo:hi]:
+                    del owner[h]
             if not owner:
                 del self._owner[run.node_id]
             return {}
@@ -112,7 +137,8 @@ class HeldBlocks:
         for lo, hi in passed:
             owner.update(dict.fromkeys(chain[lo:hi], heir))
         for lo, hi in gone:
-            _drain(map(owner.__delitem__, chain[lo:hi]))
+            for h in chain[lo:hi]:
+                del owner[h]
         heirs = self._owned[heir]
         heirs.spans = _merge(heirs.spans, passed)  # the heir's chain agrees there
         # The heir no longer shares these from `key`; the other sharers share from the heir.
@@ -138,13 +164,17 @@ def _split(
     spans: list[tuple[int, int]], n: int
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The first `n` positions of `spans` (in order) and the rest."""
-    head: list[tuple[int, int]] = []
+    if not spans:
+        return [], []
+    lo, hi = spans[0]
+    if hi - lo >= n:  # the common case: one span, or the first covers them
+        head = [(lo, lo + n)] if n > 0 else []
+        return head, ([(lo + n, hi)] if hi > lo + n else []) + spans[1:]
+    head = []
     for i, (lo, hi) in enumerate(spans):
-        if n <= 0:
-            return head, spans[i:]
-        if hi - lo > n:
+        if hi - lo >= n:
             head.append((lo, lo + n))
-            return head, [(lo + n, hi), *spans[i + 1 :]]
+            return head, ([(lo + n, hi)] if hi > lo + n else []) + spans[i + 1 :]
         head.append((lo, hi))
         n -= hi - lo
     return head, []
@@ -152,6 +182,8 @@ def _split(
 
 def _merge(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The union of two lists of disjoint spans, in order, adjacent ones joined."""
+    if not a or not b:
+        return a or b
     out: list[tuple[int, int]] = []
     for lo, hi in sorted(a + b):
         if out and out[-1][1] == lo:
@@ -161,35 +193,43 @@ def _merge(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int
     return out
 
 
-def _drain(calls: Iterator[None]) -> None:
-    """Run a `map` of calls to the end, in C."""
-    deque(calls, maxlen=0)
-
-
 def reusable(tokens: int, block_size: int) -> int:
     """The most blocks of a `tokens`-token prompt an engine reuses: never the block of its
     last token, which it computes again to produce the first output."""
     return (tokens - 1) // block_size if tokens > 0 else 0
 
 
-class PromptBlocks:
-    """The block hashes of the prompt being decided, computed once per block size: a
-    decision asks for them on every candidate and again when it opens the hold."""
+#: Tokens of recent prompts whose hashes `PromptBlocks` keeps (their tuples stay alive).
+RECENT_TOKENS = 1 << 18
 
-    __slots__ = ("_hashes", "_ids")
+
+class PromptBlocks:
+    """The block hashes of recent prompts, computed once per prompt and block size: a
+    decision asks for them on every candidate and again when it opens the hold, and a
+    waiting request is decided again on every walk of the queue. A prompt is known by
+    identity (its request's tuple); the most recent ones, up to `RECENT_TOKENS` tokens in
+    all, are kept."""
+
+    __slots__ = ("_recent", "_tokens")
 
     def __init__(self) -> None:
-        self._ids: tuple[int, ...] | None = None
-        self._hashes: dict[int, list[int]] = {}
+        # id(ids) -> (ids, block size -> hashes); holding `ids` keeps its id unique.
+        self._recent: dict[int, tuple[tuple[int, ...], dict[int, list[int]]]] = {}
+        self._tokens = 0
 
     def of(self, ids: tuple[int, ...], block_size: int) -> list[int]:
         """The hashes of the full blocks of `ids` (`block_hashes`)."""
-        if ids is not self._ids:
-            self._ids = ids
-            self._hashes = {}
-        out = self._hashes.get(block_size)
+        recent = self._recent
+        entry = recent.get(id(ids))
+        if entry is None:
+            entry = recent[id(ids)] = (ids, {})
+            self._tokens += len(ids)
+            while self._tokens > RECENT_TOKENS and len(recent) > 1:
+                self._tokens -= len(recent.pop(next(iter(recent)))[0])
+        by_size = entry[1]
+        out = by_size.get(block_size)
         if out is None:
-            out = self._hashes[block_size] = block_hashes(ids, block_size)
+            out = by_size[block_size] = block_hashes(ids, block_size)
         return out
 
 
@@ -206,9 +246,10 @@ class PromptSharing:
         self.held = HeldBlocks()
 
     def on(self, node_id: str, ids: tuple[int, ...] | None) -> int:
-        """Prompt tokens of `ids` that running requests on the node hold already."""
+        """Prompt tokens of `ids` that running requests on the node hold already (nothing
+        is hashed for a node where none holds a block)."""
         size = self.block_sizes.get(node_id)
-        if not ids or not size:
+        if not ids or not size or not self.held.holds_any(node_id):
             return 0
         return self.held.held(node_id, self.blocks.of(ids, size), reusable(len(ids), size)) * size
 
