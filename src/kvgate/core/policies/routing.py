@@ -129,7 +129,7 @@ class PrefixRoute:
         self._cached: dict[str, int] = {}
         self.extra: tuple[str, ...] = ()
         ids = request.prompt_ids
-        if ids:
+        if ids and not self._index.empty:  # an empty index holds no prefix: nothing hashed
             hashes = self.hashes(DEFAULT_BLOCK_SIZE)
             depth, holders = self._index.deepest(hashes)
             if depth:
@@ -144,11 +144,11 @@ class PrefixRoute:
         engine computes again)."""
         got = self._cached.get(node_id)
         if got is None:
-            if not self.request.prompt_ids:
+            ids = self.request.prompt_ids
+            if not ids or not self._index.blocks(node_id):
                 got = 0
             else:
                 size = self._sizes.get(node_id, DEFAULT_BLOCK_SIZE)
-                ids = self.request.prompt_ids
                 most = reusable(len(ids), size)
                 got = min(most, self._index.matched(node_id, self.hashes(size))) * size
             self._cached[node_id] = got

@@ -46,6 +46,11 @@ class PrefixIndex:
         if cache is not None:
             self._evict(node_id, cache)
 
+    @property
+    def empty(self) -> bool:
+        """No engine has a block cached."""
+        return not self._holders
+
     def blocks(self, node_id: str) -> int:
         """How many blocks the index holds for the node."""
         cache = self._caches.get(node_id)
