@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate.core.admission import Admit, Outcome, Ticket
 from kvgate.core.policies.base import BasePolicy
-from kvgate.core.prefix.blocks import common_blocks
+from kvgate.core.prefix.blocks import block_hashes, common_blocks
 from kvgate.core.request import RequestCost
 
 from .helpers import admit, assert_books_empty, make, sample
@@ -279,3 +280,32 @@ def test_the_ledger_holds_exactly_the_running_prompts_blocks(
         del live[key], owned[key]
         assert held.blocks_on("n") == len({h for c in live.values() for h in c})
     assert held.blocks_on("n") == 0
+
+
+def test_prompt_blocks_hash_a_recent_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt decided again (a waiter, on each walk of the queue) is not hashed again
+    while it is among the recent ones; the oldest go past `RECENT_TOKENS` tokens."""
+    from kvgate.core.prefix import held as module
+
+    calls: list[int] = []
+
+    def counted(ids: tuple[int, ...], size: int) -> list[int]:
+        calls.append(len(ids))
+        return block_hashes(ids, size)
+
+    monkeypatch.setattr(module, "block_hashes", counted)
+    monkeypatch.setattr(module, "RECENT_TOKENS", 4096)
+    blocks = module.PromptBlocks()
+    a, b, c = (tuple(range(n, n + 2048)) for n in (0, 10_000, 20_000))
+    assert blocks.of(a, 16) == block_hashes(a, 16)
+    blocks.of(b, 16)
+    blocks.of(a, 16)
+    blocks.of(b, 16)
+    assert len(calls) == 2  # each hashed once
+    blocks.of(a, 32)
+    assert len(calls) == 3  # another block size hashes again
+    blocks.of(c, 16)  # 6,144 tokens: the oldest (a) goes
+    blocks.of(b, 16)
+    assert len(calls) == 4
+    blocks.of(a, 16)
+    assert len(calls) == 5
