@@ -20,7 +20,7 @@ engine that holds block `i` of a sequence almost always holds the blocks before 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
 
 #: Blocks an engine's LRU holds before its capacity is known (a small engine's worth).
@@ -63,16 +63,23 @@ class PrefixIndex:
             cache = self._caches[node_id] = OrderedDict()
         holders = self._holders
         move = cache.move_to_end
-        for h in reversed(hashes):
+        blocks = reversed(hashes)
+        for h in blocks:
             if h in cache:
                 move(h)
+                # The blocks before a cached one are almost always cached: all moved in C,
+                # up to one that is not (it is added, and the loop goes on after it).
+                try:
+                    deque(map(move, blocks), maxlen=0)
+                    break
+                except KeyError as missing:
+                    h = missing.args[0]
+            cache[h] = None
+            who = holders.get(h)
+            if who is None:
+                holders[h] = {node_id: None}
             else:
-                cache[h] = None
-                who = holders.get(h)
-                if who is None:
-                    holders[h] = {node_id: None}
-                else:
-                    who[node_id] = None
+                who[node_id] = None
         self._evict(node_id, cache)
 
     def remove(self, node_id: str, hashes: Sequence[int]) -> None:
