@@ -199,8 +199,10 @@ def reusable(tokens: int, block_size: int) -> int:
     return (tokens - 1) // block_size if tokens > 0 else 0
 
 
-#: Tokens of recent prompts whose hashes `PromptBlocks` keeps (their tuples stay alive).
-RECENT_TOKENS = 1 << 18
+#: Tokens of recent prompts whose hashes `PromptBlocks` keeps: a walk of the queue's
+#: worth of 2k-token waiters (`kvgate.core.flow.controller.MAX_MISSES` refusals and the
+#: admissions between them). Their tuples stay alive meanwhile, and are freed here.
+RECENT_TOKENS = 1 << 16
 
 
 class PromptBlocks:
