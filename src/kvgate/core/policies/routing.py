@@ -28,6 +28,7 @@ for the access log: `prefix 1536/2048` (cached tokens / prompt tokens) or `headr
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Literal, Protocol, get_args
 
 from kvgate.core.prefix.events import BlockStored, KVEventBatch
@@ -132,8 +133,9 @@ class PrefixRoute:
         if ids and not self._index.empty:  # an empty index holds no prefix: nothing hashed
             hashes = self.hashes(DEFAULT_BLOCK_SIZE)
             depth, holders = self._index.deepest(hashes)
-            if depth:
-                self.extra = tuple(n for n in holders if n in request.candidates)[:MAX_EXTRA]
+            if depth:  # the first MAX_EXTRA among the candidates: a hot prefix is everywhere
+                serving = (n for n in holders if n in request.candidates)
+                self.extra = tuple(islice(serving, MAX_EXTRA))
 
     def hashes(self, block_size: int) -> list[int]:
         """The prompt's block hashes at `block_size` (`PromptBlocks.of`)."""
