@@ -145,26 +145,32 @@ SYSTEM = tuple(range(100_000, 101_024))
 BLOCK_SIZE = 16
 
 
-def _prefix_requests(n: int, ids: bool) -> list[AdmissionRequest]:
+def _prefix_requests(n: int, ids: bool, first: int = 0) -> list[AdmissionRequest]:
+    """`n` requests with the system prompt and 1,024 tokens of their own: those of
+    requests `first` to `first + n - 1` (the same `first` gives the same prompts)."""
     cost = RequestCost(prompt_tokens=2048, max_output_tokens=200)
     out = []
-    for i in range(n):
+    for i in range(first, first + n):
         prompt = SYSTEM + tuple(range(i * 2048, i * 2048 + 1024)) if ids else None
         out.append(AdmissionRequest(f"p{i}", cost, Priority.STANDARD, model="m",
                                     candidates=NODES, prompt_ids=prompt))  # fmt: skip
     return out
 
 
-def bench_prefix(name: PolicyName, ids: bool, rounds: int, per_round: int) -> list[float]:
-    """µs per admit+release of a 2k-token prompt (a round places all, then releases all)."""
+def bench_prefix(
+    name: PolicyName, ids: bool, rounds: int, per_round: int, fresh: bool = False
+) -> list[float]:
+    """µs per admit+release of a 2k-token prompt (a round places all, then releases all).
+    Every round sends the same prompts again (each is cached whole where it went), or
+    with `fresh` new ones (only the system prompt is cached anywhere)."""
     policy, clock = _policy(name)
     figures = []
-    for _ in range(rounds):
+    for r in range(rounds):
         clock.advance(0.05)
         _feed(policy, clock, 0.30, BLOCK_SIZE)
         # The prompts are built, met once by the garbage collector and freed outside the
         # timing: each is a fresh tuple of 2,048 ints, whatever the policy does with it.
-        requests = _prefix_requests(per_round, ids)
+        requests = _prefix_requests(per_round, ids, r * per_round if fresh else 0)
         gc.collect()
         start = time.process_time()
         tickets = []
@@ -179,10 +185,12 @@ def bench_prefix(name: PolicyName, ids: bool, rounds: int, per_round: int) -> li
     return figures
 
 
-PREFIX_CASES: list[tuple[PolicyName, bool, str]] = [
-    ("headroom-only", False, "no token ids (today's cost)"),
-    ("headroom-only", True, "held blocks counted once"),
-    ("prefix-aware", True, "held blocks + prefix routing (approximate index)"),
+PREFIX_CASES: list[tuple[PolicyName, bool, bool, str]] = [
+    ("headroom-only", False, False, "no token ids (today's cost)"),
+    ("headroom-only", True, False, "held blocks counted once"),
+    ("prefix-aware", True, False, "held blocks + prefix routing (approximate index)"),
+    ("headroom-only", True, True, "held blocks, a new prompt every request"),
+    ("prefix-aware", True, True, "held blocks + prefix routing, a new prompt every request"),
 ]
 #: Child processes per case and tree; with a baseline they alternate between the trees.
 CHUNKS = 6
@@ -216,7 +224,10 @@ def _child(src: str | None, case: str, rounds: int, per_round: int) -> list[floa
 def main_prefix(quick: bool, baseline: str | None) -> int:
     rounds, per_round = (6, 200) if quick else (30, 500)
     trees: list[str | None] = [None] if baseline is None else [baseline, None]
-    cases = [(f"{name}:{int(ids)}", f"`{name}`", what) for name, ids, what in PREFIX_CASES]
+    cases = [
+        (f"{name}:{int(ids)}:{int(fresh)}", f"`{name}`", what)
+        for name, ids, fresh, what in PREFIX_CASES
+    ]
     cases.append(("hash", "-", "`block_hashes` alone (128 blocks of 16)"))
     rows = []
     for case, name, what in cases:
@@ -244,7 +255,10 @@ def main_prefix(quick: bool, baseline: str | None) -> int:
         + "\n".join(rows)
         + "\n\nThe difference between the first row and the others is what the prefix"
         " bookkeeping costs per request: hashing the prompt's 128 blocks once, the held"
-        " blocks' ledger, and for prefix routing the index's look-up and update.\n"
+        " blocks' ledger, and for prefix routing the index's look-up and update. The first"
+        " three send the same 500 prompts every round (each is found cached whole on the"
+        " engine it went to before); the last two a new 1,024-token part every time (only"
+        " the system prompt is cached, on every engine).\n"
     )
     print(f"wrote {out}")
     return 0
@@ -255,8 +269,8 @@ def _run_case(case: str, rounds: int, per_round: int) -> int:
     if case == "hash":
         figures = bench_hashing(rounds, per_round)
     else:
-        name, ids = case.split(":")
-        figures = bench_prefix(name, ids == "1", rounds, per_round)  # type: ignore[arg-type]
+        name, ids, fresh = case.split(":")
+        figures = bench_prefix(name, ids == "1", rounds, per_round, fresh == "1")  # type: ignore[arg-type]
     print(json.dumps(figures))
     return 0
 
