@@ -130,4 +130,33 @@ def test_store_touches_each_block_last_to_first(ops: list[tuple[bool, int, int, 
         while len(model) > 12:
             model.popitem(last=False)
         assert list(index._caches["n"]) == list(model)
-        assert {h for h, who in index._holders.items() if "n" in who} == set(model)
+        assert {h for h, who in index._holders.items() if who == "n"} == set(model)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abc"), st.integers(0, 3), st.integers(0, 2), st.integers(1, 3)),
+        max_size=30,
+    )
+)
+def test_holders_follow_every_engines_cache(ops: list[tuple[str, int, int, int]]) -> None:
+    """Stored, evicted (small caches), removed, cleared: each block's holders are exactly the
+    engines whose cache holds it, and `deepest` names them."""
+    index = PrefixIndex()
+    for node in "abc":
+        index.resize(node, 6)
+    for node, op, branch, depth in ops:
+        hashes = block_hashes(_ids(4) + _ids(BS * depth, 100 * branch), BS)
+        if op == 0:
+            index.remove(node, hashes[-1:])
+        elif op == 1 and branch == 0:
+            index.clear(node)
+        else:
+            index.store(node, hashes)
+        held = {n: set(index._caches.get(n, ())) for n in "abc"}
+        blocks = set().union(*held.values())
+        assert set(index._holders) == blocks
+        for h in blocks:
+            nodes = {n for n in "abc" if h in held[n]}
+            depth, who = index.deepest([h])
+            assert depth == 1 and set(who) == nodes and len(who) == len(nodes)
