@@ -240,8 +240,14 @@ def main_prefix(quick: bool, baseline: str | None) -> int:
         print(rows[-1], flush=True)
     heads = "CPU µs per request |" if baseline is None else "before | after |"
     command = "python benchmarks/admission_cost/bench.py --prefix" + (" --quick" if quick else "")
+    before = ""
     if baseline is not None:
-        command += f" --baseline {baseline}"
+        command += " --baseline BEFORE/src"
+        commit = _commit(baseline)
+        before = (
+            f"BEFORE: commit {commit} (`git worktree add --detach BEFORE {commit}`); after:"
+            " this tree.\n"
+        )
     out = Path(__file__).with_name("results_prefix.md")
     out.write_text(
         "# Prefix bookkeeping cost (pure core, 64 nodes, 2,048-token prompts)\n\n"
@@ -249,7 +255,8 @@ def main_prefix(quick: bool, baseline: str | None) -> int:
         f" {CHUNKS} child processes each"
         + (", alternating between the trees" if baseline is not None else "")
         + "; median (min-max) CPU µs per admit + release).\n"
-        f"Machine: {platform.machine()}, Python {platform.python_version()},"
+        + before
+        + f"Machine: {platform.machine()}, Python {platform.python_version()},"
         f" {platform.system()} (shared 2-core box; other jobs were running).\n\n"
         f"| policy | what it does | {heads}\n| --- | --- |{' --- |' * len(trees)}\n"
         + "\n".join(rows)
@@ -262,6 +269,15 @@ def main_prefix(quick: bool, baseline: str | None) -> int:
     )
     print(f"wrote {out}")
     return 0
+
+
+def _commit(src: str) -> str:
+    """The commit checked out where `src` is (its path when git cannot say)."""
+    try:
+        args = ["git", "-C", src, "rev-parse", "--short", "HEAD"]
+        return subprocess.run(args, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return src
 
 
 def _run_case(case: str, rounds: int, per_round: int) -> int:
