@@ -7,7 +7,9 @@ output. `HeldBlocks` keeps, per node, each held block's holders (ticket keys) an
 *owner*: the one hold whose prompt counts the block (`kvgate.core.plan.holds`). A newcomer
 owns only the blocks it adds (`take` returns how many of its leading blocks were held) and
 is counted as a sharer of the owners of the rest; the work per request is one dictionary
-operation per block of its prompt, none per holder.
+operation per block it owns and one step per owner it shares from, none per holder. A
+hold's owned blocks are spans of positions in its prompt's chain, kept in order, so that
+an owner passes on the leading ones, those its sharers hold.
 
 A shared block frees when its last holder ends. When its owner ends first, the block
 passes to the holder expected to end last (`drop` returns, per heir, how many blocks it
