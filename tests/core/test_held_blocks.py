@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvgate.core.admission import Admit, Outcome, Ticket
 from kvgate.core.policies.base import BasePolicy
+from kvgate.core.prefix.blocks import block_hashes, common_blocks
 from kvgate.core.request import RequestCost
 
 from .helpers import admit, assert_books_empty, make, sample
@@ -193,3 +199,113 @@ def test_an_engine_without_prefix_caching_shares_nothing() -> None:
     assert policy.sharing.on("a", first.request.prompt_ids) == 0
     _admit(policy, "r1", _prompt(1))
     assert _reserved(policy) == 2 * (1280 + 100 + OVH)
+
+
+def test_blocks_inherited_out_of_order_pass_on_by_their_place_in_the_prompt() -> None:
+    """A holder that inherits a later part of its prompt before an earlier one passes on,
+    when it ends, the blocks its sharers hold: the leading ones of its prompt, not the
+    first it happened to inherit."""
+    from kvgate.core.prefix.blocks import block_hashes
+    from kvgate.core.prefix.held import HeldBlocks
+
+    held = HeldBlocks()
+    p, q = tuple(range(64)), tuple(range(500, 532))
+    a = block_hashes(p, 16)  # 4 blocks
+    b = block_hashes(p + q, 16)  # a's 4 + 2
+    c = block_hashes(p + q + tuple(range(900, 916)), 16)  # b's 6 + 1
+    d = block_hashes(p + tuple(range(700, 716)), 16)  # a's 4 + 1 of its own
+    ends = {"A": 1.0, "B": 2.0, "C": 3.0, "D": 4.0, "E": 5.0}
+    held.take("A", "n", a, 99)
+    held.take("B", "n", b, 99)
+    held.take("C", "n", c, 99)
+    assert held.drop("A", ends.__getitem__) == {"C": 4}  # C owns blocks 0-3 and 6
+    assert held.drop("B", ends.__getitem__) == {"C": 2}  # and 4-5
+    assert held.take("D", "n", d, 99) == 4  # shares blocks 0-3 from C
+    # C ends: D holds its blocks 0-3, not 4-5 (B's prompt, which nobody holds any more).
+    assert held.drop("C", ends.__getitem__) == {"D": 4}
+    assert held.blocks_on("n") == 5
+    assert held.held("n", d, 99) == 5 and held.held("n", b, 99) == 4
+    assert held.take("E", "n", b, 99) == 4  # blocks 0-3 are D's
+    assert held.drop("D", ends.__getitem__) == {"E": 4}
+    assert held.drop("E", ends.__getitem__) == {}
+    assert held.blocks_on("n") == 0
+
+
+@settings(max_examples=400)  # enough to meet holds inheriting out of their prompts' order
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=30),
+    st.randoms(use_true_random=False),
+)
+def test_the_ledger_holds_exactly_the_running_prompts_blocks(
+    steps: list[tuple[int, int]], rnd: random.Random
+) -> None:
+    """Whatever order holds start and end in: the node holds the union of the running
+    prompts' blocks, each owned by exactly one of them (what they own adds up), and a
+    newcomer shares the longest run of its prompt any of them holds (every block may be
+    shared here: `most` is the whole prompt)."""
+    from kvgate.core.prefix.blocks import block_hashes
+    from kvgate.core.prefix.held import HeldBlocks
+
+    # Prompts from a small tree: every branch shares the first block, branches 2k and
+    # 2k + 1 the second too; a prompt is a branch's first 1 + `depth` blocks.
+    def chain(branch: int, depth: int) -> list[int]:
+        group = tuple(range(1000 + 16 * (branch // 2), 1016 + 16 * (branch // 2)))
+        ids = tuple(range(16)) + group + tuple(range(100 * branch, 100 * branch + 32))
+        return block_hashes(ids[: 16 * (1 + depth)], 16)
+
+    held = HeldBlocks()
+    live: dict[str, list[int]] = {}
+    owned: dict[str, int] = {}
+    ends: dict[str, float] = {}
+    for i, (branch, depth) in enumerate(steps):
+        if live and rnd.random() < 0.4:
+            key = rnd.choice(sorted(live))
+            for heir, n in held.drop(key, ends.__getitem__).items():
+                owned[heir] += n
+            del live[key], owned[key]
+        key = f"k{i}"
+        hashes = chain(branch % 4, depth)
+        best = max((common_blocks(hashes, c) for c in live.values()), default=0)
+        ends[key] = rnd.random()
+        assert held.take(key, "n", hashes, len(hashes)) == best
+        owned[key] = len(hashes) - best
+        live[key] = hashes
+        union = {h for c in live.values() for h in c}
+        assert held.blocks_on("n") == len(union) == sum(owned.values())
+        for c in live.values():
+            assert held.held("n", c, len(c)) == len(c)
+    for key in list(live):
+        for heir, n in held.drop(key, ends.__getitem__).items():
+            owned[heir] += n
+        del live[key], owned[key]
+        assert held.blocks_on("n") == len({h for c in live.values() for h in c})
+    assert held.blocks_on("n") == 0
+
+
+def test_prompt_blocks_hash_a_recent_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt decided again (a waiter, on each walk of the queue) is not hashed again
+    while it is among the recent ones; the oldest go past `RECENT_TOKENS` tokens."""
+    from kvgate.core.prefix import held as module
+
+    calls: list[int] = []
+
+    def counted(ids: tuple[int, ...], size: int) -> list[int]:
+        calls.append(len(ids))
+        return block_hashes(ids, size)
+
+    monkeypatch.setattr(module, "block_hashes", counted)
+    monkeypatch.setattr(module, "RECENT_TOKENS", 4096)
+    blocks = module.PromptBlocks()
+    a, b, c = (tuple(range(n, n + 2048)) for n in (0, 10_000, 20_000))
+    assert blocks.of(a, 16) == block_hashes(a, 16)
+    blocks.of(b, 16)
+    blocks.of(a, 16)
+    blocks.of(b, 16)
+    assert len(calls) == 2  # each hashed once
+    blocks.of(a, 32)
+    assert len(calls) == 3  # another block size hashes again
+    blocks.of(c, 16)  # 6,144 tokens: the oldest (a) goes
+    blocks.of(b, 16)
+    assert len(calls) == 4
+    blocks.of(a, 16)
+    assert len(calls) == 5

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.prefix.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvgate.core.prefix.index import PrefixIndex
@@ -95,3 +100,63 @@ def test_tracker_clears_an_engine_whose_events_were_lost() -> None:
     assert not tracker.apply("e", KVEventBatch(0.3, (_stored(ids[8:], 2, [3, 4]),), seq=10))
     assert tracker.apply("e", KVEventBatch(0.4, (_stored(ids[:4], None, [1]),), seq=11))
     assert index.matched("e", block_hashes(ids, BS)) == 1
+
+
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(0, 2), st.integers(1, 4), st.integers(0, 3)),
+        max_size=25,
+    )
+)
+def test_store_touches_each_block_last_to_first(ops: list[tuple[bool, int, int, int]]) -> None:
+    """Whatever the engine cached or evicted before (gaps in a prompt's cached blocks
+    included), storing a prompt leaves each block where touching its blocks one by one,
+    from its last to its first, would: the least recent first, holders kept."""
+    index = PrefixIndex()
+    index.resize("n", 12)
+    model: OrderedDict[int, None] = OrderedDict()
+    for remove, branch, depth, gap in ops:
+        hashes = block_hashes(_ids(4) + _ids(BS * depth, 100 * branch), BS)
+        if remove:
+            gone = hashes[min(gap, len(hashes) - 1) :][:1]
+            index.remove("n", gone)
+            for h in gone:
+                model.pop(h, None)
+            continue
+        index.store("n", hashes)
+        for h in reversed(hashes):
+            model[h] = None
+            model.move_to_end(h)
+        while len(model) > 12:
+            model.popitem(last=False)
+        assert list(index._caches["n"]) == list(model)
+        assert {h for h, who in index._holders.items() if who == "n"} == set(model)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abc"), st.integers(0, 3), st.integers(0, 2), st.integers(1, 3)),
+        max_size=30,
+    )
+)
+def test_holders_follow_every_engines_cache(ops: list[tuple[str, int, int, int]]) -> None:
+    """Stored, evicted (small caches), removed, cleared: each block's holders are exactly the
+    engines whose cache holds it, and `deepest` names them."""
+    index = PrefixIndex()
+    for node in "abc":
+        index.resize(node, 6)
+    for node, op, branch, depth in ops:
+        hashes = block_hashes(_ids(4) + _ids(BS * depth, 100 * branch), BS)
+        if op == 0:
+            index.remove(node, hashes[-1:])
+        elif op == 1 and branch == 0:
+            index.clear(node)
+        else:
+            index.store(node, hashes)
+        held = {n: set(index._caches.get(n, ())) for n in "abc"}
+        blocks = set().union(*held.values())
+        assert set(index._holders) == blocks
+        for h in blocks:
+            nodes = {n for n in "abc" if h in held[n]}
+            depth, who = index.deepest([h])
+            assert depth == 1 and set(who) == nodes and len(who) == len(nodes)

@@ -28,6 +28,7 @@ for the access log: `prefix 1536/2048` (cached tokens / prompt tokens) or `headr
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Literal, Protocol, get_args
 
 from kvgate.core.prefix.events import BlockStored, KVEventBatch
@@ -129,11 +130,12 @@ class PrefixRoute:
         self._cached: dict[str, int] = {}
         self.extra: tuple[str, ...] = ()
         ids = request.prompt_ids
-        if ids:
+        if ids and not self._index.empty:  # an empty index holds no prefix: nothing hashed
             hashes = self.hashes(DEFAULT_BLOCK_SIZE)
             depth, holders = self._index.deepest(hashes)
-            if depth:
-                self.extra = tuple(n for n in holders if n in request.candidates)[:MAX_EXTRA]
+            if depth:  # the first MAX_EXTRA among the candidates: a hot prefix is everywhere
+                serving = (n for n in holders if n in request.candidates)
+                self.extra = tuple(islice(serving, MAX_EXTRA))
 
     def hashes(self, block_size: int) -> list[int]:
         """The prompt's block hashes at `block_size` (`PromptBlocks.of`)."""
@@ -144,11 +146,11 @@ class PrefixRoute:
         engine computes again)."""
         got = self._cached.get(node_id)
         if got is None:
-            if not self.request.prompt_ids:
+            ids = self.request.prompt_ids
+            if not ids or not self._index.blocks(node_id):
                 got = 0
             else:
                 size = self._sizes.get(node_id, DEFAULT_BLOCK_SIZE)
-                ids = self.request.prompt_ids
                 most = reusable(len(ids), size)
                 got = min(most, self._index.matched(node_id, self.hashes(size))) * size
             self._cached[node_id] = got

@@ -7,7 +7,9 @@ output. `HeldBlocks` keeps, per node, each held block's holders (ticket keys) an
 *owner*: the one hold whose prompt counts the block (`kvgate.core.plan.holds`). A newcomer
 owns only the blocks it adds (`take` returns how many of its leading blocks were held) and
 is counted as a sharer of the owners of the rest; the work per request is one dictionary
-operation per block of its prompt, none per holder.
+operation per block it owns and one step per owner it shares from, none per holder. A
+hold's owned blocks are spans of positions in its prompt's chain, kept in order, so that
+an owner passes on the leading ones, those its sharers hold.
 
 A shared block frees when its last holder ends. When its owner ends first, the block
 passes to the holder expected to end last (`drop` returns, per heir, how many blocks it
@@ -19,25 +21,37 @@ its prompt's, so a node's held prefix of a prompt is found by bisection.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE, leading
 
 
+class _Run:
+    """The blocks one hold owns: spans `[lo, hi)` of positions in its prompt's chain, in
+    order (a block's position is the same in every chain that holds it: it names its
+    prefix)."""
+
+    __slots__ = ("chain", "node_id", "spans")
+
+    def __init__(self, node_id: str, chain: Sequence[int], spans: list[tuple[int, int]]) -> None:
+        self.node_id = node_id
+        self.chain = chain
+        self.spans = spans
+
+
 class HeldBlocks:
-    """Per node: the owner of each held block. Per hold: the blocks it owns (a run of its
-    prompt's chain), the holds sharing them and how many (a sharer holds a leading part of
-    the run: sharing is by prefix), and the owners it shares from."""
+    """Per node: the owner of each held block. Per hold: the blocks it owns (spans of its
+    prompt's chain), the holds sharing them and how many (a sharer holds the leading ones:
+    sharing is by prefix), and the owners it shares from."""
 
     __slots__ = ("_from", "_owned", "_owner", "_sharers")
 
     def __init__(self) -> None:
         self._owner: dict[str, dict[int, str]] = {}  # node -> block -> owning key
-        self._owned: dict[str, tuple[str, list[int]]] = {}  # key -> (node, its run)
+        self._owned: dict[str, _Run] = {}  # key -> what it owns
         self._sharers: dict[str, dict[str, int]] = {}  # owner -> sharer -> blocks
-        self._from: dict[str, Counter[str]] = {}  # sharer -> owner -> blocks
+        self._from: dict[str, dict[str, int]] = {}  # sharer -> owner -> blocks
 
     def held(self, node_id: str, hashes: Sequence[int], most: int) -> int:
         """How many leading blocks of `hashes` (at most `most`) running requests on the
@@ -47,50 +61,88 @@ class HeldBlocks:
             return 0
         return min(most, leading(owner, hashes))
 
+    def holds_any(self, node_id: str) -> bool:
+        """Does any running request on the node hold a block?"""
+        return bool(self._owner.get(node_id))
+
     def take(self, key: str, node_id: str, hashes: Sequence[int], most: int) -> int:
         """The hold `key` on the node holds these blocks; returns how many it shares (held
         already, at most `most`: owned by others), the rest it owns."""
         owner = self._owner.get(node_id)
         if owner is None:
             owner = self._owner[node_id] = {}
-        shared = min(most, leading(owner, hashes)) if owner and hashes and most > 0 else 0
+        held = leading(owner, hashes) if owner and hashes else 0
+        shared = min(most, held) if most > 0 else 0
         if shared:
-            tally = Counter(map(owner.__getitem__, hashes[:shared]))
+            tally = self._tally(owner, hashes, shared)
             self._from[key] = tally
             for o, n in tally.items():
                 self._sharers.setdefault(o, {})[key] = n
-        # It owns what nobody owns: past `most` (the block of its prompt's last token, which
-        # the engine computes again) another hold may own the same block.
-        run = [h for h in hashes[shared:] if h not in owner]
-        owner.update(dict.fromkeys(run, key))
-        self._owned[key] = (node_id, run)
+        # It owns what nobody holds: the blocks past the held run (a node holds a held
+        # block's predecessors). Between `most` and that run (the block of its prompt's last
+        # token, which the engine computes again) it neither shares nor owns.
+        end = len(hashes)
+        owner.update(dict.fromkeys(hashes[held:], key))
+        self._owned[key] = _Run(node_id, hashes, [(held, end)] if held < end else [])
         return shared
+
+    def _tally(self, owner: dict[int, str], hashes: Sequence[int], shared: int) -> dict[str, int]:
+        """Per owner, how many of the leading `shared` blocks of `hashes` it owns. An owner's
+        spans are runs of its chain, which agrees with `hashes` up to where they part (the
+        same key at a position names the same prefix): one step per owner's span, not one
+        per block."""
+        tally: dict[str, int] = {}
+        p = 0
+        while p < shared:
+            o = owner[hashes[p]]
+            run = self._owned[o]
+            end = next(min(hi, shared) for lo, hi in run.spans if lo <= p < hi)
+            chain = run.chain
+            if hashes[end - 1] != chain[end - 1]:  # the chains part in the span: where?
+                lo, hi = p + 1, end - 1  # hashes[:lo] agree, hashes[hi] does not
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if hashes[mid] == chain[mid]:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                end = lo
+            tally[o] = tally.get(o, 0) + end - p
+            p = end
+        return tally
 
     def drop(self, key: str, last_end: Callable[[str], float]) -> dict[str, int]:
         """The hold `key` ended: returns, per heir key, how many of the blocks it owned
         pass to that heir (still held by others: the sharer holding most of them, the one
-        expected to end last among equals, takes them all)."""
-        entry = self._owned.pop(key, None)
-        if entry is None:
+        expected to end last among equals, takes them all: the leading ones, by their
+        place in the prompt)."""
+        run = self._owned.pop(key, None)
+        if run is None:
             return {}
-        node_id, run = entry
-        owner = self._owner[node_id]
+        owner = self._owner[run.node_id]
         for o in self._from.pop(key, {}):
             theirs = self._sharers.get(o)
             if theirs is not None:
                 theirs.pop(key, None)
         mine = self._sharers.pop(key, None)
+        chain = run.chain
         if not mine:
-            _drain(map(owner.__delitem__, run))
+            for lo, hi in run.spans:
+                for h in chain[lo:hi]:
+                    del owner[h]
             if not owner:
-                del self._owner[node_id]
+                del self._owner[run.node_id]
             return {}
         heir = max(mine, key=lambda k: (mine[k], last_end(k)))
         n = mine.pop(heir)
-        owner.update(dict.fromkeys(run[:n], heir))
-        _drain(map(owner.__delitem__, run[n:]))
-        heir_node, heir_run = self._owned[heir]
-        self._owned[heir] = (heir_node, run[:n] + heir_run)
+        passed, gone = _split(run.spans, n)
+        for lo, hi in passed:
+            owner.update(dict.fromkeys(chain[lo:hi], heir))
+        for lo, hi in gone:
+            for h in chain[lo:hi]:
+                del owner[h]
+        heirs = self._owned[heir]
+        heirs.spans = _merge(heirs.spans, passed)  # the heir's chain agrees there
         # The heir no longer shares these from `key`; the other sharers share from the heir.
         came = self._from.get(heir)
         if came is not None:
@@ -110,9 +162,37 @@ class HeldBlocks:
         return 0 if owner is None else len(owner)
 
 
-def _drain(calls: Iterator[None]) -> None:
-    """Run a `map` of calls to the end, in C."""
-    deque(calls, maxlen=0)
+def _split(
+    spans: list[tuple[int, int]], n: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The first `n` positions of `spans` (in order) and the rest."""
+    if not spans:
+        return [], []
+    lo, hi = spans[0]
+    if hi - lo >= n:  # the common case: one span, or the first covers them
+        head = [(lo, lo + n)] if n > 0 else []
+        return head, ([(lo + n, hi)] if hi > lo + n else []) + spans[1:]
+    head = []
+    for i, (lo, hi) in enumerate(spans):
+        if hi - lo >= n:
+            head.append((lo, lo + n))
+            return head, ([(lo + n, hi)] if hi > lo + n else []) + spans[i + 1 :]
+        head.append((lo, hi))
+        n -= hi - lo
+    return head, []
+
+
+def _merge(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of two lists of disjoint spans, in order, adjacent ones joined."""
+    if not a or not b:
+        return a or b
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(a + b):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def reusable(tokens: int, block_size: int) -> int:
@@ -121,24 +201,39 @@ def reusable(tokens: int, block_size: int) -> int:
     return (tokens - 1) // block_size if tokens > 0 else 0
 
 
-class PromptBlocks:
-    """The block hashes of the prompt being decided, computed once per block size: a
-    decision asks for them on every candidate and again when it opens the hold."""
+#: Tokens of recent prompts whose hashes `PromptBlocks` keeps: a walk of the queue's
+#: worth of 2k-token waiters (`kvgate.core.flow.controller.MAX_MISSES` refusals and the
+#: admissions between them). Their tuples stay alive meanwhile, and are freed here.
+RECENT_TOKENS = 1 << 16
 
-    __slots__ = ("_hashes", "_ids")
+
+class PromptBlocks:
+    """The block hashes of recent prompts, computed once per prompt and block size: a
+    decision asks for them on every candidate and again when it opens the hold, and a
+    waiting request is decided again on every walk of the queue. A prompt is known by
+    identity (its request's tuple); the most recent ones, up to `RECENT_TOKENS` tokens in
+    all, are kept."""
+
+    __slots__ = ("_recent", "_tokens")
 
     def __init__(self) -> None:
-        self._ids: tuple[int, ...] | None = None
-        self._hashes: dict[int, list[int]] = {}
+        # id(ids) -> (ids, block size -> hashes); holding `ids` keeps its id unique.
+        self._recent: dict[int, tuple[tuple[int, ...], dict[int, list[int]]]] = {}
+        self._tokens = 0
 
     def of(self, ids: tuple[int, ...], block_size: int) -> list[int]:
         """The hashes of the full blocks of `ids` (`block_hashes`)."""
-        if ids is not self._ids:
-            self._ids = ids
-            self._hashes = {}
-        out = self._hashes.get(block_size)
+        recent = self._recent
+        entry = recent.get(id(ids))
+        if entry is None:
+            entry = recent[id(ids)] = (ids, {})
+            self._tokens += len(ids)
+            while self._tokens > RECENT_TOKENS and len(recent) > 1:
+                self._tokens -= len(recent.pop(next(iter(recent)))[0])
+        by_size = entry[1]
+        out = by_size.get(block_size)
         if out is None:
-            out = self._hashes[block_size] = block_hashes(ids, block_size)
+            out = by_size[block_size] = block_hashes(ids, block_size)
         return out
 
 
@@ -155,9 +250,10 @@ class PromptSharing:
         self.held = HeldBlocks()
 
     def on(self, node_id: str, ids: tuple[int, ...] | None) -> int:
-        """Prompt tokens of `ids` that running requests on the node hold already."""
+        """Prompt tokens of `ids` that running requests on the node hold already (nothing
+        is hashed for a node where none holds a block)."""
         size = self.block_sizes.get(node_id)
-        if not ids or not size:
+        if not ids or not size or not self.held.holds_any(node_id):
             return 0
         return self.held.held(node_id, self.blocks.of(ids, size), reusable(len(ids), size)) * size
 

@@ -20,7 +20,7 @@ engine that holds block `i` of a sequence almost always holds the blocks before 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
 
 #: Blocks an engine's LRU holds before its capacity is known (a small engine's worth).
@@ -36,7 +36,8 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._caches: dict[str, OrderedDict[int, None]] = {}
-        self._holders: dict[int, dict[str, None]] = {}
+        # block -> the engine holding it, or the engines (in the order they took it)
+        self._holders: dict[int, str | dict[str, None]] = {}
         self._limits: dict[str, int] = {}
 
     def resize(self, node_id: str, blocks: int) -> None:
@@ -45,6 +46,11 @@ class PrefixIndex:
         cache = self._caches.get(node_id)
         if cache is not None:
             self._evict(node_id, cache)
+
+    @property
+    def empty(self) -> bool:
+        """No engine has a block cached."""
+        return not self._holders
 
     def blocks(self, node_id: str) -> int:
         """How many blocks the index holds for the node."""
@@ -58,16 +64,25 @@ class PrefixIndex:
             cache = self._caches[node_id] = OrderedDict()
         holders = self._holders
         move = cache.move_to_end
-        for h in reversed(hashes):
+        blocks = reversed(hashes)
+        for h in blocks:
             if h in cache:
                 move(h)
+                # The blocks before a cached one are almost always cached: all moved in C,
+                # up to one that is not (it is added, and the loop goes on after it).
+                try:
+                    deque(map(move, blocks), maxlen=0)
+                    break
+                except KeyError as missing:
+                    h = missing.args[0]
+            cache[h] = None
+            who = holders.get(h)
+            if who is None:
+                holders[h] = node_id  # most blocks are on one engine: no dict for them
+            elif isinstance(who, str):
+                holders[h] = {who: None, node_id: None}
             else:
-                cache[h] = None
-                who = holders.get(h)
-                if who is None:
-                    holders[h] = {node_id: None}
-                else:
-                    who[node_id] = None
+                who[node_id] = None
         self._evict(node_id, cache)
 
     def remove(self, node_id: str, hashes: Sequence[int]) -> None:
@@ -106,7 +121,8 @@ class PrefixIndex:
         n = leading(self._holders, hashes)
         if n == 0:
             return 0, ()
-        return n, tuple(self._holders[hashes[n - 1]])
+        who = self._holders[hashes[n - 1]]
+        return n, (who,) if isinstance(who, str) else tuple(who)
 
     def _evict(self, node_id: str, cache: OrderedDict[int, None]) -> None:
         limit = self._limits.get(node_id, DEFAULT_BLOCKS)
@@ -115,11 +131,19 @@ class PrefixIndex:
             self._drop_holder(h, node_id)
 
     def _drop_holder(self, h: int, node_id: str) -> None:
-        who = self._holders.get(h)
-        if who is not None:
-            who.pop(node_id, None)
-            if not who:
-                del self._holders[h]
+        holders = self._holders
+        who = holders.get(h)
+        if who is None:
+            return
+        if isinstance(who, str):
+            if who == node_id:
+                del holders[h]
+            return
+        who.pop(node_id, None)
+        if len(who) == 1:
+            holders[h] = next(iter(who))
+        elif not who:
+            del holders[h]
 
 
 def leading(present: Container[int], hashes: Sequence[int]) -> int:
