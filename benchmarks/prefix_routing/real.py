@@ -192,8 +192,28 @@ class Engine:
         }
 
     def start(self, work: Path) -> None:
-        log = work / f"engine-{self.name}.log"
+        log = work / f"engine-{self.name}-{self.port}.log"
         self.proc = cast(subprocess.Popen[bytes], burst.start_engine(self.port, log, self.env()))
+
+    async def serve(self, work: Path, tries: int = 3, timeout_s: float = 600.0) -> None:
+        """Start and wait for `/health`. A start that dies is tried again on other ports:
+        `free_port` saw its three ports free, but another process (vLLM's own sockets
+        take random ports) may bind one of them before the engine does."""
+        for _ in range(tries):
+            self.start(work)
+            assert self.proc is not None
+            deadline = time.monotonic() + timeout_s
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                while self.proc.poll() is None and time.monotonic() < deadline:
+                    try:
+                        if (await client.get(self.url + "/health")).status_code == 200:
+                            return
+                    except httpx.HTTPError:
+                        pass
+                    await asyncio.sleep(0.5)
+            self.stop()
+            self.port = free_port(3)
+        raise RuntimeError(f"engine {self.name} did not start in {tries} tries (logs in {work})")
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -355,10 +375,7 @@ async def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str,
     port = free_port()
     target = f"http://127.0.0.1:{port}"
     try:
-        for engine in engines:
-            engine.start(work)
-        for engine in engines:
-            await burst.wait_ready(engine.url, "/health", 600)
+        await asyncio.gather(*(engine.serve(work) for engine in engines))
         if mode == "one-engine":
             target = engines[0].url
         elif mode == "round-robin":
