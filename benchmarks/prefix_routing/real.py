@@ -28,8 +28,10 @@ index held at the end (`/admin/state`).
     flock /work/wt/engine.lock python benchmarks/prefix_routing/real.py --modes kvgate
     python benchmarks/prefix_routing/real.py --report   # results.md's "Real engines"
 
-Each invocation appends its rows to real-results.json next to this file (results.json
-holds the virtual benchmark's); `--report` writes the section of results.md from it.
+`--modes` (default: all four, in that order) and `--runs` choose what one invocation
+runs; under the shared engine lock, one run per invocation keeps others' wait short. Each
+invocation appends its rows to real-results.json next to this file (results.json holds
+the virtual benchmark's); `--report` writes the section of results.md from it.
 """
 
 from __future__ import annotations
