@@ -55,6 +55,9 @@ WANTED = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:num_preemptions_total": "preemptions",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:request_success_total": "requests",
 }
 
 
@@ -114,7 +117,7 @@ def client_command(target: str, args: argparse.Namespace, out_dir: Path, name: s
         "--num-prompts",
         str(args.prompts),
         "--request-rate",
-        "inf",
+        str(getattr(args, "rate", "inf")),
         "--ignore-eos",
         "--seed",
         str(args.seed),
@@ -194,12 +197,17 @@ async def one_run(
     }
 
 
-def start_engine(port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_engine(
+    port: int, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """scripts/real-vllm/serve.sh on `port`, with `env` (serve.sh's knobs: EXTRA,
+    ENGINE_CPUS, ...) over this process's environment."""
     return subprocess.Popen(
         ["bash", str(REPO / "scripts" / "real-vllm" / "serve.sh"), str(port)],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
 
 
