@@ -426,6 +426,8 @@ class Gateway:
                 policy["budgets"],
             ),
             "scraper": None if self.scraper is None else self.scraper.snapshot(),
+            # Each engine's KV event stream: batches, gaps, replays, restarts seen.
+            "kv_events": {node: sub.snapshot() for node, (sub, _) in self.kv_events.items()},
             "costs": self.relay.costs_snapshot(),
             "cluster": None if self.cluster is None else self.cluster.snapshot(),
             "gateway": {

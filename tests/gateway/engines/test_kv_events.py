@@ -114,3 +114,36 @@ async def test_without_replay_a_gap_clears_and_the_index_rebuilds() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await publisher.close()
+
+
+async def test_the_gateway_shows_each_engines_event_stream(engine_factory, gateway_factory) -> None:
+    """`/admin/state` shows, per engine with `kv_events`, what its stream brought: an
+    operator asks it whether events arrive at all."""
+    import httpx
+
+    publisher = KVPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:0"))
+    publisher.start()
+    engine = await engine_factory()
+    try:
+        gw = await gateway_factory(
+            [engine.url],
+            policy="adaptive",
+            overrides={"backends": [{"url": engine.url, "kv_events": publisher.endpoint}]},
+        )
+        node = engine.url.removeprefix("http://")
+        async with httpx.AsyncClient(base_url=gw.url) as client:
+
+            async def stream() -> dict[str, object]:
+                state = (await client.get("/admin/state")).json()
+                return dict(state["kv_events"][node])
+
+            deadline = time.monotonic() + 10.0
+            seen = await stream()
+            while not seen["batches"]:  # a SUB socket misses what is sent before it joins
+                assert time.monotonic() < deadline, seen
+                publisher.publish(time.time(), [_stored(0, 2)])
+                await asyncio.sleep(0.05)
+                seen = await stream()
+        assert seen["endpoint"] == publisher.endpoint and seen["gaps"] == 0, seen
+    finally:
+        await publisher.close()
