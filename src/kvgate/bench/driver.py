@@ -294,10 +294,7 @@ def main_live(opts: BenchOptions) -> Path:
                 "bisections; the capacity is the goodput `direct` achieved there"
             )
         else:
-            how = (
-                "1x taken from the virtual-time capacity search on the calibrated `cpu-tiny`"
-                f" preset ({how}); the live capacity is the goodput `direct` achieved live at 1x"
-            )
+            how = given_scale_how(opts, how)
         cap = describe_capacity(scale, base, cap_run, how)
         specs = _specs(opts, prof, scale, cap_run)
         runs = run_grid(specs, runner, f"{opts.mode} x{opts.nodes}")
@@ -318,6 +315,21 @@ def main_live(opts: BenchOptions) -> Path:
         notes=_notes(runs),
     )
     return write_report(runs, meta, opts.out, keep=True)
+
+
+def given_scale_how(opts: BenchOptions, how: str) -> str:
+    """How a live run's 1x was found when it was not measured live (`live-sim`, or
+    `--capacity-scale`): the capacity figures are live only if `direct` ran at 1x."""
+    head = (
+        "1x taken from the virtual-time capacity search on the calibrated `cpu-tiny` preset"
+        f" ({how})"
+    )
+    if 1.0 in opts.loads and "direct" in opts.policies:
+        return head + "; the live capacity is the goodput `direct` achieved live at 1x"
+    return (
+        head + "; no live `direct` run at 1x, so the goodput and `direct at 1x` lines below, "
+        "and the % of capacity, are the virtual run's at this scale"
+    )
 
 
 def _live_capacity(
