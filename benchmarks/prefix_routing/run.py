@@ -186,9 +186,10 @@ NOTES = [
     "- Both kvgate routings count shared prompt blocks once (`kvgate.core.prefix.held`),",
     "  which headroom-only profits from too (its figures here are with it).",
     "- Hot prefix: every engine under panic and none idle while others queue under every",
-    "  routing; prefix-aware concentrates the hot prefix on fewer engines (KV peaks in the",
-    "  engines' table). At this load no engine fills, so the spread to a second engine as",
-    "  the first saturates is shown by `tests/core/test_routing.py`, not here.",
+    "  routing. The hot prefix is soon cached on every engine, so the two random picks",
+    "  hold it as deep as any holder and prefix-aware spreads it as headroom-only does (KV",
+    "  peaks in the engines' table). At this load no engine fills, so the spread to a",
+    "  second engine as the first saturates is shown by `tests/core/test_routing.py`.",
     "- Traffic starts at 1 s, once the gateway has scraped the engines; clients wait as",
     "  long as it takes.",
 ]

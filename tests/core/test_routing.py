@@ -9,7 +9,7 @@ from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.prefix.events import BlockStored, KVEventBatch
 from kvgate.core.request import RequestCost
 
-from .helpers import admit, make, sample
+from .helpers import admit, make, request, sample
 
 NODES = ("a", "b", "c", "d")
 SYSTEM = tuple(range(1000, 2024))  # 1,024 tokens: 64 blocks of 16
@@ -108,6 +108,29 @@ def test_kv_events_feed_the_index_and_many_nodes_check_the_cached_ones() -> None
     ticket = _admit(policy, "r", ids, nodes).ticket
     assert ticket.node_id == "n42"
     assert ticket.route == f"prefix {(len(ids) - 1) // 16 * 16}/{len(ids)}"
+
+
+def test_holders_add_no_check_when_a_random_pick_caches_as_deep() -> None:
+    """A system prompt cached on every engine: the two random picks hold it as deep as any
+    holder, so the route names no extra node (each would cost a check and save no
+    prefill); a longer prefix held by one node is still named."""
+    nodes = tuple(f"n{i}" for i in range(64))
+    policy = _policy("prefix-aware", nodes)
+    routing = policy.routing
+    assert isinstance(routing, PrefixRouting)
+    for n in nodes:
+        routing.index.store(n, block_hashes(SYSTEM, 16))
+    fresh = _prompt(9)
+    route = routing.query(
+        request("r1", RequestCost(len(fresh), 100), candidates=nodes, prompt_ids=fresh)
+    )
+    assert route.extra("n1", "n2") == ()
+    routing.index.store("n42", block_hashes(_prompt(8), 16))  # the whole of another prompt
+    again = _prompt(8)
+    route = routing.query(
+        request("r2", RequestCost(len(again), 100), candidates=nodes, prompt_ids=again)
+    )
+    assert route.extra("n1", "n2") == ("n42",) and route.extra("n42", "n1") == ()
 
 
 def test_without_token_ids_prefix_routing_ranks_by_headroom() -> None:

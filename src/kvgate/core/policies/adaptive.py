@@ -223,7 +223,7 @@ class AdaptivePolicy(BasePolicy):
         promised: Mapping[str, float],
         route: Route,
     ) -> str | None:
-        """The best of two random candidates and the ones the route names."""
+        """The best of two random candidates and the ones the route names (`Route.extra`)."""
         candidates = request.candidates
         n = len(candidates)
         i = self.rng.randrange(n)
@@ -232,7 +232,7 @@ class AdaptivePolicy(BasePolicy):
         best_above = False
         best_score = (float("inf"), float("inf"))
         a, b = candidates[i], candidates[j + (j >= i)]
-        for node_id in (a, b, *(x for x in route.extra if x != a and x != b)):
+        for node_id in (a, b, *route.extra(a, b)):
             fit = self._fit(now, node_id, request, expected, promised)
             if fit.headroom is None:
                 continue

@@ -49,8 +49,10 @@ BALANCE = 1.0
 class Route(Protocol):
     """One request's ranking of the nodes it fits on (lower scores first)."""
 
-    @property
-    def extra(self) -> tuple[str, ...]: ...
+    def extra(self, a: str, b: str) -> tuple[str, ...]:
+        """Nodes to check beside two random picks `a` and `b`: those caching the prompt
+        deepest, unless a pick caches it as deep (then they add checks, not cache)."""
+        ...
 
     def score(self, node_id: str, backlog: int, headroom: float) -> tuple[float, float]: ...
 
@@ -83,7 +85,9 @@ class Routing(Protocol):
 
 class _HeadroomRoute:
     __slots__ = ()
-    extra: tuple[str, ...] = ()
+
+    def extra(self, a: str, b: str) -> tuple[str, ...]:
+        return ()
 
     def score(self, node_id: str, backlog: int, headroom: float) -> tuple[float, float]:
         return (backlog, -headroom)
@@ -119,7 +123,7 @@ class HeadroomRouting:
 class PrefixRoute:
     """A prompt's cached prefix on each node, looked up as the policy asks."""
 
-    __slots__ = ("_blocks", "_cached", "_index", "_sizes", "extra", "prompt", "request")
+    __slots__ = ("_blocks", "_cached", "_deepest", "_index", "_sizes", "prompt", "request")
 
     def __init__(self, routing: PrefixRouting, request: AdmissionRequest) -> None:
         self.request = request
@@ -128,14 +132,20 @@ class PrefixRoute:
         self._sizes = routing.block_sizes
         self._blocks = routing.blocks
         self._cached: dict[str, int] = {}
-        self.extra: tuple[str, ...] = ()
+        self._deepest: tuple[str, ...] = ()
         ids = request.prompt_ids
         if ids and not self._index.empty:  # an empty index holds no prefix: nothing hashed
             hashes = self.hashes(DEFAULT_BLOCK_SIZE)
             depth, holders = self._index.deepest(hashes)
             if depth:  # the first MAX_EXTRA among the candidates: a hot prefix is everywhere
                 serving = (n for n in holders if n in request.candidates)
-                self.extra = tuple(islice(serving, MAX_EXTRA))
+                self._deepest = tuple(islice(serving, MAX_EXTRA))
+
+    def extra(self, a: str, b: str) -> tuple[str, ...]:
+        deepest = self._deepest
+        if not deepest or max(self.cached(a), self.cached(b)) >= self.cached(deepest[0]):
+            return ()
+        return tuple(x for x in deepest if x != a and x != b)
 
     def hashes(self, block_size: int) -> list[int]:
         """The prompt's block hashes at `block_size` (`PromptBlocks.of`)."""
