@@ -16,8 +16,8 @@ peak, with it, stays under the request's ceiling; otherwise it waits (`kvgate.co
    (`kvgate.core.policies.routing`: by the prefill the request would wait for there, counting the
    node's cached prefix of its prompt, and the headroom left under the panic watermark; or by
    headroom alone). From `p2c_min_nodes` candidates on, only two random nodes and the ones the
-   routing names (those holding the prompt's longest cached prefix) are checked, falling back to a
-   full scan when none fits. Nodes are never averaged: one node at 99 % and one at 10 % are two
+   routing names (those holding the prompt's longest cached prefix deeper) are checked, falling back
+   to a full scan when none fits. Nodes are never averaged: one node at 99 % and one at 10 % are two
    different answers.
 
 2. **Room promised to a waiter is respected** (`promised`): on a node whose room is
