@@ -101,6 +101,19 @@ async def test_a_gateway_serves_the_engines_a_name_resolves_to(gateway_factory) 
         await engine.stop()
 
 
+async def _quiet(engine: FakeEngine, interval_s: float = 0.1) -> int:
+    """The engine's metrics hits once none came for three scrape intervals (the gateway's
+    `scrape.interval_s` in these tests); fails if it is still being polled after WAIT_S."""
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    last = engine.metrics_hits
+    while True:
+        await asyncio.sleep(3 * interval_s)
+        if engine.metrics_hits == last:
+            return last
+        assert asyncio.get_running_loop().time() < deadline, "still scraped"
+        last = engine.metrics_hits
+
+
 async def test_pods_that_come_and_go_are_added_and_removed(gateway_factory, monkeypatch) -> None:
     monkeypatch.setattr(discovery, "DISCOVER_EVERY_S", 0.5)  # the test's pace, not Kubernetes'
     port = free_port()
@@ -117,7 +130,9 @@ async def test_pods_that_come_and_go_are_added_and_removed(gateway_factory, monk
 
         resolver.answer = ["127.0.0.2"]  # the first one went away
         assert await eventually(lambda: len(gw.gateway.backends) == 1, WAIT_S)
-        hits = pods[0].metrics_hits
+        # A GET sent just before the removal may still arrive: the pod is left alone once
+        # no hit comes for three scrape intervals, where a scraped pod gets three.
+        hits = await _quiet(pods[0])
         async with httpx.AsyncClient(base_url=gw.url, timeout=5) as client:
             for _ in range(3):
                 response = await client.post(
@@ -125,8 +140,7 @@ async def test_pods_that_come_and_go_are_added_and_removed(gateway_factory, monk
                 )
                 assert response.status_code == 200
         assert len(pods[1].completions()) == 3
-        await asyncio.sleep(0.35)
-        assert pods[0].metrics_hits == hits, "a pod that left is still scraped"
+        assert await _quiet(pods[0]) == hits, "a pod that left is still scraped"
 
         resolver.answer = None  # DNS fails: the known pod stays
         lookups = resolver.lookups
