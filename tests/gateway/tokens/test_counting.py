@@ -175,8 +175,9 @@ async def test_a_count_that_comes_after_the_start_recosts_the_running_request(
     engine_factory, gateway_factory
 ) -> None:
     """The engine's `/tokenize` answers after 0.4 s, the request starts at once on the
-    estimate and runs 1.5 s: the count reaches its hold while it runs (the ticket takes the
-    exact cost and the ids), and its release leaves nothing held."""
+    estimate and runs 4 s (ten times the count's delay, so that the count comes while it
+    runs on a loaded machine too): the ticket takes the exact cost and the ids, and its
+    release leaves nothing held."""
     engine = await engine_factory(tokenize=True, tokenize_delay=0.4)
     policy = RecordingPolicy()
     gw = await gateway_factory([engine.url], policy=policy)
@@ -184,7 +185,7 @@ async def test_a_count_that_comes_after_the_start_recosts_the_running_request(
         running = asyncio.create_task(
             client.post(
                 "/v1/completions",
-                json={"model": "fake-model", "prompt": TEXT, "fake": {"delay": 1.5}},
+                json={"model": "fake-model", "prompt": TEXT, "fake": {"delay": 4.0}},
                 headers={"x-request-id": "running"},
             )
         )

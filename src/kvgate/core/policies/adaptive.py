@@ -272,7 +272,7 @@ class AdaptivePolicy(BasePolicy):
         if node.level == LEVEL_PANIC:
             return Fit(None, "panic")
         # What the node lacks: the prompt less the blocks its running requests hold already.
-        prompt = request.cost.prompt_tokens - self.sharing.on(node_id, request.prompt_ids)
+        prompt = self.sharing.lacks(node_id, request)
         held = prompt + self.tuning.reservation_overhead_tokens
         final = held + expected
         allowance = self.claims.left.get(node_id)
@@ -440,7 +440,7 @@ class AdaptivePolicy(BasePolicy):
         fixed = self.ceiling(node, request.priority) * node.cap
         estimate = self.forecast.start_estimate(node, final, fixed, informed)
         over = self.ceiling(node, request.priority, cheap=True)
-        prompt = request.cost.prompt_tokens - self.sharing.on(node.node_id, request.prompt_ids)
+        prompt = self.sharing.lacks(node.node_id, request)
         if over * node.cap <= fixed or not self._may_overbook(node, prompt, expected):
             return estimate
         above = self.forecast.start_estimate(node, final, over * node.cap, informed)
@@ -469,7 +469,7 @@ class AdaptivePolicy(BasePolicy):
             node = self.nodes.get(node_id)
             if node is None or node.cap is None:
                 continue
-            prompt = request.cost.prompt_tokens - self.sharing.on(node_id, request.prompt_ids)
+            prompt = self.sharing.lacks(node_id, request)
             held = prompt + self.tuning.reservation_overhead_tokens
             limit = self._limit(node, request, expected, prompt) * node.cap
             short = max(0.0, self.forecast.envelope(node).peak(held, expected) - limit)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE, leading
+from kvgate.core.request import AdmissionRequest
 
 
 class _Run:
@@ -256,6 +257,10 @@ class PromptSharing:
         if not ids or not size or not self.held.holds_any(node_id):
             return 0
         return self.held.held(node_id, self.blocks.of(ids, size), reusable(len(ids), size)) * size
+
+    def lacks(self, node_id: str, request: AdmissionRequest) -> int:
+        """Prompt tokens of `request` the node does not hold already: what it costs there."""
+        return request.cost.prompt_tokens - self.on(node_id, request.prompt_ids)
 
     def take(self, key: str, node_id: str, ids: tuple[int, ...] | None) -> int:
         """The hold `key` on the node holds the prompt `ids`: the tokens it shares (held by
