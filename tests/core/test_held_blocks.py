@@ -5,14 +5,20 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate.core.admission import Admit, Outcome, Ticket
+from kvgate.core.flow import TokenFairness, WaitQueue
 from kvgate.core.policies.base import BasePolicy
 from kvgate.core.prefix.blocks import block_hashes, common_blocks
+from kvgate.core.prefix.held import HeldBlocks, marked_depth
+from kvgate.core.replicas.exchange import ReplicaExchange
+from kvgate.core.replicas.view import PeerView
 from kvgate.core.request import RequestCost
+from kvgate.core.tenants import TenantLedger
 
 from .helpers import admit, assert_books_empty, make, sample
 
@@ -309,3 +315,65 @@ def test_prompt_blocks_hash_a_recent_prompt_once(monkeypatch: pytest.MonkeyPatch
     assert len(calls) == 4
     blocks.of(a, 16)
     assert len(calls) == 5
+
+
+def _replica(name: str) -> tuple[BasePolicy, ReplicaExchange]:
+    policy = _policy()
+    return policy, ReplicaExchange(policy, WaitQueue(TokenFairness()), TenantLedger(), name)
+
+
+def _sync(source: ReplicaExchange, target: ReplicaExchange) -> None:
+    """`source`'s view reaches `target` through its wire form (JSON, as the store moves it)."""
+    now = source.policy.clock.now()
+    wire = orjson.loads(orjson.dumps(source.local_view(now).to_json()))
+    target.set_peer_views([PeerView.from_json(wire)], 2, now)
+
+
+def test_a_prefix_held_by_another_replicas_request_counts() -> None:
+    """Two replicas in front of one engine: a request of one replica holds a 1,024-token
+    system prompt there; the other replica's requests with that prompt cost the node only
+    their own part, until the holder ends."""
+    a, ex_a = _replica("A")
+    b, ex_b = _replica("B")
+    first = _admit(a, "r0", _prompt(1))
+    for _ in range(2):  # each claims its part of the node's room, and sees the other's
+        _sync(ex_b, ex_a)
+        _sync(ex_a, ex_b)
+    assert b.sharing.on("a", _prompt(1)) == 1280 - 16  # the same prompt: all but its last block
+    assert b.sharing.on("a", _prompt(2)) == 1024  # the system prompt
+    assert b.sharing.on("a", tuple(range(50_000, 51_280))) == 0  # nothing in common
+    second = _admit(b, "s0", _prompt(2))
+    assert _reserved(b) == 256 + 100 + OVH
+    other = tuple(range(60_000, 61_280))  # another system prompt, held by A's request too
+    third = _admit(a, "r1", other)
+    _sync(ex_a, ex_b)
+    assert b.sharing.on("a", other) == 1280 - 16
+    # A's requests ended: its next view marks nothing; B's own request still holds the
+    # first system prompt, the other one counts whole again.
+    a.release(first, Outcome.DONE)
+    a.release(third, Outcome.DONE)
+    _sync(ex_a, ex_b)
+    assert not b.sharing.peers
+    assert b.sharing.on("a", _prompt(3)) == 1024
+    assert b.sharing.on("a", other) == 0
+    b.release(second, Outcome.DONE)
+    assert_books_empty(b)
+    assert_books_empty(a)
+
+
+def test_the_marks_name_a_long_shared_prefix_within_half() -> None:
+    """A peer's marks (positions 1, 2, 4, ... and the last of each held run) find at least
+    half of the prefix a prompt shares with a held one, the whole of an identical one."""
+    rng = random.Random(5)
+    for _ in range(50):
+        n = rng.randint(2, 300)
+        held = [rng.getrandbits(60) for _ in range(n)]
+        blocks = HeldBlocks()
+        blocks.take("k", "a", held, n)
+        marks = blocks.marks()["a"]
+        assert len(marks) <= n.bit_length() + 1
+        common = rng.randint(0, n)
+        mine = held[:common] + [rng.getrandbits(60) for _ in range(rng.randint(0, 50))]
+        found = marked_depth(marks, mine, len(mine))
+        assert common / 2 <= found <= common or (common == 0 and found == 0)
+        assert marked_depth(marks, held, n) == n

@@ -12,6 +12,7 @@ VIEW = PeerView(
     replica="gw-1",
     nodes={"a": (PeerHold(16.0, 316.0, 84.0, 1.25),), "b": ()},
     claims={"a": 1200.5},
+    prefixes={"a": (-8_000_000_000_000_000_000, 42)},
     queue=QueueDemand(4000, 900, 2.5, 120.0),
     tenants={"acme": (2000, 3)},
     tenant_queue={"acme": TenantDemand(2.0, 1500.0, 700.0, 2.5)},
@@ -32,6 +33,7 @@ def test_the_json_form_reads_back_the_same_view() -> None:
         "arrival_tokens_per_s": 120.0,
     }
     assert wire["tenant_claims"] == {"acme": [300.0, None]}
+    assert wire["prefixes"] == {"a": [-8_000_000_000_000_000_000, 42]}  # 64-bit hashes
 
 
 def test_the_receiver_sets_the_age() -> None:
@@ -60,6 +62,7 @@ def test_malformed_entries_are_skipped_and_the_rest_is_kept() -> None:
             "tenant_queue": {"t": [1, 2, 3, 4], "u": None},
             "tenant_claims": {"t": [None, 2], "u": ["x", 1]},
             "service": {"t": 1.5, "u": {}},
+            "prefixes": {"a": [1, "2", 3.5, True, 4], "b": 5},
             "view_age_s": "old",
         }
     )
@@ -68,3 +71,4 @@ def test_malformed_entries_are_skipped_and_the_rest_is_kept() -> None:
     assert view.queue == QueueDemand(5.0, 0.0, 0.0, 0.0)
     assert view.tenants == {"t": (1, 2)} and view.tenant_queue == {"t": TenantDemand(1, 2, 3, 4)}
     assert view.tenant_claims == {"t": (None, 2.0)} and view.age_s == 0.0
+    assert view.prefixes == {"a": (1, 4)}

@@ -71,11 +71,11 @@ class BasePolicy:
         self.holds = Holds(self.tuning)
         self.pace = Pace(self.nodes)
         self.forecast = Forecast(settings, clock, self.holds, self.pace)
-        self.claims = Claims(settings, self.nodes, self.holds, self.forecast)
         self.prompt_blocks = PromptBlocks()
         # Each node's KV block size, where its engine caches prefixes (`sample.block_size`).
         self.block_sizes: dict[str, int] = {}
         self.sharing = PromptSharing(self.block_sizes, self.prompt_blocks)
+        self.claims = Claims(settings, self.nodes, self.holds, self.forecast, self.sharing)
         self._seq = itertools.count()
         self._rr = 0
         # Bumped whenever anything a decision depends on changes (sample, ticket, node set,
@@ -257,6 +257,7 @@ class BasePolicy:
     def set_peers(self, state: PeerState) -> None:
         """The other replicas' state from the last sync (`Claims.set_peers`)."""
         self.claims.set_peers(state)
+        self.sharing.set_peers({node_id: p.marks for node_id, p in state.nodes.items()})
         self.generation += 1
 
     def snapshot(self) -> dict[str, Any]:

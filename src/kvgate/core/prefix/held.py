@@ -17,11 +17,20 @@ inherits, and the holds move those tokens from the owner's prompt to the heir's)
 envelope (`kvgate.core.plan.forecast`) frees it at the right end. Blocks are named by their
 chained hashes (`kvgate.core.prefix.blocks`): a request's held blocks are a leading run of
 its prompt's, so a node's held prefix of a prompt is found by bisection.
+
+**Other replicas' requests.** Each replica's view carries, per node, a few hashes of each
+prefix its running requests hold (`HeldBlocks.marks`: the blocks at positions 1, 2, 4, ...
+and the last, a chain's prefixes named in O(log n) hashes). A request costs a node only
+what neither this replica's requests nor the others' hold (`marked_depth`: the whole
+prompt when the same prompt runs elsewhere, else at least half of what it shares with
+one). The blocks a replica's request shares with another's are counted in the other's
+hold: when that one ends first they stay held (the next sample shows them), and the
+sharer's own end frees more than its envelope counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 
 from kvgate.core.prefix.blocks import block_hashes
 from kvgate.core.prefix.index import DEFAULT_BLOCK_SIZE, leading
@@ -157,6 +166,23 @@ class HeldBlocks:
                 sources[heir] = sources.get(heir, 0) + c
         return {heir: n}
 
+    def marks(self) -> dict[str, set[int]]:
+        """Per node, the hashes that name its held prefixes to another replica: of each
+        owner's chain, the blocks at positions 1, 2, 4, 8, ... of its held run, and its
+        last (`marked_depth` reads them)."""
+        out: dict[str, set[int]] = {}
+        for run in self._owned.values():
+            if not run.spans:
+                continue
+            chain, end = run.chain, run.spans[-1][1]
+            marks = out.setdefault(run.node_id, set())
+            p = 1
+            while p <= end:
+                marks.add(chain[p - 1])
+                p <<= 1
+            marks.add(chain[end - 1])
+        return out
+
     def blocks_on(self, node_id: str) -> int:
         """Distinct blocks held on the node."""
         owner = self._owner.get(node_id)
@@ -194,6 +220,23 @@ def _merge(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int
         else:
             out.append((lo, hi))
     return out
+
+
+def marked_depth(marks: Container[int], hashes: Sequence[int], most: int) -> int:
+    """How many leading blocks of `hashes` (at most `most`) another replica's `marks`
+    (`HeldBlocks.marks`) show held: the whole run when its last block is marked, else the
+    deepest power of two marked (at least half of what the two chains share)."""
+    n = min(most, len(hashes))
+    if n <= 0:
+        return 0
+    if hashes[-1] in marks or hashes[n - 1] in marks:
+        return n
+    p = 1 << (n.bit_length() - 1)
+    while p:
+        if hashes[p - 1] in marks:
+            return p
+        p >>= 1
+    return 0
 
 
 def reusable(tokens: int, block_size: int) -> int:
@@ -243,20 +286,36 @@ class PromptSharing:
     over `HeldBlocks`. Only a node whose engine caches prefixes (its block size known, in
     `block_sizes`) shares: elsewhere every prompt counts whole."""
 
-    __slots__ = ("block_sizes", "blocks", "held")
+    __slots__ = ("block_sizes", "blocks", "held", "peers")
 
     def __init__(self, block_sizes: dict[str, int], blocks: PromptBlocks) -> None:
         self.block_sizes = block_sizes
         self.blocks = blocks
         self.held = HeldBlocks()
+        # Per node, the other replicas' marks of what their running requests hold there
+        # (`set_peers`): a prefix one of them holds costs this replica's requests nothing.
+        self.peers: dict[str, Container[int]] = {}
+
+    def set_peers(self, marks: Mapping[str, Container[int]]) -> None:
+        """The other replicas' marks per node, as of the last sync (`HeldBlocks.marks`)."""
+        self.peers = {node_id: m for node_id, m in marks.items() if m}
 
     def on(self, node_id: str, ids: tuple[int, ...] | None) -> int:
-        """Prompt tokens of `ids` that running requests on the node hold already (nothing
-        is hashed for a node where none holds a block)."""
+        """Prompt tokens of `ids` that running requests on the node hold already, this
+        replica's or another's (nothing is hashed for a node where none holds a block)."""
         size = self.block_sizes.get(node_id)
-        if not ids or not size or not self.held.holds_any(node_id):
+        if not ids or not size:
             return 0
-        return self.held.held(node_id, self.blocks.of(ids, size), reusable(len(ids), size)) * size
+        local = self.held.holds_any(node_id)
+        marks = self.peers.get(node_id)
+        if not local and not marks:
+            return 0
+        blocks = self.blocks.of(ids, size)
+        most = reusable(len(ids), size)
+        n = self.held.held(node_id, blocks, most) if local else 0
+        if marks:
+            n = max(n, marked_depth(marks, blocks, most))
+        return n * size
 
     def lacks(self, node_id: str, request: AdmissionRequest) -> int:
         """Prompt tokens of `request` the node does not hold already: what it costs there."""
@@ -269,7 +328,12 @@ class PromptSharing:
         if not ids or not size:
             return 0
         blocks = self.blocks.of(ids, size)
-        return self.held.take(key, node_id, blocks, reusable(len(ids), size)) * size
+        most = reusable(len(ids), size)
+        shared = self.held.take(key, node_id, blocks, most)
+        marks = self.peers.get(node_id)
+        if marks:
+            shared = max(shared, marked_depth(marks, blocks, most))
+        return shared * size
 
     def drop(self, key: str, node_id: str, last_end: Callable[[str], float]) -> dict[str, int]:
         """The hold `key` ended: per heir, the prompt tokens it owned that pass to that heir

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from kvgate.core.nodes import NodeState
 from kvgate.core.plan.forecast import Forecast
 from kvgate.core.plan.holds import Holds
+from kvgate.core.prefix.held import PromptSharing
 from kvgate.core.replicas.departed import NodeView
 from kvgate.core.replicas.peers import PeerState
 from kvgate.core.replicas.view import PeerHold
@@ -36,7 +37,7 @@ _INF = float("inf")
 class Claims:
     """The claims this replica published at its last sync and what is left of them."""
 
-    __slots__ = ("_forecast", "_holds", "_nodes", "_panic", "claimed", "left")
+    __slots__ = ("_forecast", "_holds", "_nodes", "_panic", "_sharing", "claimed", "left")
 
     def __init__(
         self,
@@ -44,11 +45,13 @@ class Claims:
         nodes: Mapping[str, NodeState],
         holds: Holds,
         forecast: Forecast,
+        sharing: PromptSharing | None = None,
     ) -> None:
         self._panic = settings.panic_watermark
         self._nodes = nodes
         self._holds = holds
         self._forecast = forecast
+        self._sharing = sharing
         self.claimed: dict[str, float] = {}  # what is left of the published claims
         # What this replica may still add per node until the next sync (final footprints);
         # a node not listed: no limit (no peers, or isolated).
@@ -145,6 +148,13 @@ class Claims:
             peers = state.nodes.get(node_id)
             free = self.slack(node_id) - (0.0 if peers is None else peers.claimed)
             self.left[node_id] = max(0.0, min(self.claimed.get(node_id, 0.0), free))
+
+    def prefixes(self) -> dict[str, tuple[int, ...]]:
+        """Per node, the marks of the prefixes this replica's requests hold there, as its
+        view tells them to the others (`kvgate.core.prefix.held`)."""
+        if self._sharing is None:
+            return {}
+        return {n: tuple(marks) for n, marks in self._sharing.held.marks().items()}
 
     def local_holds(self, now: float) -> dict[str, tuple[PeerHold, ...]]:
         """This replica's requests per node, as its view tells them to the others (age:

@@ -93,6 +93,7 @@ class ReplicaExchange:
             replica=me,
             nodes=self.policy.claims.local_holds(now),
             claims=claims,
+            prefixes=self.policy.claims.prefixes(),
             queue=queue,
             tenants=self.tenants.local_usage(),
             tenant_queue=tenant_queue,

@@ -70,6 +70,7 @@ class NodePeers:
     loads: list[tuple[float, float]] = field(default_factory=list)  # (remaining, held)
     departed: int = 0  # how many of `loads` are departed replicas' requests
     held: float = 0.0  # the sum of `loads`' held tokens (`merge` keeps it)
+    marks: set[int] = field(default_factory=set)  # their held prefixes (`HeldBlocks.marks`)
 
     def __post_init__(self) -> None:
         if not self.held:
@@ -129,6 +130,9 @@ def merge(
                 peers.held += held
                 if unreflected > 0:
                     peers.unseen.append((published - age, unreflected))
+        if not departed:  # a departed replica's requests may have ended: share nothing
+            for node_id, marks in view.prefixes.items():
+                state.nodes.setdefault(node_id, NodePeers()).marks.update(marks)
         for node_id, claimed in view.claims.items():
             state.nodes.setdefault(node_id, NodePeers()).claimed += claimed
         for tenant, (tokens_used, requests_used) in view.tenants.items():

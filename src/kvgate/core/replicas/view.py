@@ -8,6 +8,7 @@ The JSON form, the wire format, is written and read here and nowhere else:
     {"replica": "gw-1",
      "nodes": {node: [[unreflected, held, remaining, age_s], ...]},  # its live requests
      "claims": {node: tokens},                          # its claims on each node's slack
+     "prefixes": {node: [hash, ...]},                   # marks of the prefixes held there
      "queue": {"waiting_tokens": .., "head_tokens": .., "head_age_s": ..,
                "arrival_tokens_per_s": ..},
      "tenants": {tenant: [tokens, requests]},           # what it holds per tenant
@@ -71,6 +72,8 @@ class PeerView:
     replica: str
     nodes: Mapping[str, tuple[PeerHold, ...]] = field(default_factory=dict)
     claims: Mapping[str, float] = field(default_factory=dict)
+    # Per node, hashes marking the prompt prefixes its requests hold (`HeldBlocks.marks`).
+    prefixes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     queue: QueueDemand = field(default_factory=QueueDemand)
     tenants: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     tenant_queue: Mapping[str, TenantDemand] = field(default_factory=dict)
@@ -91,6 +94,8 @@ class PeerView:
             "tenant_claims": {t: list(c) for t, c in self.tenant_claims.items()},
             "service": dict(self.service),
         }
+        if self.prefixes:
+            out["prefixes"] = {n: list(marks) for n, marks in self.prefixes.items()}
         if self.budgets.buckets:
             out["budgets"] = {
                 "members": list(self.budgets.members),
@@ -133,6 +138,11 @@ class PeerView:
             replica=str(data.get("replica", "")),
             nodes=nodes,
             claims=_floats(_section(data, "claims")),
+            prefixes={
+                str(n): tuple(h for h in marks if type(h) is int)
+                for n, marks in _section(data, "prefixes").items()
+                if isinstance(marks, list)
+            },
             queue=QueueDemand(*(_number(queue.get(f)) for f in QueueDemand._fields)),
             tenants=tenants,
             tenant_queue=tenant_queue,
