@@ -12,7 +12,8 @@ The shell (and the simulator) hand every request to `submit()` and get one of th
 
 **Waiting is a prediction, not a hope** (`kvgate.core.flow.waits`). A request is queued
 unless the placement policy predicts it cannot start within its bound (`queue.max_wait_s`
-for its priority, lowered by the client's `X-Kvgate-Max-Wait-Ms`): from the nodes'
+for its priority, lowered by the client's `X-Kvgate-Max-Wait-Ms` and by its tenant's
+learned patience, so that its answer ends before its client leaves: `patience`): from the nodes'
 envelopes (when their running requests end, at each node's measured step time) and the
 waiters ahead of it, each at its expected footprint (its learned output length, not its
 `max_tokens`), with what runs ending at its likely length. It is refused at once only when
@@ -81,6 +82,7 @@ from kvgate.core.admission import (
 from kvgate.core.budgets import Budgets, Reservation
 from kvgate.core.flow import waits
 from kvgate.core.flow.fairness import Fairness, TokenFairness
+from kvgate.core.flow.patience import Patience
 from kvgate.core.flow.queue import Waiter, WaitQueue, WaitState
 from kvgate.core.flow.waits import Ahead, Wait
 from kvgate.core.replicas.exchange import ReplicaExchange
@@ -130,7 +132,7 @@ class FlowController:
         self.exchange = ReplicaExchange(policy, self.queue, self.tenants, replica, self.budgets)
         self._leases: dict[str, Lease] = {}
         self._reservations: dict[str, Reservation] = {}
-        self._by_tenant: dict[str, dict[str, Ticket]] = {}  # live tickets, for tenant waits
+        self.by_tenant: dict[str, dict[str, Ticket]] = {}  # live tickets, for tenant waits
         self._dispatching = False
         self.strict = strict
         # The last walk's promises and (policy generation, time) at its end: an arrival
@@ -139,6 +141,7 @@ class FlowController:
         self._walked: tuple[int, float] = (-1, float("-inf"))
         self.counts: Counter[str] = Counter()  # queued, admitted_after_wait, refused:<reason>
         self.wait_total_s = 0.0
+        self.patience = Patience()  # how long each tenant's clients wait (`patience`)
         # The last refusal whose cause was the plan (its planned peak over the ceiling):
         # when, of which priority, and the plan (for /admin/state and the dashboard).
         self.refused_peak: tuple[float, Priority, PlannedPeak] | None = None
@@ -206,6 +209,8 @@ class FlowController:
     def cancel(self, waiter: Waiter) -> None:
         """The client left while waiting: drop it (it holds nothing)."""
         if waiter.waiting:
+            now = self.clock.now()
+            self.patience.left(waiter.request.tenant, now - waiter.enqueued_at, now)
             self.queue.remove(waiter, WaitState.CANCELLED)
             self.counts["cancelled"] += 1
             self.dispatch()  # it may have been the head that held a promise
@@ -344,14 +349,15 @@ class FlowController:
                 if used_tokens is None:
                     used_tokens = ticket.request.cost.prompt_tokens + ticket.output_tokens
                 self.budgets.settle(reservation, used_tokens, self.clock.now())
-            own = self._by_tenant.get(ticket.request.tenant)
+            own = self.by_tenant.get(ticket.request.tenant)
             if own is not None:
                 own.pop(ticket.key, None)
                 if not own:
-                    del self._by_tenant[ticket.request.tenant]
+                    del self.by_tenant[ticket.request.tenant]
             if outcome is Outcome.DONE:
                 delta = ticket.output_tokens - ticket.expected_output
                 self.queue.fairness.correct(ticket.request.tenant, delta)
+            self.patience.ended(ticket, outcome, self.clock.now())
         self.dispatch()
 
     def observe(self, node_id: str, sample: NodeSample) -> None:
@@ -437,14 +443,25 @@ class FlowController:
             "counters": dict(self.counts),
             "wait_total_s": self.wait_total_s,
             "service": self.queue.fairness.snapshot(),
+            "patience": self.patience.snapshot(now),
         }
 
     # --- helpers ---------------------------------------------------------------------------------
 
     def _bound(self, request: AdmissionRequest) -> float:
+        """Its priority's `max_wait_s`, lowered by the client's own bound and by its
+        tenant's learned patience (`kvgate.core.flow.patience`)."""
         bound = self.queue_settings.wait_for(request.priority)
         if request.max_wait_s is not None:
             bound = min(bound, max(0.0, request.max_wait_s))
+        if bound > 0:
+            cost = request.cost
+            expected = self.policy.lengths.expected(
+                request.model, cost.max_output_tokens, request.exact_output
+            )
+            patience = self.patience.bound(request.tenant, expected, self.clock.now())
+            if patience is not None:
+                bound = min(bound, patience)
         return bound
 
     def _predicted_wait(
@@ -458,29 +475,10 @@ class FlowController:
         wait = waits.predict(self.policy, request, ahead)
         if wait is None or blocked is None:
             return wait
-        tenant_wait = self._tenant_wait(request, blocked, now)
+        tenant_wait = waits.tenant_wait(self, request, blocked, now)
         if tenant_wait is None:
             return None
         return Wait(max(wait.seconds, tenant_wait), max(wait.soonest, tenant_wait), wait.measured)
-
-    def _tenant_wait(
-        self, request: AdmissionRequest, blocked: TenantRefusal, now: float
-    ) -> float | None:
-        """Seconds until the tenant's own running requests have freed what this one needs:
-        from when each is expected to end, else from the rate the tenant has been freeing."""
-        tickets = self._by_tenant.get(request.tenant)
-        if tickets:
-            ends = sorted(
-                (self.policy.time_left(t), t.request.cost.total) for t in tickets.values()
-            )
-            if blocked.limit == "requests":
-                return ends[0][0]
-            needed = blocked.held + blocked.requested - blocked.maximum
-            for at, tokens in ends:
-                needed -= tokens
-                if needed <= 0:
-                    return at
-        return self.tenants.wait_estimate(request.tenant, request.cost.total, now)
 
     def _refusal_now(
         self,
@@ -572,7 +570,7 @@ class FlowController:
         reservation = self.budgets.reserve(request.tenant, request.cost, now)
         if reservation is not None:
             self._reservations[ticket.key] = reservation
-        self._by_tenant.setdefault(request.tenant, {})[ticket.key] = ticket
+        self.by_tenant.setdefault(request.tenant, {})[ticket.key] = ticket
         self.queue.fairness.charge(
             request.tenant, request.cost.prompt_tokens, ticket.expected_output
         )

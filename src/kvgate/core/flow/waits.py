@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from kvgate.core.admission import AdmissionPolicy
 from kvgate.core.flow.queue import Waiter, WaitQueue
 from kvgate.core.request import AdmissionRequest, Priority
+from kvgate.core.tenants import TenantRefusal
 
 if TYPE_CHECKING:
     from kvgate.core.flow.controller import FlowController
@@ -135,3 +136,21 @@ def budget_wait(
         return 0.0
     estimate = flow.policy.start_estimate(request)
     return refill if estimate is None else max(refill, estimate.seconds)
+
+
+def tenant_wait(
+    flow: FlowController, request: AdmissionRequest, blocked: TenantRefusal, now: float
+) -> float | None:
+    """Seconds until the tenant's own running requests have freed what this one needs:
+    from when each is expected to end, else from the rate the tenant has been freeing."""
+    tickets = flow.by_tenant.get(request.tenant)
+    if tickets:
+        ends = sorted((flow.policy.time_left(t), t.request.cost.total) for t in tickets.values())
+        if blocked.limit == "requests":
+            return ends[0][0]
+        needed = blocked.held + blocked.requested - blocked.maximum
+        for at, tokens in ends:
+            needed -= tokens
+            if needed <= 0:
+                return at
+    return flow.tenants.wait_estimate(request.tenant, request.cost.total, now)

@@ -1,0 +1,113 @@
+"""Clients' deadlines, learned from the ones that left (`kvgate.core.flow.patience`), and the
+flow controller's bound that follows from it, in virtual time."""
+
+from __future__ import annotations
+
+import random
+
+from kvgate.core.admission import Outcome, Reject, Ticket
+from kvgate.core.flow import Waiter
+from kvgate.core.flow.patience import HALF_LIFE_S, MIN_LEFT, Patience
+from kvgate.core.request import AdmissionRequest, RequestCost
+from tests.core.flowkit import Bench
+
+
+def _ticket(tenant: str, arrived: float, started: float, first: float | None) -> Ticket:
+    request = AdmissionRequest("r", RequestCost(100, 100), tenant=tenant)
+    return Ticket(request, "a", started, waited_s=started - arrived, first_token_at=first)
+
+
+def test_a_timeout_shows_as_a_cliff_at_its_value() -> None:
+    patience, rng = Patience(), random.Random(1)
+    for _ in range(60):
+        patience.answered("t", rng.uniform(0.05, 9.0), 100.0)
+    for _ in range(12):
+        patience.left("t", 10.0, 100.0)
+    learned = patience.deadline("t", 100.0)
+    assert learned is not None and 9.4 <= learned <= 10.0
+    assert patience.deadline("other", 100.0) is None  # per tenant
+
+
+def test_nothing_is_learned_while_few_leave() -> None:
+    patience = Patience()
+    for _ in range(int(MIN_LEFT) - 1):
+        patience.left("t", 3.0, 100.0)
+    assert patience.deadline("t", 100.0) is None
+    assert patience.bound("t", 100, 100.0) is None
+
+
+def test_clients_that_waited_longer_keep_the_estimate_up() -> None:
+    """Half the clients leave at 2 s, the other half get answers after 5 s: the ones that
+    left are fewer than half of those still waiting at 2 s, so patience is not 2 s."""
+    patience = Patience()
+    for _ in range(10):
+        patience.left("t", 2.0, 100.0)
+    for _ in range(30):
+        patience.answered("t", 5.0, 100.0)
+    assert patience.deadline("t", 100.0) is None
+
+
+def test_clients_that_leave_at_random_moments_show_no_deadline() -> None:
+    """People who give up at any moment, or stop answers once they have read enough:
+    the curve falls gradually, and nothing is bounded."""
+    rng = random.Random(2)
+    patience = Patience()
+    for _ in range(200):
+        patience.left("t", rng.uniform(0.1, 20.0), 100.0)
+    assert patience.deadline("t", 100.0) is None
+    for i in range(100):  # each stopped its answer at a random moment after it began
+        stopped = _ticket("u", 0.0, 0.2, 0.5)
+        patience.ended(stopped, Outcome.CLIENT_CANCEL, rng.expovariate(1 / 4.0))
+        if i % 2:
+            patience.ended(_ticket("u", 0.0, 0.2, 0.5), Outcome.DONE, rng.uniform(0.5, 6.0))
+    assert patience.deadline("u", 100.0) is None
+
+
+def test_a_timeout_mid_answer_is_a_deadline_too() -> None:
+    """A slow engine: clients time out after 10 s in the middle of their answers."""
+    patience, rng = Patience(), random.Random(3)
+    for _ in range(30):
+        patience.ended(_ticket("t", 0.0, 1.0, 2.0), Outcome.DONE, rng.uniform(3.0, 9.5))
+    for _ in range(30):
+        patience.ended(_ticket("t", 0.0, 1.0, 2.0), Outcome.CLIENT_CANCEL, 10.0)
+    learned = patience.deadline("t", 10.0)
+    assert learned is not None and 9.4 <= learned <= 10.0
+
+
+def test_the_bound_leaves_time_for_the_answer_and_the_estimate_decays() -> None:
+    patience = Patience()
+    done = _ticket("t", 0.0, 1.0, 1.1)
+    done.output_tokens = 100
+    patience.ended(done, Outcome.DONE, 3.0)  # 2 s for 100 tokens: 20 ms per token
+    for _ in range(10):
+        patience.left("t", 10.0, 5.0)
+    bound = patience.bound("t", 200, 5.0)
+    learned = patience.deadline("t", 5.0)
+    assert learned is not None and bound is not None
+    assert abs(bound - (learned - 200 * 0.02)) < 1e-9
+    # Nobody leaves any more (the bound holds): the evidence decays below MIN_LEFT.
+    assert patience.deadline("t", 5.0 + HALF_LIFE_S) is not None
+    assert patience.deadline("t", 5.0 + 2 * HALF_LIFE_S) is None
+
+
+def test_a_request_that_would_wait_past_its_clients_deadline_is_refused_at_once() -> None:
+    """Clients left the queue after 2 s: an arrival that cannot start for about 10 s gets
+    its 429 (with the plan that kept it out and a Retry-After) now, not once its client
+    has gone; another tenant's, whose clients wait, still queues."""
+    bench = Bench()
+    for _ in range(3):  # each runs 10 s (1,000 steps of 10 ms)
+        bench.submit(500, 500, tenant="t")
+    waiters = [bench.submit(500, 500, tenant="t", name=f"w{i}") for i in range(8)]
+    bench.step(200)  # 2 s
+    for waiter in waiters:
+        assert isinstance(waiter, Waiter)
+        bench.flow.cancel(waiter)
+    learned = bench.flow.patience.deadline("t", bench.clock.now())
+    assert learned is not None and learned <= 2.0
+    late = bench.submit(500, 500, tenant="t", name="late")
+    assert isinstance(late, Reject) and late.status == 429, late
+    assert late.reason == "kv_planned_peak" and late.retry_after_s > 0
+    # Another tenant's clients showed no impatience: its request waits.
+    assert isinstance(bench.submit(500, 500, tenant="u", name="patient"), Waiter)
+    snapshot = bench.flow.queue_snapshot()["patience"]["tenants"]
+    assert snapshot["t"]["deadline_s"] == learned
