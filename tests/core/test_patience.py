@@ -111,3 +111,25 @@ def test_a_request_that_would_wait_past_its_clients_deadline_is_refused_at_once(
     assert isinstance(bench.submit(500, 500, tenant="u", name="patient"), Waiter)
     snapshot = bench.flow.queue_snapshot()["patience"]["tenants"]
     assert snapshot["t"]["deadline_s"] == learned
+
+
+def test_an_answer_that_would_end_after_the_deadline_does_not_start() -> None:
+    """Clients leave after 2 s: on an idle node, a request whose 500 tokens take 5 s at the
+    node's 10 ms step gets a 429 `client_deadline` and holds nothing; one of 100 starts."""
+    bench = Bench()
+    for _ in range(3):
+        bench.submit(500, 500, tenant="t")
+    waiters = [bench.submit(500, 500, tenant="t") for _ in range(8)]
+    bench.step(200)
+    for waiter in waiters:
+        assert isinstance(waiter, Waiter)
+        bench.flow.cancel(waiter)
+    bench.run_until_idle()
+    long = bench.submit(500, 500, tenant="t", name="long")
+    assert isinstance(long, Reject) and long.reason == "client_deadline", long
+    assert "leave after" in long.message and long.retry_after_s > 0
+    assert bench.books_empty()
+    bench.submit(500, 100, tenant="t", name="short")
+    assert bench.admitted("short")
+    bench.submit(500, 500, tenant="u", name="other")  # no deadline for this tenant: it starts
+    assert bench.admitted("other")

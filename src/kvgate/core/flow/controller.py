@@ -176,8 +176,9 @@ class FlowController:
             # the only one that might start now: against the walk's promises, as backfill.
             decision = self.policy.admit(request, self._promised if ahead.tokens else None)
             if isinstance(decision, Admit):
-                self._started(decision.ticket, now, 0.0)
-                return decision
+                return self._past_deadline(decision.ticket, 0.0) or self._started(
+                    decision.ticket, now, 0.0, decision
+                )
             if not decision.waitable:
                 return decision
         if bound <= 0:
@@ -299,8 +300,13 @@ class FlowController:
                 continue
             decision = policy.admit(request, promised)
             if isinstance(decision, Admit):
-                self._started(decision.ticket, now, now - waiter.enqueued_at)
-                self._decide(waiter, decision, WaitState.ADMITTED)
+                waited = now - waiter.enqueued_at
+                late = self._past_deadline(decision.ticket, waited)
+                if late is not None:
+                    self._decide(waiter, late, WaitState.REFUSED)
+                    continue
+                self._decide(waiter, self._started(decision.ticket, now, waited, decision),
+                             WaitState.ADMITTED)  # fmt: skip
                 misses = 0
                 continue
             if not decision.waitable:
@@ -424,25 +430,10 @@ class FlowController:
 
     def queue_snapshot(self) -> dict[str, Any]:
         now = self.clock.now()
-        bands: dict[str, dict[str, Any]] = {
-            p.label: {"waiting": 0, "tokens": 0, "oldest_s": 0.0} for p in Priority
-        }
-        tenants: Counter[str] = Counter()
-        for waiter in self.queue.waiting():
-            band = bands[waiter.request.priority.label]
-            band["waiting"] += 1
-            band["tokens"] += waiter.tokens
-            band["oldest_s"] = max(band["oldest_s"], now - waiter.enqueued_at)
-            tenants[waiter.request.tenant] += 1
         return {
-            "waiting": self.queue.count,
-            "tokens": self.queue.tokens,
-            "bands": bands,
-            "tenants": dict(tenants),
-            "fairness": self.queue.fairness.name,
+            **self.queue.snapshot(now),
             "counters": dict(self.counts),
             "wait_total_s": self.wait_total_s,
-            "service": self.queue.fairness.snapshot(),
             "patience": self.patience.snapshot(now),
         }
 
@@ -561,7 +552,17 @@ class FlowController:
             refusal = self._refusal("queue_full", _EVICTED_MESSAGE, victim.request, wait)
             self._decide(victim, refusal, WaitState.REFUSED)
 
-    def _started(self, ticket: Ticket, now: float, waited: float) -> None:
+    def _past_deadline(self, ticket: Ticket, waited: float) -> Reject | None:
+        """The 429 of a request that could start, but whose answer would end after its
+        client's deadline (`Patience.late`): its hold is given back at once."""
+        ends = waited + self.policy.time_left(ticket)
+        late = self.patience.late(ticket.request.tenant, ends, self.clock.now())
+        if late is None:
+            return None
+        self.policy.release(ticket, Outcome.CLIENT_CANCEL)
+        return self._refusal("client_deadline", late, ticket.request, None)
+
+    def _started(self, ticket: Ticket, now: float, waited: float, admit: Admit) -> Admit:
         request = ticket.request
         ticket.waited_s = waited
         lease = self.tenants.acquire(request.tenant, request.cost.total)
@@ -577,6 +578,7 @@ class FlowController:
         if waited > 0:
             self.counts["admitted_after_wait"] += 1
             self.wait_total_s += waited
+        return admit
 
     def _decide(self, waiter: Waiter, decision: Decision, state: WaitState) -> None:
         self.queue.remove(waiter, state)

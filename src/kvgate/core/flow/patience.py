@@ -25,7 +25,10 @@ nothing is bounded.
 takes once started (its expected output length at the seconds per output token measured
 over the answers that ended), so that what it waits for ends before its client leaves.
 The flow controller refuses at once (429 with the predicted wait as Retry-After) what
-cannot start within that, instead of keeping it until its client leaves.
+cannot start within that, instead of keeping it until its client leaves. A request that
+could start now but whose answer would end after the deadline at the node's measured
+pace (`AdmissionPolicy.time_left`) is not started either (429 `client_deadline`): the
+engine's time goes to answers their clients will read.
 
 Once the bound holds, fewer clients leave, and what the curve knows beyond the deadline
 does not change: the estimate keeps until its evidence has decayed (about four
@@ -162,6 +165,14 @@ class Patience:
         answer = (self.seconds_per_token or 0.0) * expected_output
         return max(0.0, deadline - answer)
 
+    def late(self, tenant: str, ends_s: float, now: float) -> str | None:
+        """Why a request whose answer is expected to end `ends_s` after its arrival should
+        not start (it would end after its client's deadline); None when it may."""
+        deadline = self.deadline(tenant, now)
+        if deadline is None or ends_s <= deadline:
+            return None
+        return _LATE.format(ends=ends_s, deadline=deadline)
+
     def snapshot(self, now: float) -> dict[str, Any]:
         return {
             "seconds_per_token": self.seconds_per_token,
@@ -176,3 +187,9 @@ class Patience:
         if curve is None:
             curve = self._curves[tenant] = _Curve()
         return curve
+
+
+_LATE = (
+    "At the backends' current pace this answer would end about {ends:.0f} s after the"
+    " request arrived, and this tenant's clients leave after {deadline:.1f} s; retry later."
+)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvgate.core.admission import Decision
 from kvgate.core.flow.fairness import Fairness
@@ -245,6 +246,28 @@ class WaitQueue:
             if newest is not None:
                 return newest
         return None
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Its waiters per band (count, tokens, the oldest's wait) and per tenant, and its
+        fairness."""
+        bands: dict[str, dict[str, Any]] = {
+            p.label: {"waiting": 0, "tokens": 0, "oldest_s": 0.0} for p in Priority
+        }
+        tenants: Counter[str] = Counter()
+        for waiter in self.waiting():
+            band = bands[waiter.request.priority.label]
+            band["waiting"] += 1
+            band["tokens"] += waiter.tokens
+            band["oldest_s"] = max(band["oldest_s"], now - waiter.enqueued_at)
+            tenants[waiter.request.tenant] += 1
+        return {
+            "waiting": self.count,
+            "tokens": self.tokens,
+            "bands": bands,
+            "tenants": dict(tenants),
+            "fairness": self.fairness.name,
+            "service": self.fairness.snapshot(),
+        }
 
     def waiting(self) -> Iterator[Waiter]:
         for band in self._bands.values():
