@@ -70,6 +70,9 @@ class BurstResult:
         for outcome in self.outcomes:
             statuses[outcome.status] = statuses.get(outcome.status, 0) + 1
         text = f"statuses {dict(sorted(statuses.items()))}, preemptions +{self.preemptions:g}"
+        refused = sorted({o.reason or "-" for o in self.outcomes if o.status != 200})
+        if refused:
+            text += f" (refused: {', '.join(refused)})"
         if self.admitted:
             text += f", median latency of admitted {self.median_admitted_latency():.2f} s"
         if self.samples:
@@ -175,7 +178,8 @@ class QueuedBurst:
         statuses = sorted(o.status for o in self.impatient)
         return (
             f"{self.burst.summary()}; kvgate queued {int(counters.get('queued', 0))},"
-            f" started after waiting {waited} (mean wait {mean:.1f} s);"
+            f" started after waiting {waited} (mean wait {mean:.1f} s),"
+            f" {sorted((k, v) for k, v in counters.items() if k.startswith('refused'))};"
             f" impatient clients {statuses} with Retry-After"
             f" {[o.retry_after for o in self.impatient]} while {self.waiting_seen} waited"
         )
