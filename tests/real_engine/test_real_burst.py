@@ -28,15 +28,17 @@ from real_engine.engine import ServerProcess, record_figure
 pytestmark = pytest.mark.real_engine
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # the burst: 13-140 s on the machines seen
 async def test_vllm_benchmark_burst_is_served_whole_without_preemption(
     start_gateway: GatewayFactory, idle_engine: ServerProcess, tmp_path: Path
 ) -> None:
     bench = bench_scripts.load("vllm_burst/run.py")
-    # The engine's pace on a shared machine varies several-fold (this burst takes the
-    # engine alone 13-70 s): the bound covers the slowest, so that the test is of the
-    # queue serving the burst whole, not of the machine's speed.
-    gateway = start_gateway("adaptive", queue__max_wait_s='{"sheddable": 240}')
+    # The engine's pace varies several-fold between machines (this burst takes the engine
+    # alone 13-70 s on a shared 2-core machine, and through kvgate 136 s on an AVX2-only
+    # one, where a 240 s bound refused 2 of 32 on a prediction of their wait): the bound
+    # covers the slowest, so that the test is of the queue serving the burst whole, not of
+    # the machine's speed.
+    gateway = start_gateway("adaptive", queue__max_wait_s='{"sheddable": 600}')
     args = argparse.Namespace(
         prompts=32, input=500, output=500, range_ratio=0.0, seed=0,
         header=["X-Kvgate-Priority=sheddable"],
