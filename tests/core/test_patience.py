@@ -79,6 +79,8 @@ def test_the_bound_leaves_time_for_the_answer_and_the_estimate_decays() -> None:
     done = _ticket("t", 0.0, 1.0, 1.1)
     done.output_tokens = 100
     patience.ended(done, Outcome.DONE, 3.0)  # 2 s for 100 tokens: 20 ms per token
+    for _ in range(2 * int(MIN_LEFT)):  # answered before the deadline: they stay until it
+        patience.answered("t", 4.0, 5.0)
     for _ in range(10):
         patience.left("t", 10.0, 5.0)
     bound = patience.bound("t", 200, 5.0)
@@ -90,11 +92,35 @@ def test_the_bound_leaves_time_for_the_answer_and_the_estimate_decays() -> None:
     assert patience.deadline("t", 5.0 + 2 * HALF_LIFE_S) is None
 
 
+def _answer_some(bench: Bench) -> None:
+    """Six of the tenant's requests answered within half a second: its clients stay that
+    long at least."""
+    for _ in range(6):
+        bench.submit(100, 50, tenant="t")
+    bench.run_until_idle()
+
+
+def test_clients_that_cancel_before_any_answer_show_no_deadline() -> None:
+    """Requests cancelled at once, none answered yet (a test, a client that changes its
+    mind): a cliff with nobody seen to stay before it is no deadline."""
+    patience = Patience()
+    for _ in range(8):
+        patience.left("t", 0.15, 100.0)
+    for _ in range(8):
+        patience.answered("t", 6.0, 100.0)  # answered long after: at risk at 0.15 s
+    assert patience.deadline("t", 100.0) is None
+    fresh = Patience()
+    for _ in range(8):
+        fresh.left("t", 0.15, 100.0)
+    assert fresh.deadline("t", 100.0) is None
+
+
 def test_a_request_that_would_wait_past_its_clients_deadline_is_refused_at_once() -> None:
     """Clients left the queue after 2 s: an arrival that cannot start for about 10 s gets
     its 429 (with the plan that kept it out and a Retry-After) now, not once its client
     has gone; another tenant's, whose clients wait, still queues."""
     bench = Bench()
+    _answer_some(bench)
     for _ in range(3):  # each runs 10 s (1,000 steps of 10 ms)
         bench.submit(500, 500, tenant="t")
     waiters = [bench.submit(500, 500, tenant="t", name=f"w{i}") for i in range(8)]
@@ -117,6 +143,7 @@ def test_an_answer_that_would_end_after_the_deadline_does_not_start() -> None:
     """Clients leave after 2 s: on an idle node, a request whose 500 tokens take 5 s at the
     node's 10 ms step gets a 429 `client_deadline` and holds nothing; one of 100 starts."""
     bench = Bench()
+    _answer_some(bench)
     for _ in range(3):
         bench.submit(500, 500, tenant="t")
     waiters = [bench.submit(500, 500, tenant="t") for _ in range(8)]

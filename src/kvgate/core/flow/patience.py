@@ -17,9 +17,11 @@ logarithmic bins, with weights that halve every `HALF_LIFE_S` (clients change), 
 when clients leave. A timeout shows as a cliff at its value: clients stay until it, then
 most leave together. People who give up at random moments, or stop an answer once they
 have read enough, spread the curve instead. So a tenant's clients have a deadline `D`
-only when, once at least `MIN_LEFT` have left, more than half have left by `D` and at
-least `CLIFF_DROP` of them in the last `CLIFF_SPAN` of the time before it; otherwise
-nothing is bounded.
+only when, once at least `MIN_LEFT` have left, more than half have left by `D`, at
+least `CLIFF_DROP` of them in the last `CLIFF_SPAN` of the time before it, and at least
+`MIN_LEFT` clients were answered before `D` (they stay until it: clients that cancel
+their requests at once, with no answer seen yet, show no deadline); otherwise nothing is
+bounded.
 
 **The bound.** A request may wait at most its tenant's deadline less the time its answer
 takes once started (its expected output length at the seconds per output token measured
@@ -102,7 +104,8 @@ class _Curve:
                 deadline = _EDGES[index - 1] if index else 0.0
                 start = bisect.bisect_right(_EDGES, deadline * (1.0 - CLIFF_SPAN))
                 before = curve[start - 1] if start else 1.0
-                if before - survival >= CLIFF_DROP:
+                stayed_before = sum(self.stayed[:index]) / self._weight(now)
+                if before - survival >= CLIFF_DROP and stayed_before >= MIN_LEFT:
                     self.cached = deadline
                 return self.cached
             at_risk -= gone + stayed
