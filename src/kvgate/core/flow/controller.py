@@ -445,14 +445,12 @@ class FlowController:
         bound = self.queue_settings.wait_for(request.priority)
         if request.max_wait_s is not None:
             bound = min(bound, max(0.0, request.max_wait_s))
-        if bound > 0:
-            cost = request.cost
+        if bound > 0 and self.patience.deadline(request.tenant, self.clock.now()) is not None:
             expected = self.policy.lengths.expected(
-                request.model, cost.max_output_tokens, request.exact_output
+                request.model, request.cost.max_output_tokens, request.exact_output
             )
             patience = self.patience.bound(request.tenant, expected, self.clock.now())
-            if patience is not None:
-                bound = min(bound, patience)
+            bound = bound if patience is None else min(bound, patience)
         return bound
 
     def _predicted_wait(
@@ -555,8 +553,10 @@ class FlowController:
     def _past_deadline(self, ticket: Ticket, waited: float) -> Reject | None:
         """The 429 of a request that could start, but whose answer would end after its
         client's deadline (`Patience.late`): its hold is given back at once."""
-        ends = waited + self.policy.time_left(ticket)
-        late = self.patience.late(ticket.request.tenant, ends, self.clock.now())
+        tenant, now = ticket.request.tenant, self.clock.now()
+        if self.patience.deadline(tenant, now) is None:  # most tenants: no time_left asked
+            return None
+        late = self.patience.late(tenant, waited + self.policy.time_left(ticket), now)
         if late is None:
             return None
         self.policy.release(ticket, Outcome.CLIENT_CANCEL)
