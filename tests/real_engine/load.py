@@ -382,10 +382,22 @@ GONE_BOUND_S = 0.1  # the target: the engine shows a disconnected request gone w
 ATTEMPTS = 5  # see disconnect_attempts
 
 
+def gone_in_time(result: Disconnect) -> bool:
+    """The engine showed the request gone on a page asked for within GONE_BOUND_S.
+
+    The figure itself runs to the page's arrival, so it holds the GET's own time, which
+    is the machine's and not kvgate's: 5-20 ms on a quiet fast machine, 80-190 ms on a
+    slow CI machine while the engine runs two long requests (where the first page asked
+    for 25 ms after the hang-up showed the request gone). A request that lingers is
+    still shown on every page asked for after the bound.
+    """
+    return result.gone_after_s - result.last.took < GONE_BOUND_S
+
+
 async def disconnect_attempts(
     measure: Callable[[], Awaitable[Disconnect]], attempts: int = ATTEMPTS
 ) -> list[Disconnect]:
-    """Measure up to `attempts` times, stopping at the first within GONE_BOUND_S.
+    """Measure up to `attempts` times, stopping at the first `gone_in_time`.
 
     On 2 shared cores a concurrent build can stall the engine's API server for a few
     hundred ms, and the metrics GET that would show the request gone with it (measured:
@@ -407,7 +419,7 @@ async def disconnect_attempts(
             # lingers fails every attempt.
             missed.append(f"{type(exc).__name__}: {exc}")
             continue
-        if results[-1].gone_after_s < GONE_BOUND_S:
+        if gone_in_time(results[-1]):
             break
     if not results:
         raise AssertionError(f"no attempt reached the point of hanging up: {missed}")
