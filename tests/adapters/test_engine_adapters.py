@@ -62,9 +62,11 @@ def test_vllm_iteration_latency_is_the_delta_between_scrapes() -> None:
     assert first.iteration_latency_s == pytest.approx(8.0 / 1000)  # its history's mean
     second = adapter.parse(_vllm_with("0.75", "6.0", "4.0", "1100.0", "8.5"), now=1.05)
     assert second.iteration_latency_s == pytest.approx(0.5 / 100)
+    assert (first.iteration_tokens, second.iteration_tokens) == (1000, 100)  # their weights
     assert (second.kv_usage, second.running, second.waiting) == (0.75, 6, 4)
     idle = adapter.parse(_vllm_with("0.75", "6.0", "4.0", "1100.0", "8.5"), now=1.1)
     assert idle.iteration_latency_s is None  # no token in between: no latency, not zero
+    assert idle.iteration_tokens is None
     restarted = adapter.parse(_vllm_with("0.0", "0.0", "0.0", "3.0", "0.01"), now=1.2)
     # Counters went back: the engine restarted, and its new history's mean counts.
     assert restarted.iteration_latency_s == pytest.approx(0.01 / 3)
@@ -185,7 +187,9 @@ def test_sglang_real_page() -> None:
             tpot + b"_count" + model + b"7.400757e+06", tpot + b"_count" + model + b"7.401257e+06"
         )
     )
-    assert adapter.parse(later, 3.05).iteration_latency_s == pytest.approx(10.0 / 500)
+    later_sample = adapter.parse(later, 3.05)
+    assert later_sample.iteration_latency_s == pytest.approx(10.0 / 500)
+    assert later_sample.iteration_tokens == pytest.approx(500)
 
 
 def test_sglang_capacity_and_dp_ranks() -> None:
@@ -264,7 +268,9 @@ def test_tgi_documented_page() -> None:
             b'tgi_batch_forward_duration_count{method="decode"} 220',
         )
     )
-    assert adapter.parse(later, 0.05).iteration_latency_s == pytest.approx(0.5 / 20)
+    later_sample = adapter.parse(later, 0.05)
+    assert later_sample.iteration_latency_s == pytest.approx(0.5 / 20)
+    assert later_sample.iteration_tokens == 20  # decode steps
     assert adapter_for("tgi").parse(page("tgi"), 0.0).kv_usage is None  # no budget known
 
 
@@ -279,7 +285,9 @@ def test_llamacpp_real_page_has_no_kv_gauge() -> None:
         .replace(b"llamacpp:tokens_predicted_total 673", b"llamacpp:tokens_predicted_total 773")
         .replace(b"seconds_total 29.567", b"seconds_total 31.567")
     )
-    assert adapter.parse(later, 0.1).iteration_latency_s == pytest.approx(2.0 / 100)
+    later_sample = adapter.parse(later, 0.1)
+    assert later_sample.iteration_latency_s == pytest.approx(2.0 / 100)
+    assert later_sample.iteration_tokens == 100
 
 
 def test_llamacpp_old_build_kv_ratio_is_used() -> None:
@@ -341,8 +349,8 @@ def test_scanner_rejects_a_malformed_wanted_line() -> None:
 def test_histogram_delta() -> None:
     delta = HistogramDelta()
     assert delta.update(1.0, 10) == pytest.approx(0.1)  # first: the whole history's mean
-    assert delta.update(3.0, 20) == pytest.approx(0.2)
-    assert delta.update(3.0, 20) is None
+    assert delta.update(3.0, 20) == pytest.approx(0.2) and delta.observed == 10
+    assert delta.update(3.0, 20) is None and delta.observed is None
     assert delta.update(0.5, 5) == pytest.approx(0.1)  # reset: the new history's mean
     assert delta.update(0.7, 7) == pytest.approx(0.1)
     assert HistogramDelta().update(0.0, 0) is None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
 from kvgate.core.clock import ManualClock
 from kvgate.core.flow import ArrivalOrder, FlowController, TokenFairness, Waiter
+from kvgate.core.plan.pace import ENGINE_WINDOWS_MIN
 from kvgate.core.policies import build_policy
 from kvgate.core.request import AdmissionRequest, Priority, RequestCost
 from kvgate.core.settings import AdmissionSettings, QueueSettings
@@ -51,7 +52,8 @@ class Bench:
         self.steps = 0
         for node in self.nodes:
             self.flow.add_node(node)
-        self.sample()
+        for _ in range(ENGINE_WINDOWS_MIN):  # engines watched long enough to know their pace
+            self.sample()
 
     # --- requests ----------------------------------------------------------------------------
 

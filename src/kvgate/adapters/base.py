@@ -262,14 +262,17 @@ class HistogramDelta:
     Stateful per node. On the first scrape, and after the counters went backwards (engine
     restart: it starts over), the mean of everything the histogram holds: an engine that
     has run before says how fast it steps before the gateway sees it step. None when no
-    observation was made in between (or ever).
+    observation was made in between (or ever). `observed`: how many observations the last
+    mean rests on (None with it), the weight a sample's mean gets (`NodeSample
+    .iteration_tokens`).
     """
 
-    __slots__ = ("_count", "_sum")
+    __slots__ = ("_count", "_sum", "observed")
 
     def __init__(self) -> None:
         self._sum: float | None = None
         self._count: float | None = None
+        self.observed: float | None = None
 
     def update(self, hist_sum: float, hist_count: float) -> float | None:
         prev_sum, prev_count = self._sum, self._count
@@ -279,11 +282,13 @@ class HistogramDelta:
             if hist_count >= prev_count and hist_sum >= prev_sum:
                 d_count, d_sum = hist_count - prev_count, hist_sum - prev_sum
         if d_count <= 0 or d_sum < 0:
+            self.observed = None
             return None
+        self.observed = d_count
         return d_sum / d_count
 
     def reset(self) -> None:
-        self._sum = self._count = None
+        self._sum = self._count = self.observed = None
 
 
 # ---- the interface ---------------------------------------------------------------------

@@ -55,6 +55,7 @@ class LlamacppAdapter(NoAbortAPI):
             running=count(total(processing), PROCESSING),
             waiting=count(total(deferred), DEFERRED),
             iteration_latency_s=self._latency(found),
+            iteration_tokens=self._per_token.observed,
             sampled_at=now,
         )
 

@@ -74,6 +74,7 @@ class SglangAdapter(AbortAPI):
             running=count(sum(_max_per_rank(running_series).values()), RUNNING),
             waiting=count(sum(_max_per_rank(waiting_series).values()), WAITING),
             iteration_latency_s=self._latency(found),
+            iteration_tokens=self._itl.observed,
             sampled_at=now,
         )
 

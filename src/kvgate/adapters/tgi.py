@@ -61,6 +61,7 @@ class TgiAdapter(NoAbortAPI):
             running=count(total(batch), BATCH),
             waiting=count(total(queue), QUEUE),
             iteration_latency_s=self._iteration(found),
+            iteration_tokens=self._latency.observed,
             sampled_at=now,
         )
 

@@ -57,6 +57,7 @@ class TrtllmAdapter(NoAbortAPI):
             running=count(total(running), RUNNING),
             waiting=count(total(waiting), WAITING),
             iteration_latency_s=self._latency(found),
+            iteration_tokens=self._tpot.observed,
             sampled_at=now,
         )
 

@@ -88,6 +88,7 @@ class VllmAdapter(AbortAPI):
             running=count(total(running_series), RUNNING),
             waiting=count(total(waiting_series), WAITING),
             iteration_latency_s=self._latency(found),
+            iteration_tokens=self._itl.observed,
             sampled_at=now,
             preemptions_total=self._preemptions(found),
             block_size=self._block_size,

@@ -180,9 +180,11 @@ class AdmissionPolicy(Protocol):
         """Tokens the candidates must free before `request` fits on the best of them."""
         ...
 
-    def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:
-        """Seconds until the candidates have likely freed `tokens` KV tokens; None if
-        unknown."""
+    def drain_time(
+        self, tokens: float, candidates: Sequence[str], fastest: bool = False
+    ) -> float | None:
+        """Seconds until the candidates have likely freed `tokens` KV tokens (`fastest`: at
+        their fastest pace, the soonest they could); None if unknown."""
         ...
 
     def measured(self, request: AdmissionRequest) -> bool:

@@ -56,10 +56,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.core.rates import Ewma
+from kvgate.core.rates import DecayingMean, Ewma, RecentMin
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 
@@ -71,8 +71,9 @@ MIN_BASELINE_SAMPLES = 20
 # backed-off polls around it; short enough that load from outside the gateway, which its
 # books cannot see, is heard of within seconds.
 LAG_LIMIT_FACTOR = 10.0
-# Weight of a new sample in the node's decode step time.
-STEP_ALPHA = 0.3
+# The engine's seconds per token are measured over this half-life (as the streams' pace,
+# `kvgate.core.plan.pace`): a prefill that stalls every decode counts at its share of time.
+STEP_HALFLIFE_S = 10.0
 
 LEVEL_OK = "ok"
 LEVEL_HIGH = "high"
@@ -114,9 +115,14 @@ class NodeState:
     # good sample arrived (a slow page's arrives well after its `sampled_at`).
     progress_at: float = float("-inf")
     heard_at: float = float("-inf")
-    # Recent seconds per decode step (EWMA of the samples' iteration latency); None until a
-    # sample reports one.
+    # The engine's seconds per token from its samples' inter-token latency: the mean over
+    # its recent windows, each weighing as many intervals as it rests on (`step_s`; None
+    # until a sample reports one), and the least window mean of the last STEP_HALFLIFE_S
+    # (`step_floor_s`: the decode step itself, between two prefills).
     step_s: float | None = None
+    step_floor_s: float | None = None
+    step_mean: DecayingMean = field(default_factory=lambda: DecayingMean(STEP_HALFLIFE_S))
+    step_recent: RecentMin = field(default_factory=lambda: RecentMin(STEP_HALFLIFE_S))
     # Reflected tokens of requests released since the last sample: in `used` if the sample
     # was rendered before the engine freed them, already gone from it if after.
     freed_unseen: int = 0
@@ -235,8 +241,11 @@ class NodeState:
         self.used = usage * self.cap if usage is not None and self.cap is not None else 0.0
         latency = sample.iteration_latency_s
         if latency is not None and latency > 0:
-            step = self.step_s
-            self.step_s = latency if step is None else step + STEP_ALPHA * (latency - step)
+            at = sample.sampled_at
+            self.step_mean.add(at, latency, sample.iteration_tokens or 1.0)
+            self.step_recent.add(at, latency)
+            self.step_s = self.step_mean.value
+            self.step_floor_s = self.step_recent.value(at)
         self._update_thrashing(now, settings)
         return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 
 class DecayingRate:
@@ -61,3 +62,56 @@ class Ewma:
         self._at = now
         self.count += 1
         return self.value
+
+
+class DecayingMean:
+    """Weighted mean of observations, the older fading with a half-life: a value given
+    with weight `w` counts as `w` observations of it (a window's mean as the observations
+    it rests on). `windows`: how many values were added."""
+
+    __slots__ = ("_at", "_halflife", "_sum", "_weight", "windows")
+
+    def __init__(self, halflife_s: float) -> None:
+        if halflife_s <= 0:
+            raise ValueError("halflife must be positive")
+        self._halflife = halflife_s
+        self._at: float | None = None
+        self._sum = 0.0
+        self._weight = 0.0
+        self.windows = 0
+
+    def add(self, now: float, value: float, weight: float = 1.0) -> None:
+        if self._at is not None and now > self._at:
+            fade = 0.5 ** ((now - self._at) / self._halflife)
+            self._sum *= fade
+            self._weight *= fade
+        self._at = now if self._at is None else max(self._at, now)
+        self._sum += value * weight
+        self._weight += weight
+        self.windows += 1
+
+    @property
+    def value(self) -> float | None:
+        return self._sum / self._weight if self._weight > 0 else None
+
+
+class RecentMin:
+    """The least value added within the last `span_s` (a monotonic queue: O(1) amortised)."""
+
+    __slots__ = ("_span", "_values")
+
+    def __init__(self, span_s: float) -> None:
+        self._span = span_s
+        self._values: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, value: float) -> None:
+        values = self._values
+        while values and values[-1][1] >= value:
+            values.pop()
+        values.append((now, value))
+
+    def value(self, now: float) -> float | None:
+        values = self._values
+        while values and values[0][0] < now - self._span:
+            values.popleft()
+        return values[0][1] if values else None

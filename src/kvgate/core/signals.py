@@ -16,7 +16,8 @@ class NodeSample:
     `iteration_latency_s` is the mean inter-token latency *between this sample and the
     previous one* (delta of histogram sum / delta of count; on a node's first sample, and
     after its engine restarted, the mean of the whole histogram), None when no token was
-    made.
+    made; `iteration_tokens` the number of intervals that mean rests on (None: not said, it
+    weighs as one).
     `sampled_at` is on the core's clock, not the engine's. `block_size` is the tokens per
     KV block the engine caches by (vLLM's `cache_config_info`), and `prefix_hits_total` /
     `prefix_queries_total` its prefix cache's counters (prompt tokens found cached / looked
@@ -33,6 +34,7 @@ class NodeSample:
     block_size: int | None = None
     prefix_hits_total: float | None = None
     prefix_queries_total: float | None = None
+    iteration_tokens: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form, the one used by `/admin/state`, the dashboard and the cluster."""
@@ -47,6 +49,7 @@ class NodeSample:
             "block_size": self.block_size,
             "prefix_hits_total": self.prefix_hits_total,
             "prefix_queries_total": self.prefix_queries_total,
+            "iteration_tokens": self.iteration_tokens,
         }
 
 

@@ -12,11 +12,12 @@ policy's overhead and its model's learned output length, never more than its own
 band keeps its waiters' output caps per model (`WaitQueue.outputs`), so this costs a look
 per model, not per waiter (a model's waiters count at most its count times its length).
 
-A prediction is `measured` only when nothing in it is a prior: the pace of the nodes is
-measured, no request running on them or waiting ahead has a length still to be learned,
-and something runs there to predict the drain from. Otherwise the request waits, and is
-refused once its deadline really passes. A tenant's budget holds a request back for its
-refill (`budget_wait`), a wait it knows exactly.
+The soonest of a prediction, which a refusal is judged by, takes both at the nodes' fastest
+pace (`Pace.fastest_step_s`). A prediction is `measured` only when nothing in it is a
+prior: the pace of the nodes is measured, no request running on them or waiting ahead has
+a length still to be learned, and something runs there to predict the drain from.
+Otherwise the request waits, and is refused once its deadline really passes. A tenant's
+budget holds a request back for its refill (`budget_wait`), a wait it knows exactly.
 """
 
 from __future__ import annotations
@@ -91,14 +92,16 @@ def predict(policy: AdmissionPolicy, request: AdmissionRequest, waiting: Ahead) 
         return wait
     cost = request.cost
     expected = policy.lengths.expected(request.model, cost.max_output_tokens, request.exact_output)
-    drain = policy.drain_time(waiting.expected + policy.footprint(request, expected),
-                              request.candidates)  # fmt: skip
+    needed = waiting.expected + policy.footprint(request, expected)
+    drain = policy.drain_time(needed, request.candidates)
     if drain is None:
         # Nothing runs that could free room for those ahead (they wait for a sync, a late
         # node, their tenants): when is not known.
         return wait._replace(measured=False)
     measured = wait.measured and waiting.informed and policy.measured(request)
-    return Wait(max(wait.seconds, drain), max(wait.soonest, drain), measured)
+    soonest = policy.drain_time(needed, request.candidates, fastest=True)
+    soonest = drain if soonest is None else min(soonest, drain)
+    return Wait(max(wait.seconds, drain), max(wait.soonest, soonest), measured)
 
 
 def _expected(

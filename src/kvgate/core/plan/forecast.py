@@ -56,7 +56,9 @@ class Forecast:
         self.peers_version = 0
         self.freed = DecayingRate(settings.tuning.release_rate_halflife_s)  # tokens freed / s
         self._envelopes: dict[str, tuple[tuple[int, int], Envelope]] = {}
-        self._drain_cache: tuple[int, tuple[str, ...], list[float], list[float]] | None = None
+        # Per pace (the likely, the fastest): the schedule, and the state it was made in.
+        self._drain_cache: dict[bool, tuple[tuple[int, tuple[str, ...]], list[float], list[float]]]
+        self._drain_cache = {}
 
     @property
     def pace(self) -> Pace:
@@ -237,17 +239,17 @@ class Forecast:
         return informed or node_id not in self.peers.nodes
 
     def drain_time(
-        self, tokens: float, candidates: tuple[str, ...], generation: int
+        self, tokens: float, candidates: tuple[str, ...], generation: int, fastest: bool = False
     ) -> float | None:
         """When the candidates will have freed `tokens`: from the ends of what runs there
         (this replica's requests at their likely lengths, `Hold.likely_remaining`, each
         freeing the final footprint the plan holds for it; the others' as their views
         said), extrapolated past the last end at the average rate of those ends; else from
         the measured freeing rate. `generation` names the policy's state, for the cached
-        schedule."""
+        schedule; `fastest`: at the nodes' fastest pace (`Pace.fastest_step_s`)."""
         if tokens <= 0:
             return 0.0
-        times, freed = self._drain_schedule(candidates, generation)
+        times, freed = self._drain_schedule(candidates, generation, fastest)
         if times:
             i = bisect.bisect_left(freed, tokens)
             if i < len(times):
@@ -258,13 +260,14 @@ class Forecast:
         return tokens / rate if rate > 0 else None
 
     def _drain_schedule(
-        self, candidates: tuple[str, ...], generation: int
+        self, candidates: tuple[str, ...], generation: int, fastest: bool
     ) -> tuple[list[float], list[float]]:
         """(end times, tokens freed by then) of the candidates' holds, this replica's and the
         others' (as of the last sync), cached until anything changes."""
-        cached = self._drain_cache
-        if cached is not None and cached[0] == generation and cached[1] == candidates:
-            return cached[2], cached[3]
+        key = (generation, candidates)
+        cached = self._drain_cache.get(fastest)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
         books = self._holds.books
         current = self._holds.current
         ends: list[tuple[float, float]] = []
@@ -273,7 +276,8 @@ class Forecast:
             peers = self.peers.nodes.get(node_id)
             if not book and peers is None:
                 continue
-            step = self._pace.step_s(node_id)
+            pace = self._pace
+            step = pace.fastest_step_s(node_id) if fastest else pace.step_s(node_id)
             for hold in book.holds.values() if book else ():
                 ends.append((hold.likely_remaining() * step, current(hold) + hold.remaining()))
             for steps, held in () if peers is None else peers.loads:
@@ -281,5 +285,5 @@ class Forecast:
         ends.sort()
         times = [at for at, _ in ends]
         freed = list(itertools.accumulate(amount for _, amount in ends))
-        self._drain_cache = (generation, candidates, times, freed)
+        self._drain_cache[fastest] = (key, times, freed)
         return times, freed

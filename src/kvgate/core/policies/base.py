@@ -108,9 +108,11 @@ class BasePolicy:
         own size when nothing more precise is known)."""
         return float(request.cost.total)
 
-    def drain_time(self, tokens: float, candidates: Sequence[str]) -> float | None:
+    def drain_time(
+        self, tokens: float, candidates: Sequence[str], fastest: bool = False
+    ) -> float | None:
         """When the candidates will have freed `tokens` (`Forecast.drain_time`)."""
-        return self.forecast.drain_time(tokens, tuple(candidates), self.generation)
+        return self.forecast.drain_time(tokens, tuple(candidates), self.generation, fastest)
 
     def measured(self, request: AdmissionRequest) -> bool:
         """Do predictions on the request's candidates rest on measurements alone
@@ -304,6 +306,7 @@ class BasePolicy:
         # The pace the forecast turns steps into seconds with, and whether it is measured
         # (a prediction on the prior never refuses a request).
         entry["pace_s"] = self.pace.step_s(node.node_id)
+        entry["pace_fastest_s"] = self.pace.fastest_step_s(node.node_id)
         entry["pace_measured"] = self.pace.measured(node.node_id)
         sample = node.sample
         if (
