@@ -39,6 +39,10 @@ class Bench:
     queue: QueueSettings = field(default_factory=QueueSettings)
     fcfs: bool = False
     settings: AdmissionSettings = field(default_factory=AdmissionSettings)
+    # Engines with prefix caching: their block size, and the prompt tokens that every
+    # request given `prompt_ids` shares (the engine holds them once).
+    block_size: int | None = None
+    shared_prefix: int = 0
 
     def __post_init__(self) -> None:
         self.clock = ManualClock(100.0)
@@ -67,6 +71,7 @@ class Bench:
         name: str | None = None,
         exact: bool = True,
         max_wait_s: float | None = None,
+        prompt_ids: tuple[int, ...] | None = None,
     ) -> Decision | Waiter:
         rid = name or f"r{next(self._ids)}"
         request = AdmissionRequest(
@@ -78,6 +83,7 @@ class Bench:
             candidates=self.nodes,
             exact_output=exact,
             max_wait_s=max_wait_s,
+            prompt_ids=prompt_ids,
         )
         result = self.flow.submit(request)
         if isinstance(result, Waiter):
@@ -127,7 +133,10 @@ class Bench:
         raise AssertionError("the bench never went idle")
 
     def used(self, node: str) -> int:
-        return sum(r.ticket.request.cost.prompt_tokens + r.produced for r in self.running[node])
+        live = self.running[node]
+        sharing = sum(1 for r in live if r.ticket.request.prompt_ids)
+        held = sum(r.ticket.request.cost.prompt_tokens + r.produced for r in live)
+        return held - max(0, sharing - 1) * self.shared_prefix
 
     def sample(self) -> None:
         for node in self.nodes:
@@ -140,6 +149,7 @@ class Bench:
                     waiting=0,
                     iteration_latency_s=STEP_S,
                     sampled_at=self.clock.now(),
+                    block_size=self.block_size,
                 ),
             )
 

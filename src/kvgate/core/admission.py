@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from kvgate.core.clock import Clock
     from kvgate.core.plan.lengths import OutputLengths
+    from kvgate.core.prefix.held import PromptSharing
     from kvgate.core.replicas.claims import Claims
     from kvgate.core.replicas.peers import PeerState
 
@@ -159,6 +160,11 @@ class AdmissionPolicy(Protocol):
     @property
     def claims(self) -> Claims:
         """This replica's claims on each node's slack (while other replicas admit too)."""
+        ...
+
+    @property
+    def sharing(self) -> PromptSharing:
+        """The prompt blocks each node's running requests hold (what a newcomer shares)."""
         ...
 
     def admit(

@@ -172,8 +172,7 @@ class FlowController:
         decision: Decision | None = None
         quiet = self._walked[0] == self.policy.generation  # nothing changed since the walk
         if blocked is None and not held and (not ahead.tokens or quiet):
-            # With waiters ahead and nothing changed since the last walk, this request is
-            # the only one that might start now: against the walk's promises, as backfill.
+            # Waiters ahead, nothing changed since the last walk: only this one might start.
             decision = self.policy.admit(request, self._promised if ahead.tokens else None)
             if isinstance(decision, Admit):
                 return self._past_deadline(decision.ticket, 0.0) or self._started(
@@ -198,6 +197,7 @@ class FlowController:
             deadline=now + bound,
             seq=self.queue.next_seq(),
             tokens=tokens,
+            shared=ahead.shared,
         )
         self.queue.push(waiter)
         if ahead.tokens and not quiet:

@@ -42,6 +42,7 @@ class Waiter:
     deadline: float
     seq: int
     tokens: int
+    shared: int = 0  # prompt tokens its best node held already when queued (counted once)
     state: WaitState = WaitState.WAITING
     decision: Decision | None = None
     notify: Callable[[Decision], None] | None = field(default=None, repr=False)
@@ -63,7 +64,7 @@ class Outputs:
 
 
 class _Band:
-    __slots__ = ("count", "live", "outputs", "tenants", "tokens")
+    __slots__ = ("count", "live", "outputs", "shared", "tenants", "tokens")
 
     def __init__(self) -> None:
         self.tenants: dict[str, deque[Waiter]] = {}  # may hold departed waiters until compacted
@@ -71,6 +72,7 @@ class _Band:
         self.outputs: dict[str, Outputs] = {}  # per model, of the waiters not exact
         self.count = 0
         self.tokens = 0
+        self.shared = 0  # the waiters' `shared` summed
 
     def compact(self) -> None:
         """Drop departed waiters from the front of each FIFO and empty FIFOs."""
@@ -104,6 +106,10 @@ class WaitQueue:
 
     def band_tokens(self, priority: Priority) -> int:
         return self._bands[priority].tokens
+
+    def band_shared(self, priority: Priority) -> int:
+        """Prompt tokens of the band's waiters their nodes held already (`Waiter.shared`)."""
+        return self._bands[priority].shared
 
     def tenant_count(self, priority: Priority, tenant: str) -> int:
         return self._bands[priority].live.get(tenant, 0)
@@ -143,6 +149,7 @@ class WaitQueue:
         band.live[tenant] = band.live.get(tenant, 0) + 1
         band.count += 1
         band.tokens += waiter.tokens
+        band.shared += waiter.shared
         self.count += 1
         self.tokens += waiter.tokens
         sums = self._tenants.setdefault(tenant, [0, 0])
@@ -173,6 +180,7 @@ class WaitQueue:
             band.live.pop(tenant, None)
         band.count -= 1
         band.tokens -= waiter.tokens
+        band.shared -= waiter.shared
         self.count -= 1
         self.tokens -= waiter.tokens
         sums = self._tenants[tenant]
@@ -199,7 +207,11 @@ class WaitQueue:
         tokens = request.cost.total
         delta = tokens - waiter.tokens
         waiter.request, waiter.tokens = request, tokens
-        self._bands[request.priority].tokens += delta
+        band = self._bands[request.priority]
+        shared = min(waiter.shared, request.cost.prompt_tokens)
+        band.shared += shared - waiter.shared
+        waiter.shared = shared
+        band.tokens += delta
         self.tokens += delta
         self._tenants[request.tenant][1] += delta
 

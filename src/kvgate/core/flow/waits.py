@@ -9,6 +9,8 @@ this one (`AdmissionPolicy.drain_time`: what runs there ending at its likely len
 
 The waiters ahead count at their expected footprints (`ahead`): a waiter's prompt, the
 policy's overhead and its model's learned output length, never more than its own cap. A
+prompt's blocks that its node held already when it was queued count once (`shared`), as
+the ends that free room free only what their requests did not share. A
 band keeps its waiters' output caps per model (`WaitQueue.outputs`), so this costs a look
 per model, not per waiter (a model's waiters count at most its count times its length).
 
@@ -34,11 +36,12 @@ if TYPE_CHECKING:
 
 
 class Ahead(NamedTuple):
-    """The waiters an arrival would be served after."""
+    """The waiters an arrival would be served after, and what the arrival shares."""
 
     tokens: int  # their costs (prompt + max_tokens): 0 when none waits ahead
-    expected: float  # their expected footprints (learned output lengths)
+    expected: float  # their expected footprints (learned output lengths, shared prompts once)
     informed: bool  # every one of those lengths is learned, none a guess
+    shared: int = 0  # prompt tokens of the arrival its best candidate holds already
 
 
 class Wait(NamedTuple):
@@ -78,7 +81,17 @@ def ahead(queue: WaitQueue, policy: AdmissionPolicy, request: AdmissionRequest) 
         tokens += int(same * share)
         expected += band_expected * share
         informed = informed and band_informed
-    return Ahead(tokens, expected, informed)
+    return Ahead(tokens, expected, informed, shared(policy, request))
+
+
+def shared(policy: AdmissionPolicy, request: AdmissionRequest) -> int:
+    """The most prompt tokens of `request` one of its candidates holds already (running
+    requests' shared prefix blocks, `kvgate.core.prefix.held`): there it costs that less."""
+    if not request.prompt_ids:
+        return 0
+    prompt = request.cost.prompt_tokens
+    sharing = policy.sharing
+    return max((prompt - sharing.lacks(node, request) for node in request.candidates), default=0)
 
 
 def predict(policy: AdmissionPolicy, request: AdmissionRequest, waiting: Ahead) -> Wait | None:
@@ -92,7 +105,7 @@ def predict(policy: AdmissionPolicy, request: AdmissionRequest, waiting: Ahead) 
         return wait
     cost = request.cost
     expected = policy.lengths.expected(request.model, cost.max_output_tokens, request.exact_output)
-    needed = waiting.expected + policy.footprint(request, expected)
+    needed = waiting.expected + policy.footprint(request, expected) - waiting.shared
     drain = policy.drain_time(needed, request.candidates)
     if drain is None:
         # Nothing runs that could free room for those ahead (they wait for a sync, a late
@@ -111,7 +124,8 @@ def _expected(
     lengths is informed (see the module docstring)."""
     lengths = policy.lengths
     overhead = policy.footprint(request, 0) - request.cost.prompt_tokens
-    tokens = float(queue.band_tokens(band) + overhead * queue.band_count(band))
+    tokens = float(queue.band_tokens(band) - queue.band_shared(band))
+    tokens += overhead * queue.band_count(band)
     informed = True
     for model, outputs in queue.outputs(band).items():
         quantile = lengths.learned(model).quantile

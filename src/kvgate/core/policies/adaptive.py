@@ -287,8 +287,7 @@ class AdaptivePolicy(BasePolicy):
         else:  # a waiter's turn is coming on the node: no room above the cache meanwhile
             limit = self.ceiling(node, request.priority) * cap
         panic = self.settings.panic_watermark * cap
-        # Nodes are ranked by their room under the panic watermark: room above the cache is
-        # no room to prefer a node for.
+        # Nodes are ranked by their room under panic: room above the cache is no preference.
         room = min(limit, panic)
         used = forecast.used(node)
         upper = used + self.holds.reserved_on(node_id) + forecast.peers_upper(node_id) + final
@@ -437,10 +436,11 @@ class AdaptivePolicy(BasePolicy):
         may be planned above the cache, once the plan has room under that ceiling and the
         cache has freed room for its prompt, whichever is sooner."""
         assert node.cap is not None
+        prompt = self.sharing.lacks(node.node_id, request)
+        final -= request.cost.prompt_tokens - prompt  # blocks the node holds count once
         fixed = self.ceiling(node, request.priority) * node.cap
         estimate = self.forecast.start_estimate(node, final, fixed, informed)
         over = self.ceiling(node, request.priority, cheap=True)
-        prompt = self.sharing.lacks(node.node_id, request)
         if over * node.cap <= fixed or not self._may_overbook(node, prompt, expected):
             return estimate
         above = self.forecast.start_estimate(node, final, over * node.cap, informed)
