@@ -71,9 +71,13 @@ MIN_BASELINE_SAMPLES = 20
 # backed-off polls around it; short enough that load from outside the gateway, which its
 # books cannot see, is heard of within seconds.
 LAG_LIMIT_FACTOR = 10.0
-# The engine's seconds per token are measured over this half-life (as the streams' pace,
-# `kvgate.core.plan.pace`): a prefill that stalls every decode counts at its share of time.
-STEP_HALFLIFE_S = 10.0
+# The engine's seconds per token are its scrapes' mean over this half-life, each weighing
+# the intervals it rests on: a prefill that stalls every decode counts at its share of time,
+# and a step that grows with the batch shows within a second or two (a departed replica's
+# requests are aged at it: `kvgate.core.replicas.departed`). The least scrape mean is kept
+# over STEP_FLOOR_SPAN_S: the decode step between two prefills.
+STEP_HALFLIFE_S = 1.0
+STEP_FLOOR_SPAN_S = 10.0
 
 LEVEL_OK = "ok"
 LEVEL_HIGH = "high"
@@ -117,12 +121,12 @@ class NodeState:
     heard_at: float = float("-inf")
     # The engine's seconds per token from its samples' inter-token latency: the mean over
     # its recent windows, each weighing as many intervals as it rests on (`step_s`; None
-    # until a sample reports one), and the least window mean of the last STEP_HALFLIFE_S
+    # until a sample reports one), and the least window mean of the last STEP_FLOOR_SPAN_S
     # (`step_floor_s`: the decode step itself, between two prefills).
     step_s: float | None = None
     step_floor_s: float | None = None
     step_mean: DecayingMean = field(default_factory=lambda: DecayingMean(STEP_HALFLIFE_S))
-    step_recent: RecentMin = field(default_factory=lambda: RecentMin(STEP_HALFLIFE_S))
+    step_recent: RecentMin = field(default_factory=lambda: RecentMin(STEP_FLOOR_SPAN_S))
     # Reflected tokens of requests released since the last sample: in `used` if the sample
     # was rendered before the engine freed them, already gone from it if after.
     freed_unseen: int = 0
