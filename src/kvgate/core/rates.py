@@ -67,32 +67,27 @@ class Ewma:
 class DecayingMean:
     """Weighted mean of observations, the older fading with a half-life: a value given
     with weight `w` counts as `w` observations of it (a window's mean as the observations
-    it rests on). `windows`: how many values were added."""
+    it rests on). Two `DecayingRate`s, of the weighted values and of the weights, whose
+    ratio it is. `windows`: how many values were added."""
 
-    __slots__ = ("_at", "_halflife", "_sum", "_weight", "windows")
+    __slots__ = ("_at", "_sum", "_weight", "windows")
 
     def __init__(self, halflife_s: float) -> None:
-        if halflife_s <= 0:
-            raise ValueError("halflife must be positive")
-        self._halflife = halflife_s
-        self._at: float | None = None
-        self._sum = 0.0
-        self._weight = 0.0
+        self._sum = DecayingRate(halflife_s)
+        self._weight = DecayingRate(halflife_s)
+        self._at = 0.0
         self.windows = 0
 
     def add(self, now: float, value: float, weight: float = 1.0) -> None:
-        if self._at is not None and now > self._at:
-            fade = 0.5 ** ((now - self._at) / self._halflife)
-            self._sum *= fade
-            self._weight *= fade
-        self._at = now if self._at is None else max(self._at, now)
-        self._sum += value * weight
-        self._weight += weight
+        self._sum.add(now, value * weight)
+        self._weight.add(now, weight)
+        self._at = max(self._at, now) if self.windows else now
         self.windows += 1
 
     @property
     def value(self) -> float | None:
-        return self._sum / self._weight if self._weight > 0 else None
+        weight = self._weight.value(self._at)
+        return self._sum.value(self._at) / weight if weight > 0 else None
 
 
 class RecentMin:

@@ -197,7 +197,7 @@ class FlowController:
             deadline=now + bound,
             seq=self.queue.next_seq(),
             tokens=tokens,
-            shared=ahead.shared,
+            shared=waits.shared(self.policy, request),
         )
         self.queue.push(waiter)
         if ahead.tokens and not quiet:

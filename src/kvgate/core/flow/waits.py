@@ -36,12 +36,11 @@ if TYPE_CHECKING:
 
 
 class Ahead(NamedTuple):
-    """The waiters an arrival would be served after, and what the arrival shares."""
+    """The waiters an arrival would be served after."""
 
     tokens: int  # their costs (prompt + max_tokens): 0 when none waits ahead
     expected: float  # their expected footprints (learned output lengths, shared prompts once)
     informed: bool  # every one of those lengths is learned, none a guess
-    shared: int = 0  # prompt tokens of the arrival its best candidate holds already
 
 
 class Wait(NamedTuple):
@@ -81,17 +80,16 @@ def ahead(queue: WaitQueue, policy: AdmissionPolicy, request: AdmissionRequest) 
         tokens += int(same * share)
         expected += band_expected * share
         informed = informed and band_informed
-    return Ahead(tokens, expected, informed, shared(policy, request))
+    return Ahead(tokens, expected, informed)
 
 
 def shared(policy: AdmissionPolicy, request: AdmissionRequest) -> int:
     """The most prompt tokens of `request` one of its candidates holds already (running
     requests' shared prefix blocks, `kvgate.core.prefix.held`): there it costs that less."""
-    if not request.prompt_ids:
+    ids = request.prompt_ids
+    if not ids:
         return 0
-    prompt = request.cost.prompt_tokens
-    sharing = policy.sharing
-    return max((prompt - sharing.lacks(node, request) for node in request.candidates), default=0)
+    return max((policy.sharing.on(node, ids) for node in request.candidates), default=0)
 
 
 def predict(policy: AdmissionPolicy, request: AdmissionRequest, waiting: Ahead) -> Wait | None:
@@ -105,14 +103,15 @@ def predict(policy: AdmissionPolicy, request: AdmissionRequest, waiting: Ahead) 
         return wait
     cost = request.cost
     expected = policy.lengths.expected(request.model, cost.max_output_tokens, request.exact_output)
-    needed = waiting.expected + policy.footprint(request, expected) - waiting.shared
+    needed = waiting.expected + policy.footprint(request, expected) - shared(policy, request)
     drain = policy.drain_time(needed, request.candidates)
     if drain is None:
         # Nothing runs that could free room for those ahead (they wait for a sync, a late
         # node, their tenants): when is not known.
         return wait._replace(measured=False)
     measured = wait.measured and waiting.informed and policy.measured(request)
-    soonest = policy.drain_time(needed, request.candidates, fastest=True)
+    # The soonest judges a refusal, which only a measured prediction makes.
+    soonest = policy.drain_time(needed, request.candidates, fastest=True) if measured else None
     soonest = drain if soonest is None else min(soonest, drain)
     return Wait(max(wait.seconds, drain), max(wait.soonest, soonest), measured)
 

@@ -21,7 +21,7 @@ the engine's own figure, and a prior only when nothing was measured:
 
 A refusal is judged at the node's *fastest* pace (`fastest_step_s`): the least of the
 above, its healthy latency baseline, and the least window mean the engine showed in the
-last `PACE_HALFLIFE_S` (`NodeState.step_floor_s`: its decode step between two prefills).
+last `STEP_FLOOR_SPAN_S` (`NodeState.step_floor_s`: its decode step between two prefills).
 And the engine's figure is a measurement only from its `ENGINE_WINDOWS_MIN`-th window on:
 the first windows of a burst hold its prompts' prefills, which stall every request that
 decodes (on a slow CPU engine, 5 prompts of 500 tokens admitted one after another made the
