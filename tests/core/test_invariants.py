@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from kvgate.core.admission import Admit, Decision, Outcome, Reject, Ticket
@@ -542,6 +542,10 @@ any_float = st.floats(allow_nan=True, allow_infinity=True)
 
 
 @settings(max_examples=150, deadline=None)
+@example(  # the largest float as a step: the engine's pace overflowed to inf
+    policy_name="none", usage=None, capacity=None, running=0, waiting=0,
+    latency=1.7976931348623157e308, skew=0.0,
+)  # fmt: skip
 @given(
     policy_name=st.sampled_from(POLICIES),
     usage=st.one_of(st.none(), any_float),

@@ -63,6 +63,9 @@ from kvgate.core.rates import DecayingMean, Ewma, RecentMin
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
 
+# The longest iteration latency taken as a measurement: an engine step of an hour is a
+# broken page, and the means it would enter overflow.
+MAX_STEP_S = 3600.0
 # Samples the latency baseline needs before it may declare thrashing.
 MIN_BASELINE_SAMPLES = 20
 # A lagging node is admitted to on its last sample only while that sample is at most this
@@ -319,8 +322,8 @@ def sanitize(sample: NodeSample, now: float) -> NodeSample | None:
     Adapters should never produce these, but a pushed sample or a broken page might:
     NaN/inf KV usage or sample time -> unusable; KV usage clamped to [0, 1]; a sample
     time in the future -> now (it must not keep a node fresh longer than it is); negative
-    counts -> 0; a non-positive capacity -> unknown; a non-finite or negative latency ->
-    unknown.
+    counts -> 0; a non-positive capacity -> unknown; a latency that is negative, not finite
+    or past `MAX_STEP_S` -> unknown.
     """
     usage = sample.kv_usage
     at = sample.sampled_at
@@ -335,7 +338,7 @@ def sanitize(sample: NodeSample, now: float) -> NodeSample | None:
         "waiting": max(0, sample.waiting),
         "kv_capacity_tokens": capacity if capacity is not None and capacity > 0 else None,
         "iteration_latency_s": (
-            latency if latency is not None and math.isfinite(latency) and latency >= 0 else None
+            latency if latency is not None and 0 <= latency <= MAX_STEP_S else None
         ),
     }
     if all(getattr(sample, key) == value for key, value in fixed.items()):
