@@ -72,6 +72,8 @@ class Bench:
         exact: bool = True,
         max_wait_s: float | None = None,
         prompt_ids: tuple[int, ...] | None = None,
+        timeout_s: float | None = None,
+        stream: bool = False,
     ) -> Decision | Waiter:
         rid = name or f"r{next(self._ids)}"
         request = AdmissionRequest(
@@ -83,6 +85,8 @@ class Bench:
             candidates=self.nodes,
             exact_output=exact,
             max_wait_s=max_wait_s,
+            timeout_s=timeout_s,
+            stream=stream,
             prompt_ids=prompt_ids,
         )
         result = self.flow.submit(request)

@@ -1,5 +1,5 @@
-"""Clients' deadlines, learned from the ones that left (`kvgate.core.flow.patience`), and the
-flow controller's bound that follows from it, in virtual time."""
+"""Clients' deadlines, said or learned from the ones that left (`kvgate.core.flow.patience`),
+and the flow controller's bound that follows from them, in virtual time."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def test_nothing_is_learned_while_few_leave() -> None:
     for _ in range(int(MIN_LEFT) - 1):
         patience.left("t", 3.0, 100.0)
     assert patience.deadline("t", 100.0) is None
-    assert patience.bound("t", 100, 100.0) is None
+    assert (
+        patience.bound(AdmissionRequest("r", RequestCost(1, 100), tenant="t"), 100, 100.0) is None
+    )
 
 
 def test_clients_that_waited_longer_keep_the_estimate_up() -> None:
@@ -83,7 +85,7 @@ def test_the_bound_leaves_time_for_the_answer_and_the_estimate_decays() -> None:
         patience.answered("t", 4.0, 5.0)
     for _ in range(10):
         patience.left("t", 10.0, 5.0)
-    bound = patience.bound("t", 200, 5.0)
+    bound = patience.bound(AdmissionRequest("r", RequestCost(1, 200), tenant="t"), 200, 5.0)
     learned = patience.deadline("t", 5.0)
     assert learned is not None and bound is not None
     assert abs(bound - (learned - 200 * 0.02)) < 1e-9
@@ -160,3 +162,51 @@ def test_an_answer_that_would_end_after_the_deadline_does_not_start() -> None:
     assert bench.admitted("short")
     bench.submit(500, 500, tenant="u", name="other")  # no deadline for this tenant: it starts
     assert bench.admitted("other")
+
+
+def test_a_clients_own_timeout_bounds_its_wait_from_the_first_request() -> None:
+    """A fresh gateway, nothing learned: a request whose client says it gives up after
+    2 s (the OpenAI SDKs' header), behind 10 s of work, gets its 429 at once; the same
+    request saying nothing, or 60 s, waits."""
+    bench = Bench()
+    for _ in range(3):  # each runs 10 s (1,000 steps of 10 ms)
+        bench.submit(500, 500)
+    hasty = bench.submit(500, 500, name="hasty", timeout_s=2.0)
+    assert isinstance(hasty, Reject) and hasty.status == 429, hasty
+    assert hasty.retry_after_s > 2.0
+    assert isinstance(bench.submit(500, 500, name="silent"), Waiter)
+    assert isinstance(bench.submit(500, 500, name="patient", timeout_s=60.0), Waiter)
+
+
+def test_a_stream_must_only_start_within_its_timeout() -> None:
+    """On an idle node, an answer of 500 tokens takes 5 s: a client that gives up on an
+    answer not ended within 2 s is refused `client_deadline`; a stream with the same
+    timeout starts (its first bytes come at once, and keep it alive)."""
+    bench = Bench()
+    whole = bench.submit(500, 500, name="whole", timeout_s=2.0)
+    assert isinstance(whole, Reject) and whole.reason == "client_deadline", whole
+    assert "timeout of 2.0 s" in whole.message
+    assert bench.books_empty()
+    bench.submit(500, 500, name="stream", timeout_s=2.0, stream=True)
+    assert bench.admitted("stream")
+
+
+def test_a_queued_stream_waits_within_its_timeout_only() -> None:
+    """Behind 10 s of work, a stream whose client gives up after 3 s is answered (429) a
+    second before it would leave, never after; one that waits 12 s starts once there is
+    room, though its answer runs 5 s more."""
+    bench = Bench()
+    for _ in range(3):  # each runs 10 s
+        bench.submit(500, 500)
+    start = bench.clock.now()
+    bench.submit(500, 500, name="hasty", timeout_s=3.0, stream=True)
+    bench.submit(500, 500, name="patient", timeout_s=12.0, stream=True)
+    refused_at = None
+    while not bench.admitted("patient") and bench.clock.now() - start < 12.0:
+        if refused_at is None and isinstance(bench.decisions.get("hasty"), Reject):
+            refused_at = bench.clock.now() - start
+        bench.step(1)
+    hasty = bench.decisions["hasty"]
+    assert isinstance(hasty, Reject) and hasty.status == 429, hasty
+    assert refused_at is not None and refused_at <= 2.0 + 1e-9
+    assert bench.admitted("patient") and bench.clock.now() - start <= 11.0

@@ -9,6 +9,8 @@ from collections import Counter
 from collections.abc import Mapping
 
 import httpx
+import openai
+import pytest
 
 from gateway.helpers import RawClient, openai_error
 from kvgate.core.admission import Decision, Outcome, Reject, StartEstimate, Ticket
@@ -241,3 +243,26 @@ async def test_a_client_that_will_not_wait_is_refused_at_once(
     assert bad.status_code == 400
     assert openai_error(bad.content)["param"] == "X-Kvgate-Max-Wait-Ms"
     assert gw.gateway.admission.counts["queued"] == 0
+
+
+async def test_an_sdk_client_is_answered_before_its_own_timeout(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    """The `openai` SDK sends its timeout (`X-Stainless-Read-Timeout`): a request queued
+    behind one that runs 3 s gets its 429 before the client's 1.5 s are up, streamed or
+    not, where it would otherwise wait the queue's 60 s and the SDK would time out."""
+    policy = OneAtATime()
+    gw = await gateway_factory([fake_engine.url], policy=policy)
+    sdk = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", timeout=1.5, max_retries=0)
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client, sdk:
+        first = await _first_running(client, policy, 3.0)
+        for stream in (False, True):
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(openai.RateLimitError) as refused:
+                await sdk.completions.create(model="fake-model", prompt="p", stream=stream)
+            waited = asyncio.get_running_loop().time() - started
+            assert waited < 1.5, (stream, waited)
+            reason = refused.value.response.headers["x-kvgate-reason"]
+            assert reason in {"queue_timeout", "wait_exceeded"}, (stream, reason)
+        assert (await first).status_code == 200
+    assert [rid for rid, _, _ in policy.admitted] == ["first"]

@@ -82,6 +82,9 @@ class AdmissionRequest:
     engine to ignore end-of-sequence), so the envelope need not predict its length.
     `max_wait_s` is the client's own bound on queueing (None: the priority's default; the
     client may lower it, never raise it). `candidates` are the node ids that serve its model.
+    `timeout_s` is the client's own timeout for this try, when it says (the OpenAI SDKs
+    send theirs): it gives up unless its answer has ended within it (a `stream`: unless
+    its first bytes came within it, kvgate.core.flow.patience).
 
     `prompt_ids`: the prompt's token ids as the engine will see them (chat template and
     special tokens applied), when they are known: from token ids in the body, the model's
@@ -99,4 +102,6 @@ class AdmissionRequest:
     candidates: tuple[str, ...] = ()
     exact_output: bool = False
     max_wait_s: float | None = None
+    timeout_s: float | None = None
+    stream: bool = False
     prompt_ids: tuple[int, ...] | None = None

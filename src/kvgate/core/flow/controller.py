@@ -440,16 +440,16 @@ class FlowController:
     # --- helpers ---------------------------------------------------------------------------------
 
     def _bound(self, request: AdmissionRequest) -> float:
-        """Its priority's `max_wait_s`, lowered by the client's own bound and by its
-        tenant's learned patience (`kvgate.core.flow.patience`)."""
+        """Its priority's `max_wait_s`, lowered by the client's own bound and deadline
+        (`kvgate.core.flow.patience`)."""
         bound = self.queue_settings.wait_for(request.priority)
         if request.max_wait_s is not None:
             bound = min(bound, max(0.0, request.max_wait_s))
-        if bound > 0 and self.patience.deadline(request.tenant, self.clock.now()) is not None:
+        if bound > 0 and self.patience.bounds(request, self.clock.now()):
             expected = self.policy.lengths.expected(
                 request.model, request.cost.max_output_tokens, request.exact_output
             )
-            patience = self.patience.bound(request.tenant, expected, self.clock.now())
+            patience = self.patience.bound(request, expected, self.clock.now())
             bound = bound if patience is None else min(bound, patience)
         return bound
 
@@ -553,10 +553,10 @@ class FlowController:
     def _past_deadline(self, ticket: Ticket, waited: float) -> Reject | None:
         """The 429 of a request that could start, but whose answer would end after its
         client's deadline (`Patience.late`): its hold is given back at once."""
-        tenant, now = ticket.request.tenant, self.clock.now()
-        if self.patience.deadline(tenant, now) is None:  # most tenants: no time_left asked
+        request, now = ticket.request, self.clock.now()
+        if not self.patience.bounds(request, now):  # most requests: no time_left asked
             return None
-        late = self.patience.late(tenant, waited + self.policy.time_left(ticket), now)
+        late = self.patience.late(request, waited + self.policy.time_left(ticket), now)
         if late is None:
             return None
         self.policy.release(ticket, Outcome.CLIENT_CANCEL)

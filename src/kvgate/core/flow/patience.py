@@ -1,14 +1,23 @@
-"""Clients' deadlines, learned from the ones that left: the queue holds nobody past theirs.
+"""Clients' deadlines, said or learned from the ones that left: the queue holds nobody past
+theirs.
 
 A client with a timeout leaves a request that has not answered in time, and a client that
 retries comes back at once, to the end of the queue: a gateway that holds requests longer
 than their clients wait serves nobody (every answer ends after its client left: the
 engine's work is lost, and the retries fill the queue). The queue's bound
-(`queue.max_wait_s`) is the operator's upper limit; the clients' own deadline is learned
-here, per tenant, and lowers it.
+(`queue.max_wait_s`) is the operator's upper limit; the clients' own deadlines lower it.
 
-**What is observed.** Every request that was queued or started ends for its client in
-one of two ways: its answer ended `t` seconds after it arrived (a censored observation:
+**Said.** The OpenAI SDKs send their timeout with every try (`X-Stainless-Timeout` from
+the Node SDK, `X-Stainless-Read-Timeout` from the Python one: 600 s unless the caller set
+another; `AdmissionRequest.timeout_s`). Either gives up when no byte came back within
+it: an answer that is not streamed must end within it, a stream only start, after which
+its bytes keep it alive. So a stream waits at most its timeout less a second
+(`FIRST_BYTES_S`) and starts however long it will run; an answer sent whole waits at most
+its timeout less the time it takes, and does not start if it would end after it.
+
+**Learned.** Other clients say nothing, and their deadline is learned per tenant from
+when they leave. Every request that was queued or started ends for its client in one of
+two ways: its answer ended `t` seconds after it arrived (a censored observation:
 the client would have waited at least `t`), or the client left after `t` seconds, in the
 queue or in the middle of its answer (an event: it waited exactly `t`).
 
@@ -23,9 +32,10 @@ least `CLIFF_DROP` of them in the last `CLIFF_SPAN` of the time before it, and a
 their requests at once, with no answer seen yet, show no deadline); otherwise nothing is
 bounded.
 
-**The bound.** A request may wait at most its tenant's deadline less the time its answer
-takes once started (its expected output length at the seconds per output token measured
-over the answers that ended), so that what it waits for ends before its client leaves.
+**The bound.** A request may wait at most its deadline (its own timeout or its tenant's,
+whichever ends first) less the time its answer takes once started (its expected output
+length at the seconds per output token measured over the answers that ended), so that
+what it waits for ends before its client leaves.
 The flow controller refuses at once (429 with the predicted wait as Retry-After) what
 cannot start within that, instead of keeping it until its client leaves. A request that
 could start now but whose answer would end after the deadline at the node's measured
@@ -45,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.core.admission import Outcome, Ticket
+from kvgate.core.request import AdmissionRequest
 
 # Waits from 50 ms to an hour, in bins 5% apart.
 _LOW_S = 0.05
@@ -55,6 +66,8 @@ CLIFF_SPAN = 0.2  # a deadline's cliff: the last fifth of the time before it ...
 CLIFF_DROP = 0.3  # ... in which at least this share of the clients left
 HALF_LIFE_S = 300.0
 REFRESH_S = 0.25  # a tenant's patience is recomputed at most this often
+FIRST_BYTES_S = 1.0  # a stream that must start within its own timeout starts this much before
+FIRST_BYTES_SHARE = 0.1  # ... or this share of it, when that is less
 SPEED_WEIGHT = 0.1  # weight of each answer in the seconds-per-token average
 _RESCALE = 2.0**40
 
@@ -159,22 +172,42 @@ class Patience:
         curve = self._curves.get(tenant)
         return None if curve is None else curve.deadline(now)
 
-    def bound(self, tenant: str, expected_output: int, now: float) -> float | None:
-        """The longest a request of `tenant` expecting `expected_output` tokens should
-        wait so that its answer ends before its client leaves; None: no deadline."""
-        deadline = self.deadline(tenant, now)
-        if deadline is None:
-            return None
-        answer = (self.seconds_per_token or 0.0) * expected_output
-        return max(0.0, deadline - answer)
+    def bounds(self, request: AdmissionRequest, now: float) -> bool:
+        """Whether a deadline bounds `request`: its client's own timeout, or its tenant's."""
+        return request.timeout_s is not None or self.deadline(request.tenant, now) is not None
 
-    def late(self, tenant: str, ends_s: float, now: float) -> str | None:
-        """Why a request whose answer is expected to end `ends_s` after its arrival should
-        not start (it would end after its client's deadline); None when it may."""
-        deadline = self.deadline(tenant, now)
+    def bound(self, request: AdmissionRequest, expected_output: int, now: float) -> float | None:
+        """The longest `request`, expecting `expected_output` tokens, should wait so that
+        its client still reads its answer; None: no deadline. An answer must end before
+        its deadline (at the seconds per token its answers took), a stream's first bytes
+        only arrive before its own timeout (`FIRST_BYTES_S` to spare)."""
+        bounds = []
+        timeout = request.timeout_s
+        if timeout is not None and request.stream:
+            bounds.append(timeout - min(FIRST_BYTES_S, timeout * FIRST_BYTES_SHARE))
+        deadline = self._answer_deadline(request, now)
+        if deadline is not None:
+            bounds.append(deadline - (self.seconds_per_token or 0.0) * expected_output)
+        return max(0.0, min(bounds)) if bounds else None
+
+    def late(self, request: AdmissionRequest, ends_s: float, now: float) -> str | None:
+        """Why `request`, whose answer is expected to end `ends_s` after its arrival, should
+        not start (it would end after its client gives up); None when it may."""
+        deadline = self._answer_deadline(request, now)
         if deadline is None or ends_s <= deadline:
             return None
+        if request.timeout_s is not None and deadline == request.timeout_s:
+            return _LATE_TIMEOUT.format(ends=ends_s, deadline=deadline)
         return _LATE.format(ends=ends_s, deadline=deadline)
+
+    def _answer_deadline(self, request: AdmissionRequest, now: float) -> float | None:
+        """By when, after its arrival, `request`'s answer must have ended: its own timeout
+        unless it streams, or its tenant's clients' learned deadline, whichever is first."""
+        learned = self.deadline(request.tenant, now)
+        own = None if request.stream else request.timeout_s
+        if own is None or learned is None:
+            return own if learned is None else learned
+        return min(own, learned)
 
     def snapshot(self, now: float) -> dict[str, Any]:
         return {
@@ -192,6 +225,10 @@ class Patience:
         return curve
 
 
+_LATE_TIMEOUT = (
+    "At the backends' current pace this answer would end about {ends:.0f} s after the"
+    " request arrived, after the client's own timeout of {deadline:.1f} s; retry later."
+)
 _LATE = (
     "At the backends' current pace this answer would end about {ends:.0f} s after the"
     " request arrived, and this tenant's clients leave after {deadline:.1f} s; retry later."

@@ -1,8 +1,8 @@
 """Reading a request: from the client's headers and body to the two immutable requests.
 
 `read_head` takes what kvgate reads from the headers in one pass (request id, priority,
-wait bound, declared length), before anything else, so that even a refusal carries the
-request's id. `Intake` then reads the body (`kvgate.gateway.http.body`: 413 past
+wait bound, declared length, the client's timeout), before anything else, so that even a
+refusal carries the request's id. `Intake` then reads the body (`kvgate.gateway.http.body`: 413 past
 `limits.max_body_bytes`), validates what the gateway needs of it (400 on anything
 malformed, never a crash), resolves the model's backends (404 when none serves it, 503
 when none is reachable) and costs it, and builds, once each:
@@ -30,6 +30,7 @@ bytes.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -56,6 +57,9 @@ MAX_TOKENS_CEILING = 2**31 - 1
 VLLM_COMPLETION_DEFAULT = 16
 #: The dialects whose completions default to `VLLM_COMPLETION_DEFAULT`.
 _SIXTEEN_BY_DEFAULT = frozenset({"vllm"})
+#: The OpenAI SDKs' timeout for the try, in seconds: the Node SDK's whole timeout, the
+#: Python SDK's read timeout (kvgate.core.flow.patience says what either bounds).
+_TIMEOUT_HEADERS = frozenset({b"x-stainless-timeout", b"x-stainless-read-timeout"})
 
 
 class Head(NamedTuple):
@@ -65,6 +69,7 @@ class Head(NamedTuple):
     declared_length: int | None
     priority: str | None
     max_wait_ms: str | None
+    timeout_s: float | None = None
 
 
 class CompletionFields(NamedTuple):
@@ -77,11 +82,13 @@ class CompletionFields(NamedTuple):
 
 
 def read_head(headers: Sequence[tuple[bytes, bytes]]) -> Head:
-    """Request id, declared length, priority and wait bound, in one pass over the headers."""
+    """Request id, declared length, priority, wait bound and the client's timeout (the
+    OpenAI SDKs': `_TIMEOUT_HEADERS`), in one pass over the headers."""
     rid: str | None = None
     priority: str | None = None
     max_wait: str | None = None
     declared: int | None = None
+    timeout: float | None = None
     for name, value in headers:
         if name == b"x-request-id":
             text = value.decode("latin-1")
@@ -93,8 +100,24 @@ def read_head(headers: Sequence[tuple[bytes, bytes]]) -> Head:
             max_wait = value.decode("latin-1")
         elif name == b"content-length" and value.isdigit():
             declared = int(value)
+        elif name in _TIMEOUT_HEADERS:
+            timeout = _least(timeout, _seconds(value))
     # 128 random bits without the syscall `uuid4()` makes: ids need to be unique, not secret.
-    return Head(rid or f"{random.getrandbits(128):032x}", declared, priority, max_wait)
+    return Head(rid or f"{random.getrandbits(128):032x}", declared, priority, max_wait, timeout)
+
+
+def _seconds(value: bytes) -> float | None:
+    """A timeout header's seconds; None when it is not a positive finite number (an SDK's
+    header, not kvgate's: ignored rather than refused)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if 0.0 < seconds < math.inf else None
+
+
+def _least(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 class Intake:
@@ -154,6 +177,8 @@ class Intake:
             candidates=candidates,
             exact_output=client.exact_output,
             max_wait_s=max_wait_s,
+            timeout_s=head.timeout_s,
+            stream=stream,
             prompt_ids=basis.ids,
         )
         return client, request
@@ -210,6 +235,7 @@ class Intake:
             model=model or "",
             candidates=candidates,
             max_wait_s=max_wait_s,
+            timeout_s=head.timeout_s,
         )
         return client, request
 
