@@ -1,13 +1,15 @@
-"""kvgate's own latency histograms: cheap to observe, exposed as Prometheus histograms."""
+"""kvgate's own metrics: latency histograms, the nodes' and the queue's gauges."""
 
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.core.clock import ManualClock
+from kvgate.core.flow import FlowController
 from kvgate.core.policies.baselines import build_named
 from kvgate.core.settings import AdmissionSettings
 from kvgate.core.signals import NodeSample
+from kvgate.gateway.ops.queue_metrics import queue_metrics
 from kvgate.gateway.ops.telemetry import GatewayMetrics
 
 
@@ -59,3 +61,21 @@ def test_each_nodes_ceiling_and_what_it_was_measured_from_are_gauges() -> None:
     assert ("kvgate_node_recompute_share", (("node", "a"),)) in _samples(
         metrics, "kvgate_node_recompute_share"
     )
+
+
+def test_a_deadline_learned_from_a_tenants_clients_is_a_gauge() -> None:
+    """Clients of `t` time out after 10 s: `kvgate_client_deadline_seconds{tenant="t"}`;
+    a tenant whose clients show none is absent, and so is a broken figure."""
+    clock = ManualClock(100.0)
+    flow = FlowController(build_named("adaptive", AdmissionSettings(), clock))
+    for _ in range(12):
+        flow.patience.answered("t", 4.0, clock.now())
+        flow.patience.left("t", 10.0, clock.now())
+    flow.patience.left("u", 3.0, clock.now())
+    metrics = GatewayMetrics()
+    metrics.policy_snapshot = flow.snapshot
+    deadlines = _samples(metrics, "kvgate_client_deadline_seconds")
+    assert list(deadlines) == [("kvgate_client_deadline_seconds", (("tenant", "t"),))]
+    assert 9.4 <= deadlines[("kvgate_client_deadline_seconds", (("tenant", "t"),))] <= 10.0
+    queue = {"patience": {"tenants": {"v": {"deadline_s": float("nan")}, "w": "broken"}}}
+    assert [m.samples for m in queue_metrics(queue) if m.name.startswith("kvgate_client")] == [[]]

@@ -13,7 +13,6 @@ import asyncio
 import bisect
 import itertools
 import logging
-import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -30,6 +29,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvgate.core.nodes import STATES
+from kvgate.gateway.ops.queue_metrics import number as _number
+from kvgate.gateway.ops.queue_metrics import queue_metrics
 from kvgate.gateway.ops.tenants import TenantTally
 
 access_logger = logging.getLogger("kvgate.access")
@@ -305,12 +306,6 @@ def _counter(
     return family
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def _nodes(snapshot: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:
     """Nodes from a snapshot that lists them as a mapping or as a list of `{"node_id"}`."""
     nodes = snapshot.get("nodes")
@@ -410,49 +405,7 @@ def _policy_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
     yield _node_states(nodes)
     queue = snapshot.get("queue")
     if isinstance(queue, Mapping):
-        yield from _queue_metrics(queue)
-
-
-def _queue_metrics(queue: Mapping[str, Any]) -> Iterator[Metric]:
-    """`kvgate_queue_*`: what waits now, per priority and per tenant, and what became of it."""
-    waiting = GaugeMetricFamily(
-        "kvgate_queue_waiting", "Requests waiting in the gateway's queue.", labels=["priority"]
-    )
-    tokens = GaugeMetricFamily(
-        "kvgate_queue_tokens",
-        "KV tokens (prompt + max_tokens) of the requests waiting.",
-        labels=["priority"],
-    )
-    oldest = GaugeMetricFamily(
-        "kvgate_queue_oldest_seconds",
-        "How long the oldest waiting request has waited.",
-        labels=["priority"],
-    )
-    bands = queue.get("bands")
-    if isinstance(bands, Mapping):
-        for priority, band in bands.items():
-            if isinstance(band, Mapping):
-                waiting.add_metric([str(priority)], _number(band.get("waiting")) or 0.0)
-                tokens.add_metric([str(priority)], _number(band.get("tokens")) or 0.0)
-                oldest.add_metric([str(priority)], _number(band.get("oldest_s")) or 0.0)
-    tenants = GaugeMetricFamily(
-        "kvgate_queue_tenant_waiting", "Requests waiting, per tenant.", labels=["tenant"]
-    )
-    for tenant, count in (queue.get("tenants") or {}).items():
-        tenants.add_metric([str(tenant) or "-"], _number(count) or 0.0)
-    events = CounterMetricFamily(
-        "kvgate_queue_events",
-        "Requests queued, started after waiting, cancelled while waiting, or refused"
-        " (event `refused:<reason>`).",
-        labels=["event"],
-    )
-    for event, count in (queue.get("counters") or {}).items():
-        events.add_metric([str(event)], _number(count) or 0.0)
-    yield waiting
-    yield tokens
-    yield oldest
-    yield tenants
-    yield events
+        yield from queue_metrics(queue)
 
 
 def _node_states(nodes: list[tuple[str, Mapping[str, Any]]]) -> Metric:
