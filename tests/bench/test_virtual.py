@@ -70,6 +70,21 @@ def test_timeouts_are_retried_then_given_up_and_cancellation_decides_zombies() -
     assert zombies.totals.zombie_tokens == pytest.approx(3000 - delivered, abs=3)
 
 
+def test_a_client_that_says_its_timeout_is_refused_not_served_to_nobody() -> None:
+    """The same hopeless request through kvgate: saying its 0.5 s timeout (as the OpenAI
+    SDKs do), each try gets its 429 `client_deadline` and the engine makes no token for
+    nobody; saying nothing, the tries start and time out."""
+    arrivals = [Arrival("x", 0.5, "long", 1000, 1000)]
+    adaptive = {"label": "adaptive", "policy": "adaptive"}
+    said = ClientModel(timeout_s=0.5, max_attempts=3, says_timeout=True)
+    refused = run_virtual(_spec(client=said, **adaptive), arrivals)
+    assert [a.outcome for a in refused.requests[0].attempts] == [SHED] * 3
+    assert refused.totals.generated_tokens == 0 and refused.totals.zombie_tokens == 0
+    silent = run_virtual(_spec(client=replace(said, says_timeout=False), **adaptive), arrivals)
+    assert TIMEOUT in [a.outcome for a in silent.requests[0].attempts]
+    assert silent.totals.generated_tokens > 0
+
+
 def test_a_token_bucket_sheds_with_retry_after_and_the_client_waits(tmp_path: Path) -> None:
     arrivals = [Arrival(f"c{i}", 1.0 + 0.001 * i, "chat", 50, 20) for i in range(3)]
     spec = _spec(

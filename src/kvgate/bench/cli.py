@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=int, default=4, help="tries before giving up")
     parser.add_argument("--timeout", type=float, default=None, help="client timeout (s)")
     parser.add_argument(
+        "--clients-say-timeout", action="store_true",
+        help="virtual: each try carries its client's timeout, as the OpenAI SDKs send it",
+    )  # fmt: skip
+    parser.add_argument(
         "--capacity-scale", type=float, default=None,
         help="skip the capacity search and use this scale of the profile's mix as 1x",
     )  # fmt: skip
@@ -148,6 +152,8 @@ def _command(args: argparse.Namespace) -> str:
         parts += ["--" + name.replace("_", "-"), str(value)]
     if args.quick:
         parts.append("--quick")
+    if getattr(args, "clients_say_timeout", False):
+        parts.append("--clients-say-timeout")
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -163,6 +169,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--loads must be positive numbers")
     if args.max_attempts < 1 or args.jobs < 1:
         raise ValueError("--max-attempts and --jobs must be at least 1")
+    if args.clients_say_timeout and args.mode != "virtual":
+        raise ValueError(
+            "--clients-say-timeout is for virtual runs: the live clients stream and give up"
+            " on the whole answer, where the SDKs' header bounds only a stream's start"
+        )
     if args.conversations is not None and args.conversations < 1:
         raise ValueError("--conversations must be at least 1")
     args.policies = _policies(args.mode, args.policies)

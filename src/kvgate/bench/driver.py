@@ -74,6 +74,7 @@ class BenchOptions:
     quick: bool
     jobs: int = 1
     scrape_s: float = 0.05
+    says_timeout: bool = False
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, command: str) -> BenchOptions:
@@ -110,12 +111,18 @@ class BenchOptions:
             quick=quick,
             jobs=max(1, int(getattr(a, "jobs", 1) or 1)),
             scrape_s=a.scrape_interval or (0.2 if a.mode == "live-vllm" else 0.05),
+            says_timeout=bool(getattr(a, "clients_say_timeout", False)),
         )
 
 
 def _profile(opts: BenchOptions) -> Profile:
     prof = get_profile(opts.preset)
-    client = replace(prof.client, retry=opts.retry, max_attempts=opts.max_attempts)
+    client = replace(
+        prof.client,
+        retry=opts.retry,
+        max_attempts=opts.max_attempts,
+        says_timeout=opts.says_timeout,
+    )
     if opts.timeout_s is not None:
         client = replace(client, timeout_s=opts.timeout_s)
     return replace(prof, client=client)
@@ -209,8 +216,10 @@ def _scenario(opts: BenchOptions, prof: Profile, scale: float) -> dict[str, str]
         "bursts": f"from {s.first_burst_s:g} s, every {s.burst_every_s:g} s, "
         f"{s.burst_per_node:g} x nodes x load long requests within 200 ms",
         "loads": ", ".join(f"{x:g}x" for x in opts.loads),
-        "clients": f"timeout {c.timeout_s:g} s (then disconnect), retry on timeout/5xx "
-        f"{c.retry}, 429 waits Retry-After, give up after {c.max_attempts} tries",
+        "clients": f"timeout {c.timeout_s:g} s (then disconnect)"
+        + (", sent with each try as the OpenAI SDKs do" if c.says_timeout else "")
+        + f", retry on timeout/5xx {c.retry}, 429 waits Retry-After, give up after"
+        f" {c.max_attempts} tries",
         "static-qps": "token bucket at the 1x mean arrival rate, depth one 1x burst",
         "static-concurrency": "cap = peak requests running at 1x under `direct`",
     }

@@ -47,7 +47,8 @@ class ClientModel:
     backoff with full jitter (`"backoff"`); a 429 waits for its Retry-After when
     `honor_retry_after`. It gives up after `max_attempts` tries of any kind, after
     `max_retries` retries of timeouts/5xx, or after `max_429_tries` 429s (None: no
-    separate bound).
+    separate bound). `says_timeout`: each try carries its timeout, as the OpenAI SDKs
+    send theirs (`AdmissionRequest.timeout_s`; virtual runs only).
     """
 
     timeout_s: float = 30.0
@@ -59,6 +60,7 @@ class ClientModel:
     backoff_base_s: float = 0.5
     backoff_max_s: float = 8.0
     honor_retry_after: bool = True
+    says_timeout: bool = False
 
     def retry_delay(self, attempt_no: int, rng: _Uniform) -> float:
         """Delay before try `attempt_no + 1` after a timeout or 5xx on try `attempt_no`."""

@@ -284,6 +284,7 @@ class VirtualCluster:
         self._next_gateway = (g + 1) % self.config.gateways
         flow = self.policies[g]
         rid = f"{outcome.id}#{len(outcome.tries) + 1}"
+        client = self.config.client
         request = AdmissionRequest(
             rid,
             cost,
@@ -292,6 +293,8 @@ class VirtualCluster:
             model="sim",
             candidates=self._candidates,
             exact_output=spec.ignore_eos,
+            timeout_s=client.timeout_s if client.says_timeout else None,
+            stream=client.deadline == "token",  # a read timeout: its first bytes keep it
             prompt_ids=spec.prompt_ids,
         )
         decision = flow.submit(request)
