@@ -198,8 +198,9 @@ class AdmissionPolicy(Protocol):
         measurements alone, not on a prior (see `StartEstimate`)?"""
         ...
 
-    def time_left(self, ticket: Ticket) -> float:
-        """Seconds until the ticket's request is expected to end (0 once released)."""
+    def time_left(self, ticket: Ticket, fastest: bool = False) -> float:
+        """Seconds until the ticket's request is expected to end (0 once released);
+        `fastest`: at its node's fastest pace, the one a refusal is judged at."""
         ...
 
     def footprint(self, request: AdmissionRequest, expected: int) -> int:

@@ -556,7 +556,7 @@ class FlowController:
         request, now = ticket.request, self.clock.now()
         if not self.patience.bounds(request, now):  # most requests: no time_left asked
             return None
-        late = self.patience.late(request, waited + self.policy.time_left(ticket), now)
+        late = self.patience.late(ticket, waited, self.policy.time_left(ticket, True), now)
         if late is None:
             return None
         self.policy.release(ticket, Outcome.CLIENT_CANCEL)

@@ -190,11 +190,21 @@ class Patience:
             bounds.append(deadline - (self.seconds_per_token or 0.0) * expected_output)
         return max(0.0, min(bounds)) if bounds else None
 
-    def late(self, request: AdmissionRequest, ends_s: float, now: float) -> str | None:
-        """Why `request`, whose answer is expected to end `ends_s` after its arrival, should
-        not start (it would end after its client gives up); None when it may."""
+    def late(self, ticket: Ticket, waited: float, time_left: float, now: float) -> str | None:
+        """Why `ticket`, starting after `waited` s with its answer expected to take
+        `time_left` s at its node's fastest pace, should not start (it would end after its
+        client gives up); None when it may. Its answer takes at least its expected output
+        at the seconds per token that answers took from their start to their end: a
+        node's step now is no answer's pace, which the prefills of the requests that
+        start after it slow, and which a long prefill running now slows only for a
+        while."""
+        request = ticket.request
         deadline = self._answer_deadline(request, now)
-        if deadline is None or ends_s <= deadline:
+        if deadline is None:
+            return None
+        answer = (self.seconds_per_token or 0.0) * ticket.expected_output
+        ends_s = waited + max(time_left, answer)
+        if ends_s <= deadline:
             return None
         if request.timeout_s is not None and deadline == request.timeout_s:
             return _LATE_TIMEOUT.format(ends=ends_s, deadline=deadline)

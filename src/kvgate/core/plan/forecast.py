@@ -208,9 +208,11 @@ class Forecast:
 
     # --- when ---------------------------------------------------------------------------------
 
-    def time_left(self, hold: Hold) -> float:
-        """Seconds until the hold's request is expected to end."""
-        return hold.remaining() * self._pace.step_s(hold.node_id)
+    def time_left(self, hold: Hold, fastest: bool = False) -> float:
+        """Seconds until the hold's request is expected to end; `fastest`: at its node's
+        fastest pace (`Pace.fastest_step_s`)."""
+        pace = self._pace.fastest_step_s if fastest else self._pace.step_s
+        return hold.remaining() * pace(hold.node_id)
 
     def start_estimate(
         self, node: NodeState, final: float, limit: float, informed: bool = True

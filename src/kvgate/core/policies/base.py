@@ -133,10 +133,11 @@ class BasePolicy:
                 return False
         return True
 
-    def time_left(self, ticket: Ticket) -> float:
-        """Seconds until the ticket's request is expected to end (0 once released)."""
+    def time_left(self, ticket: Ticket, fastest: bool = False) -> float:
+        """Seconds until the ticket's request is expected to end (0 once released);
+        `fastest`: at its node's fastest pace."""
         hold = self.holds.live.get(ticket.key)
-        return 0.0 if hold is None else self.forecast.time_left(hold)
+        return 0.0 if hold is None else self.forecast.time_left(hold, fastest)
 
     def footprint(self, request: AdmissionRequest, expected: int) -> int:
         """Tokens the request will hold at its end if it runs as expected."""
