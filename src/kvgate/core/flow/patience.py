@@ -38,9 +38,11 @@ length at the seconds per output token measured over the answers that ended), so
 what it waits for ends before its client leaves.
 The flow controller refuses at once (429 with the predicted wait as Retry-After) what
 cannot start within that, instead of keeping it until its client leaves. A request that
-could start now but whose answer would end after the deadline at the node's measured
-pace (`AdmissionPolicy.time_left`) is not started either (429 `client_deadline`): the
-engine's time goes to answers their clients will read.
+could start now but whose answer would end after the deadline is not started either (429
+`client_deadline`): the engine's time goes to answers their clients will read. Its answer
+is timed at the seconds per token answers took from start to end (the batch that starts
+after it slows it), or at its node's fastest pace (`AdmissionPolicy.time_left`) where
+that is slower.
 
 Once the bound holds, fewer clients leave, and what the curve knows beyond the deadline
 does not change: the estimate keeps until its evidence has decayed (about four
