@@ -97,6 +97,35 @@ async def watch(engine: str, stop: asyncio.Event) -> dict[str, float]:
     return peak
 
 
+async def watch_gateway(gateway: str, stop: asyncio.Event) -> dict[str, Any]:
+    """What kvgate's ceiling did while the run lasted (`/admin/state` every 0.5 s): the
+    lowest and highest planned-KV ceiling for standard work over its nodes, and the share
+    of polls that showed each of its reasons (`docs/flow-control.md`)."""
+    ceilings: list[float] = []
+    reasons: dict[str, int] = {}
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while not stop.is_set():
+            try:
+                nodes = (await client.get(gateway + "/admin/state")).json()["policy"]["nodes"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                nodes = {}
+            for node in nodes.values():
+                if isinstance(node.get("ceiling"), int | float):
+                    ceilings.append(float(node["ceiling"]))
+                    reason = str(node.get("ceiling_reason"))
+                    reasons[reason] = reasons.get(reason, 0) + 1
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except TimeoutError:
+                pass
+    polls = sum(reasons.values()) or 1
+    return {
+        "ceiling_min": min(ceilings, default=None),
+        "ceiling_max": max(ceilings, default=None),
+        "ceiling_reasons": {k: round(v / polls, 2) for k, v in sorted(reasons.items())},
+    }
+
+
 def client_command(target: str, args: argparse.Namespace, out_dir: Path, name: str) -> list[str]:
     return [
         str(VLLM_PYTHON),
@@ -159,6 +188,7 @@ async def one_run(
     before = await metrics(engine)
     stop = asyncio.Event()
     watcher = asyncio.create_task(watch(engine, stop))
+    ceiling = asyncio.create_task(watch_gateway(target, stop)) if mode == "kvgate" else None
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -171,6 +201,7 @@ async def one_run(
     wall = time.monotonic() - started
     stop.set()
     peak = await watcher
+    kvgate = {} if ceiling is None else await ceiling
     await asyncio.sleep(1.0)  # the last preemptions are counted when victims run again
     after = await metrics(engine)
     if proc.returncode != 0:
@@ -194,6 +225,7 @@ async def one_run(
         "peak_kv": peak["kv"],
         "peak_running": peak["running"],
         "peak_waiting": peak["waiting"],
+        **kvgate,
     }
 
 
