@@ -99,9 +99,11 @@ async def watch(engine: str, stop: asyncio.Event) -> dict[str, float]:
 
 async def watch_gateway(gateway: str, stop: asyncio.Event) -> dict[str, Any]:
     """What kvgate's ceiling did while the run lasted (`/admin/state` every 0.5 s): the
-    lowest and highest planned-KV ceiling for standard work over its nodes, and the share
-    of polls that showed each of its reasons (`docs/flow-control.md`)."""
+    lowest and highest planned-KV ceiling for standard work over its nodes, the share of
+    polls that showed each of its reasons (`docs/flow-control.md`), and the highest share
+    of the engine's time its meter put on recomputing preempted requests."""
     ceilings: list[float] = []
+    shares: list[float] = []
     reasons: dict[str, int] = {}
     async with httpx.AsyncClient(timeout=5.0) as client:
         while not stop.is_set():
@@ -114,6 +116,9 @@ async def watch_gateway(gateway: str, stop: asyncio.Event) -> dict[str, Any]:
                     ceilings.append(float(node["ceiling"]))
                     reason = str(node.get("ceiling_reason"))
                     reasons[reason] = reasons.get(reason, 0) + 1
+                share = (node.get("measured") or {}).get("recompute_share")
+                if isinstance(share, int | float):
+                    shares.append(float(share))
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except TimeoutError:
@@ -123,6 +128,7 @@ async def watch_gateway(gateway: str, stop: asyncio.Event) -> dict[str, Any]:
         "ceiling_min": min(ceilings, default=None),
         "ceiling_max": max(ceilings, default=None),
         "ceiling_reasons": {k: round(v / polls, 2) for k, v in sorted(reasons.items())},
+        "recompute_share_max": max(shares, default=None),
     }
 
 

@@ -1,27 +1,35 @@
 """The pace on its own: the lower of the streams' measured seconds per token (once there are
 enough) and the engine's reported latency, else the one there is, else the prior (not a
 measurement); the healthy baseline or the engine's least recent window when faster; a
-measurement only once enough was seen (a burst's first windows are its prefills)."""
+measurement only once enough was seen (a burst's first windows are its prefills), and with
+a window that held none of the gateway's prefills (its decode step)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from kvgate.core.admission import Admit
 from kvgate.core.clock import ManualClock
-from kvgate.core.nodes import NodeState
+from kvgate.core.nodes import STEP_FLOOR_SPAN_S, NodeState
 from kvgate.core.plan.pace import _PACE_MIN, DEFAULT_STEP_S, ENGINE_WINDOWS_MIN, Pace
 from kvgate.core.rates import Ewma
+from kvgate.core.request import AdmissionRequest, RequestCost
 from kvgate.core.settings import AdmissionSettings
 
 from .helpers import make, sample
 
 
 def engine(
-    node: NodeState, clock: ManualClock, latency: float, tokens: float | None = None
+    node: NodeState,
+    clock: ManualClock,
+    latency: float,
+    tokens: float | None = None,
+    decoding: bool = True,
 ) -> None:
-    """One scrape of the node whose window shows `latency` s per token over `tokens`."""
+    """One scrape of the node whose window shows `latency` s per token over `tokens`;
+    `decoding`: no prompt the gateway sent it waits for its first token."""
     window = dataclasses.replace(sample(clock, latency=latency), iteration_tokens=tokens)
-    assert node.accept(window, clock.now(), AdmissionSettings())
+    assert node.accept(window, clock.now(), AdmissionSettings(), decoding)
     clock.advance(0.1)
 
 
@@ -98,6 +106,47 @@ def test_a_bursts_first_windows_are_not_its_pace() -> None:
     clock.advance(11.0)
     engine(node, clock, 0.5, tokens=1)  # the decode windows left the floor's span
     assert node.step_floor_s == 0.5 and pace.fastest_step_s("a") == pace.step_s("a") < 0.5
+
+
+def test_windows_that_hold_the_gateways_prefills_are_no_decode_step() -> None:
+    """A burst of 1,100-token prompts on a fresh engine: for its first second every window
+    holds prefills the gateway sent (0.2-0.4 s per token). They enter the node's likely
+    pace at their share, never its floor: nothing is refused on them. The first window
+    that begins and ends with every prompt started is the decode step, a measurement."""
+    node, clock = NodeState("a"), ManualClock(0.0)
+    pace = Pace({"a": node})
+    for latency in (0.4, 0.3, 0.2, 0.25, 0.3):
+        engine(node, clock, latency, tokens=12, decoding=False)
+    assert node.step_floor_s is None and not pace.measured("a")
+    engine(node, clock, 0.2, tokens=12)  # the last first token came within this window
+    assert node.step_floor_s is None and not pace.measured("a")
+    engine(node, clock, 0.03, tokens=24)
+    assert node.step_floor_s == 0.03 and pace.measured("a")
+    assert pace.fastest_step_s("a") == 0.03 < pace.step_s("a")
+
+
+def test_a_policy_tells_its_nodes_which_windows_held_its_prefills() -> None:
+    """Through the policy: while a request it admitted waits for its first token, the
+    node's windows make no floor; once it streamed, they do."""
+    policy, clock = make()
+    for _ in range(ENGINE_WINDOWS_MIN):
+        policy.observe("a", sample(clock, usage=0.1, capacity=4096, latency=0.01))
+        clock.advance(0.1)
+    node = policy.nodes["a"]
+    floor = node.step_floor_s
+    assert floor == 0.01
+    decision = policy.admit(AdmissionRequest("r", RequestCost(1000, 100), candidates=("a",)))
+    assert isinstance(decision, Admit)
+    clock.advance(STEP_FLOOR_SPAN_S + 0.1)  # the decode windows leave the floor's span
+    for _ in range(3):
+        policy.observe("a", sample(clock, usage=0.3, capacity=4096, latency=0.3))
+        clock.advance(0.1)
+    assert node.step_floor_s is None
+    policy.on_first_token(decision.ticket)
+    for _ in range(2):
+        policy.observe("a", sample(clock, usage=0.3, capacity=4096, latency=0.02))
+        clock.advance(0.1)
+    assert node.step_floor_s == 0.02
 
 
 def test_the_fastest_pace_is_the_healthy_baseline_when_lower() -> None:

@@ -124,12 +124,15 @@ class NodeState:
     heard_at: float = float("-inf")
     # The engine's seconds per token from its samples' inter-token latency: the mean over
     # its recent windows, each weighing as many intervals as it rests on (`step_s`; None
-    # until a sample reports one), and the least window mean of the last STEP_FLOOR_SPAN_S
-    # (`step_floor_s`: the decode step itself, between two prefills).
+    # until a sample reports one), and the least mean of the windows of the last
+    # STEP_FLOOR_SPAN_S that held no prefill of the gateway's (`step_floor_s`: the decode
+    # step itself; `decoding`: the last sample was taken with no prompt waiting for its
+    # first token).
     step_s: float | None = None
     step_floor_s: float | None = None
     step_mean: DecayingMean = field(default_factory=lambda: DecayingMean(STEP_HALFLIFE_S))
     step_recent: RecentMin = field(default_factory=lambda: RecentMin(STEP_FLOOR_SPAN_S))
+    decoding: bool = True
     # Reflected tokens of requests released since the last sample: in `used` if the sample
     # was rendered before the engine freed them, already gone from it if after.
     freed_unseen: int = 0
@@ -226,8 +229,12 @@ class NodeState:
             return self.sample.kv_capacity_tokens
         return None
 
-    def accept(self, sample: NodeSample, now: float, settings: AdmissionSettings) -> bool:
+    def accept(
+        self, sample: NodeSample, now: float, settings: AdmissionSettings, decoding: bool = True
+    ) -> bool:
         """Take a new sample; False (ignored) when it is older than the one held.
+        `decoding`: no prompt sent to the node is waiting for its first token now (a window
+        that began and ended so is the engine's decode step, its floor).
 
         A sample that cannot be trusted (non-finite KV usage or time) counts as a failed
         scrape instead; out-of-range numbers are clamped (see `sanitize`).
@@ -250,9 +257,11 @@ class NodeState:
         if latency is not None and latency > 0:
             at = sample.sampled_at
             self.step_mean.add(at, latency, sample.iteration_tokens or 1.0)
-            self.step_recent.add(at, latency)
+            if decoding and self.decoding:
+                self.step_recent.add(at, latency)
             self.step_s = self.step_mean.value
             self.step_floor_s = self.step_recent.value(at)
+        self.decoding = decoding
         self._update_thrashing(now, settings)
         return True
 

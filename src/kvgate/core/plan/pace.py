@@ -21,8 +21,12 @@ the engine's own figure, and a prior only when nothing was measured:
 
 A refusal is judged at the node's *fastest* pace (`fastest_step_s`): the least of the
 above, its healthy latency baseline, and the least window mean the engine showed in the
-last `STEP_FLOOR_SPAN_S` (`NodeState.step_floor_s`: its decode step between two prefills).
-And the engine's figure is a measurement only from its `ENGINE_WINDOWS_MIN`-th window on:
+last `STEP_FLOOR_SPAN_S` while no prompt kvgate sent it was waiting for its first token
+(`NodeState.step_floor_s`: its decode step between two prefills). The engine's figure is
+a measurement only with such a window in that span (in a burst of 32 prompts of 1,200
+tokens that the engine served in 28 s, a fresh gateway refused one after it had waited
+1 s: the windows of a burst's first second are its prompts' prefills), and only from its
+`ENGINE_WINDOWS_MIN`-th window on:
 the first windows of a burst hold its prompts' prefills, which stall every request that
 decodes (on a slow CPU engine, 5 prompts of 500 tokens admitted one after another made the
 first window's mean 1.2 s per token, the next ones' 0.03-0.05 s: judged on the first, 11
@@ -87,7 +91,9 @@ class Pace:
         if streams is not None and streams.count >= _PACE_MIN:
             return True
         node = self._nodes.get(node_id)
-        return node is not None and node.step_mean.windows >= ENGINE_WINDOWS_MIN
+        if node is None or node.step_floor_s is None:  # no decode step seen lately
+            return False
+        return node.step_mean.windows >= ENGINE_WINDOWS_MIN
 
     def fastest_step_s(self, node_id: str) -> float:
         """The node's fastest pace: its recent one, its healthy latency baseline, or the

@@ -225,7 +225,8 @@ class BasePolicy:
         if node is None:
             node = self.nodes[node_id] = NodeState(node_id)
         self._before_observe(node)
-        if not node.accept(sample, now, self.settings):
+        decoding = self.holds.prefill_backlog(node_id) == 0
+        if not node.accept(sample, now, self.settings, decoding):
             return
         self.generation += 1
         if sample.block_size:
