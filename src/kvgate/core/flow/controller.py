@@ -553,10 +553,10 @@ class FlowController:
     def _past_deadline(self, ticket: Ticket, waited: float) -> Reject | None:
         """The 429 of a request that could start, but whose answer would end after its
         client's deadline (`Patience.late`): its hold is given back at once."""
-        request, now = ticket.request, self.clock.now()
-        if not self.patience.bounds(request, now):  # most requests: no time_left asked
+        deadline = self.patience.answer_deadline(ticket.request, self.clock.now())
+        if deadline is None:  # most requests: no time_left asked
             return None
-        late = self.patience.late(ticket, waited, self.policy.time_left(ticket, True), now)
+        late = self.patience.late(ticket, waited, self.policy.time_left(ticket, True), deadline)
         if late is None:
             return None
         self.policy.release(ticket, Outcome.CLIENT_CANCEL)

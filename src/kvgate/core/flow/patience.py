@@ -11,9 +11,10 @@ engine's work is lost, and the retries fill the queue). The queue's bound
 the Node SDK, `X-Stainless-Read-Timeout` from the Python one: 600 s unless the caller set
 another; `AdmissionRequest.timeout_s`). Either gives up when no byte came back within
 it: an answer that is not streamed must end within it, a stream only start, after which
-its bytes keep it alive. So a stream waits at most its timeout less a second
-(`FIRST_BYTES_S`) and starts however long it will run; an answer sent whole waits at most
-its timeout less the time it takes, and does not start if it would end after it.
+its bytes keep it alive. Either must begin to arrive a second (`FIRST_BYTES_S`) before
+the timeout, a 429 included. So a stream waits at most its timeout less that second and
+starts however long it will run; an answer sent whole waits at most that less the time it
+takes, and does not start if it would end after it.
 
 **Learned.** Other clients say nothing, and their deadline is learned per tenant from
 when they leave. Every request that was queued or started ends for its client in one of
@@ -68,7 +69,7 @@ CLIFF_SPAN = 0.2  # a deadline's cliff: the last fifth of the time before it ...
 CLIFF_DROP = 0.3  # ... in which at least this share of the clients left
 HALF_LIFE_S = 300.0
 REFRESH_S = 0.25  # a tenant's patience is recomputed at most this often
-FIRST_BYTES_S = 1.0  # a stream that must start within its own timeout starts this much before
+FIRST_BYTES_S = 1.0  # an answer to a client with a timeout begins this much before it ...
 FIRST_BYTES_SHARE = 0.1  # ... or this share of it, when that is less
 SPEED_WEIGHT = 0.1  # weight of each answer in the seconds-per-token average
 _RESCALE = 2.0**40
@@ -180,46 +181,44 @@ class Patience:
 
     def bound(self, request: AdmissionRequest, expected_output: int, now: float) -> float | None:
         """The longest `request`, expecting `expected_output` tokens, should wait so that
-        its client still reads its answer; None: no deadline. An answer must end before
-        its deadline (at the seconds per token its answers took), a stream's first bytes
-        only arrive before its own timeout (`FIRST_BYTES_S` to spare)."""
-        bounds = []
-        timeout = request.timeout_s
-        if timeout is not None and request.stream:
-            bounds.append(timeout - min(FIRST_BYTES_S, timeout * FIRST_BYTES_SHARE))
-        deadline = self._answer_deadline(request, now)
+        its client still reads its answer; None: no deadline. Its first bytes must come
+        before its own timeout, and its answer end before its deadline (at the seconds per
+        token answers took)."""
+        limits = []
+        own = _before(request.timeout_s)
+        if own is not None and request.stream:
+            limits.append(own)
+        deadline = self.answer_deadline(request, now)
         if deadline is not None:
-            bounds.append(deadline - (self.seconds_per_token or 0.0) * expected_output)
-        return max(0.0, min(bounds)) if bounds else None
+            limits.append(deadline - (self.seconds_per_token or 0.0) * expected_output)
+        return max(0.0, min(limits)) if limits else None
 
-    def late(self, ticket: Ticket, waited: float, time_left: float, now: float) -> str | None:
+    def answer_deadline(self, request: AdmissionRequest, now: float) -> float | None:
+        """By when, after its arrival, `request`'s answer must have ended: before its own
+        timeout unless it streams, or by its tenant's clients' learned deadline, whichever
+        comes first; None when neither bounds it."""
+        learned = self.deadline(request.tenant, now)
+        own = None if request.stream else _before(request.timeout_s)
+        if own is None or learned is None:
+            return own if learned is None else learned
+        return min(own, learned)
+
+    def late(self, ticket: Ticket, waited: float, time_left: float, deadline: float) -> str | None:
         """Why `ticket`, starting after `waited` s with its answer expected to take
-        `time_left` s at its node's fastest pace, should not start (it would end after its
-        client gives up); None when it may. Its answer takes at least its expected output
-        at the seconds per token that answers took from their start to their end: a
-        node's step now is no answer's pace, which the prefills of the requests that
-        start after it slow, and which a long prefill running now slows only for a
-        while."""
-        request = ticket.request
-        deadline = self._answer_deadline(request, now)
-        if deadline is None:
-            return None
+        `time_left` s at its node's fastest pace, should not start: it would end after
+        `deadline` (its `answer_deadline`); None when it may. Its answer takes at least its
+        expected output at the seconds per token that answers took from their start to
+        their end: a node's step now is no answer's pace, which the prefills of the
+        requests that start after it slow, and which a long prefill running now slows only
+        for a while."""
         answer = (self.seconds_per_token or 0.0) * ticket.expected_output
         ends_s = waited + max(time_left, answer)
         if ends_s <= deadline:
             return None
-        if request.timeout_s is not None and deadline == request.timeout_s:
-            return _LATE_TIMEOUT.format(ends=ends_s, deadline=deadline)
+        timeout = ticket.request.timeout_s
+        if timeout is not None and deadline == _before(timeout):
+            return _LATE_TIMEOUT.format(ends=ends_s, deadline=timeout)
         return _LATE.format(ends=ends_s, deadline=deadline)
-
-    def _answer_deadline(self, request: AdmissionRequest, now: float) -> float | None:
-        """By when, after its arrival, `request`'s answer must have ended: its own timeout
-        unless it streams, or its tenant's clients' learned deadline, whichever is first."""
-        learned = self.deadline(request.tenant, now)
-        own = None if request.stream else request.timeout_s
-        if own is None or learned is None:
-            return own if learned is None else learned
-        return min(own, learned)
 
     def snapshot(self, now: float) -> dict[str, Any]:
         return {
@@ -235,6 +234,13 @@ class Patience:
         if curve is None:
             curve = self._curves[tenant] = _Curve()
         return curve
+
+
+def _before(timeout: float | None) -> float | None:
+    """When an answer to a client whose own timeout is `timeout` must have begun to arrive:
+    `FIRST_BYTES_S` before it (a tenth of it, when less), so that even a 429 reaches the
+    client before it gives up."""
+    return None if timeout is None else timeout - min(FIRST_BYTES_S, timeout * FIRST_BYTES_SHARE)
 
 
 _LATE_TIMEOUT = (
