@@ -25,8 +25,12 @@ def _event(ids: list[int]) -> bytes:
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
+SAID: list[str | None] = []  # each request's `x-envoy-expected-rq-timeout-ms`, in order
+
+
 async def _stream(request: web.Request) -> web.StreamResponse:
     """`tokens` tokens, 3 per event, `gap` s apart; `cut` ends it with an error event."""
+    SAID.append(request.headers.get("x-envoy-expected-rq-timeout-ms"))
     knobs = orjson.loads(await request.read())
     tokens = int(knobs.get("tokens", 30))
     gap = float(knobs.get("gap", 0))
@@ -79,6 +83,15 @@ async def test_a_client_that_leaves_counts_the_tokens_it_read(sse_url: str) -> N
     assert 0 < shared.departed_events < 100
     assert shared.departed_tokens == 3 * shared.departed_events == attempt.output_tokens
     assert shared.log and shared.log[-1]["tokens_read"] == attempt.output_tokens
+
+
+async def test_a_client_that_says_its_timeout_sends_it_as_a_proxy_would(sse_url: str) -> None:
+    """`--clients-say-timeout`: each try carries the time it will wait for the whole answer,
+    in milliseconds, as Envoy's route timeout; a client that does not say sends nothing."""
+    SAID.clear()
+    await _try(sse_url, {"tokens": 3}, 2.5, ClientRun(time.monotonic(), says_timeout=True))
+    await _try(sse_url, {"tokens": 3}, 2.5, ClientRun(time.monotonic()))
+    assert SAID == ["2500", None]
 
 
 async def test_a_stream_cut_by_an_error_event_is_not_a_whole_answer(sse_url: str) -> None:

@@ -73,6 +73,7 @@ class Bench:
         max_wait_s: float | None = None,
         prompt_ids: tuple[int, ...] | None = None,
         timeout_s: float | None = None,
+        answer_timeout_s: float | None = None,
         stream: bool = False,
     ) -> Decision | Waiter:
         rid = name or f"r{next(self._ids)}"
@@ -86,6 +87,7 @@ class Bench:
             exact_output=exact,
             max_wait_s=max_wait_s,
             timeout_s=timeout_s,
+            answer_timeout_s=answer_timeout_s,
             stream=stream,
             prompt_ids=prompt_ids,
         )

@@ -191,6 +191,21 @@ def test_a_stream_must_only_start_within_its_timeout() -> None:
     assert bench.admitted("stream")
 
 
+def test_a_proxys_timeout_bounds_a_streams_whole_answer() -> None:
+    """A proxy in front (Envoy's route timeout) gives the whole answer 2 s, streamed or
+    not: on an idle node the 5 s answer does not start; the same stream with a read timeout
+    of 2 s and a proxy's 8 s starts, and the shorter of two said timeouts decides."""
+    bench = Bench()
+    cut = bench.submit(500, 500, name="cut", answer_timeout_s=2.0, stream=True)
+    assert isinstance(cut, Reject) and cut.reason == "client_deadline", cut
+    assert "timeout of 2.0 s" in cut.message
+    both = bench.submit(500, 500, name="both", timeout_s=2.0, answer_timeout_s=30.0)
+    assert isinstance(both, Reject) and "timeout of 2.0 s" in both.message, both
+    assert bench.books_empty()
+    bench.submit(500, 500, name="roomy", timeout_s=2.0, answer_timeout_s=8.0, stream=True)
+    assert bench.admitted("roomy")
+
+
 def test_a_queued_stream_waits_within_its_timeout_only() -> None:
     """Behind 10 s of work, a stream whose client gives up after 3 s is answered (429) a
     second before it would leave, never after; one that waits 12 s starts once there is

@@ -272,3 +272,30 @@ async def test_an_sdk_client_is_answered_before_its_own_timeout(
         assert waited < 3.0, (stream, waited)
         assert reason in {"queue_timeout", "wait_exceeded"}, (stream, reason)
     assert [rid for rid, _, _ in policy.admitted] == ["first"]
+
+
+async def test_a_proxys_timeout_bounds_a_streamed_answer(
+    fake_engine: FakeEngine, gateway_factory
+) -> None:
+    """Envoy in front says the time its route gives the whole answer
+    (`x-envoy-expected-rq-timeout-ms`): a stream queued behind one that runs 4 s is answered
+    (429) before the route's 3 s are up, though a stream's read timeout would let it wait
+    for its start; malformed values are ignored, as the proxy's header is not kvgate's."""
+    policy = OneAtATime()
+    gw = await gateway_factory([fake_engine.url], policy=policy)
+    body = {"model": "fake-model", "prompt": "p", "stream": True}
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
+        first = await _first_running(client, policy, 4.0)
+        started = loop.time()
+        cut = await client.post(
+            "/v1/completions", json=body, headers={"x-envoy-expected-rq-timeout-ms": "3000"}
+        )
+        waited = loop.time() - started
+        odd = client.post(
+            "/v1/completions", json=body, headers={"x-envoy-expected-rq-timeout-ms": "soon"}
+        )
+        assert (await first).status_code == 200
+        assert (await odd).status_code == 200  # no deadline: it waited its turn
+    assert cut.status_code == 429 and waited < 3.0, (cut.status_code, waited)
+    assert cut.headers["x-kvgate-reason"] in {"queue_timeout", "wait_exceeded"}

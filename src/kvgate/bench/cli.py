@@ -92,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="client timeout (s)")
     parser.add_argument(
         "--clients-say-timeout", action="store_true",
-        help="virtual: each try carries its client's timeout, as the OpenAI SDKs send it",
+        help="each try carries its client's timeout: a whole-answer one as a proxy's route"
+        " timeout (Envoy's x-envoy-expected-rq-timeout-ms), a read timeout as the OpenAI SDKs'",
     )  # fmt: skip
     parser.add_argument(
         "--capacity-scale", type=float, default=None,
@@ -169,11 +170,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--loads must be positive numbers")
     if args.max_attempts < 1 or args.jobs < 1:
         raise ValueError("--max-attempts and --jobs must be at least 1")
-    if args.clients_say_timeout and args.mode != "virtual":
-        raise ValueError(
-            "--clients-say-timeout is for virtual runs: the live clients stream and give up"
-            " on the whole answer, where the SDKs' header bounds only a stream's start"
-        )
     if args.conversations is not None and args.conversations < 1:
         raise ValueError("--conversations must be at least 1")
     args.policies = _policies(args.mode, args.policies)

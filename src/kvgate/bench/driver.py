@@ -202,6 +202,13 @@ def _specs(
     return specs
 
 
+#: How a client that says its timeout sends it, by what it times.
+_SAID = {
+    "answer": "as a proxy's route timeout (`x-envoy-expected-rq-timeout-ms`)",
+    "token": "as the OpenAI SDKs send their read timeout",
+}
+
+
 def _scenario(opts: BenchOptions, prof: Profile, scale: float) -> dict[str, str]:
     s = prof.shape.scaled(scale)
     c = prof.client
@@ -217,7 +224,7 @@ def _scenario(opts: BenchOptions, prof: Profile, scale: float) -> dict[str, str]
         f"{s.burst_per_node:g} x nodes x load long requests within 200 ms",
         "loads": ", ".join(f"{x:g}x" for x in opts.loads),
         "clients": f"timeout {c.timeout_s:g} s (then disconnect)"
-        + (", sent with each try as the OpenAI SDKs do" if c.says_timeout else "")
+        + (f", sent with each try {_SAID[c.deadline]}" if c.says_timeout else "")
         + f", retry on timeout/5xx {c.retry}, 429 waits Retry-After, give up after"
         f" {c.max_attempts} tries",
         "static-qps": "token bucket at the 1x mean arrival rate, depth one 1x burst",

@@ -84,7 +84,8 @@ class AdmissionRequest:
     client may lower it, never raise it). `candidates` are the node ids that serve its model.
     `timeout_s` is the client's own timeout for this try, when it says (the OpenAI SDKs
     send theirs): it gives up unless its answer has ended within it (a `stream`: unless
-    its first bytes came within it, kvgate.core.flow.patience).
+    its first bytes came within it). `answer_timeout_s` is the time a proxy in front gives
+    the whole answer, streamed or not (Envoy's route timeout; kvgate.core.flow.patience).
 
     `prompt_ids`: the prompt's token ids as the engine will see them (chat template and
     special tokens applied), when they are known: from token ids in the body, the model's
@@ -103,5 +104,6 @@ class AdmissionRequest:
     exact_output: bool = False
     max_wait_s: float | None = None
     timeout_s: float | None = None
+    answer_timeout_s: float | None = None
     stream: bool = False
     prompt_ids: tuple[int, ...] | None = None

@@ -47,8 +47,9 @@ class ClientModel:
     backoff with full jitter (`"backoff"`); a 429 waits for its Retry-After when
     `honor_retry_after`. It gives up after `max_attempts` tries of any kind, after
     `max_retries` retries of timeouts/5xx, or after `max_429_tries` 429s (None: no
-    separate bound). `says_timeout`: each try carries its timeout, as the OpenAI SDKs
-    send theirs (`AdmissionRequest.timeout_s`; virtual runs only).
+    separate bound). `says_timeout`: each try carries its timeout, a read timeout as the
+    OpenAI SDKs send theirs (`AdmissionRequest.timeout_s`), a whole-answer one as a proxy's
+    route timeout (Envoy's; `AdmissionRequest.answer_timeout_s`).
     """
 
     timeout_s: float = 30.0

@@ -285,6 +285,7 @@ class VirtualCluster:
         flow = self.policies[g]
         rid = f"{outcome.id}#{len(outcome.tries) + 1}"
         client = self.config.client
+        says = client.says_timeout
         request = AdmissionRequest(
             rid,
             cost,
@@ -293,8 +294,10 @@ class VirtualCluster:
             model="sim",
             candidates=self._candidates,
             exact_output=spec.ignore_eos,
-            timeout_s=client.timeout_s if client.says_timeout else None,
-            stream=client.deadline == "token",  # a read timeout: its first bytes keep it
+            # A read timeout is the SDKs' header, a whole-answer one a proxy's route timeout.
+            timeout_s=client.timeout_s if says and client.deadline == "token" else None,
+            answer_timeout_s=client.timeout_s if says and client.deadline == "answer" else None,
+            stream=spec.stream,
             prompt_ids=spec.prompt_ids,
         )
         decision = flow.submit(request)

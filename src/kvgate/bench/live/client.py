@@ -5,7 +5,10 @@ Each user request is an asyncio task that sends streaming `/v1/completions` with
 prompt (exact length on every engine) and `ignore_eos`, so the work asked for is the same
 whatever the engine. The client behaves as `ClientModel` says: when its deadline passes it
 closes the connection (a real disconnect the engine or gateway sees); a timeout or 5xx is
-retried; a 429 waits out `Retry-After`; after N tries it gives up.
+retried; a 429 waits out `Retry-After`; after N tries it gives up. A client that says its
+timeout sends it as a proxy in front with a route timeout does (Envoy's
+`x-envoy-expected-rq-timeout-ms`: the whole answer's time, which is what these clients
+wait for).
 
 Clients count the tokens they read exactly (`return_token_ids`, a vLLM extension other
 engines ignore): vLLM merges several tokens into one event when its server lags, so
@@ -57,6 +60,7 @@ class ClientRun:
     refusals: Counter[str] = field(default_factory=Counter)
     rr: int = 0
     retry_rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    says_timeout: bool = False  # each try carries its deadline (`x-envoy-expected-rq-timeout-ms`)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -80,13 +84,12 @@ async def one_attempt(
     """Send once; stream the answer until done, refusal, error or the client's deadline."""
     first: float | None = None
     read = StreamRead()
+    headers = {"Content-Type": "application/json", "X-Request-Id": req_id}
+    if shared.says_timeout:
+        headers["x-envoy-expected-rq-timeout-ms"] = str(max(1, round(deadline_s * 1000)))
     try:
         async with asyncio.timeout(deadline_s):
-            async with session.post(
-                url + "/v1/completions",
-                data=body,
-                headers={"Content-Type": "application/json", "X-Request-Id": req_id},
-            ) as resp:
+            async with session.post(url + "/v1/completions", data=body, headers=headers) as resp:
                 if resp.status in (429, 503):
                     await resp.read()
                     return _refused(shared, req_id, start, resp)

@@ -59,7 +59,11 @@ async def run_live(
     async with aiohttp.ClientSession(connector=conn) as session:
         before = await asyncio.gather(*(scrape(session, e) for e in target.engines))
         marks_before = await queue_marks(session, target.gateway)
-        shared = ClientRun(time.monotonic(), retry_rng=np.random.default_rng([o.seed, 7]))
+        shared = ClientRun(
+            time.monotonic(),
+            retry_rng=np.random.default_rng([o.seed, 7]),
+            says_timeout=client.says_timeout,
+        )
         stop_at = o.duration_s + drain
         series: dict[str, list[float]] = {
             k: [] for k in ("t", "kv_usage_max", "kv_usage_mean", "running", "waiting")

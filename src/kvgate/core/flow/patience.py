@@ -11,10 +11,13 @@ engine's work is lost, and the retries fill the queue). The queue's bound
 the Node SDK, `X-Stainless-Read-Timeout` from the Python one: 600 s unless the caller set
 another; `AdmissionRequest.timeout_s`). Either gives up when no byte came back within
 it: an answer that is not streamed must end within it, a stream only start, after which
-its bytes keep it alive. Either must begin to arrive a second (`FIRST_BYTES_S`) before
-the timeout, a 429 included. So a stream waits at most its timeout less that second and
-starts however long it will run; an answer sent whole waits at most that less the time it
-takes, and does not start if it would end after it.
+its bytes keep it alive. A proxy in front says the time its route gives the whole answer,
+streamed or not (Envoy's `x-envoy-expected-rq-timeout-ms`, from its route timeout:
+`AdmissionRequest.answer_timeout_s`). Every answer must begin to arrive a second
+(`FIRST_BYTES_S`) before the timeout, a 429 included. So a stream with a read timeout
+waits at most that less the second and starts however long it will run; an answer that
+must end in time waits at most that less the time it takes, and does not start if it
+would end after it.
 
 **Learned.** Other clients say nothing, and their deadline is learned per tenant from
 when they leave. Every request that was queued or started ends for its client in one of
@@ -177,7 +180,8 @@ class Patience:
 
     def bounds(self, request: AdmissionRequest, now: float) -> bool:
         """Whether a deadline bounds `request`: its client's own timeout, or its tenant's."""
-        return request.timeout_s is not None or self.deadline(request.tenant, now) is not None
+        said = request.timeout_s is not None or request.answer_timeout_s is not None
+        return said or self.deadline(request.tenant, now) is not None
 
     def bound(self, request: AdmissionRequest, expected_output: int, now: float) -> float | None:
         """The longest `request`, expecting `expected_output` tokens, should wait so that
@@ -195,10 +199,10 @@ class Patience:
 
     def answer_deadline(self, request: AdmissionRequest, now: float) -> float | None:
         """By when, after its arrival, `request`'s answer must have ended: before its own
-        timeout unless it streams, or by its tenant's clients' learned deadline, whichever
-        comes first; None when neither bounds it."""
+        timeout unless it streams, before its proxy's, or by its tenant's clients' learned
+        deadline, whichever comes first; None when none bounds it."""
         learned = self.deadline(request.tenant, now)
-        own = None if request.stream else _before(request.timeout_s)
+        own = _before(_whole(request))
         if own is None or learned is None:
             return own if learned is None else learned
         return min(own, learned)
@@ -215,7 +219,7 @@ class Patience:
         ends_s = waited + max(time_left, answer)
         if ends_s <= deadline:
             return None
-        timeout = ticket.request.timeout_s
+        timeout = _whole(ticket.request)
         if timeout is not None and deadline == _before(timeout):
             return _LATE_TIMEOUT.format(ends=ends_s, deadline=timeout)
         return _LATE.format(ends=ends_s, deadline=deadline)
@@ -234,6 +238,14 @@ class Patience:
         if curve is None:
             curve = self._curves[tenant] = _Curve()
         return curve
+
+
+def _whole(request: AdmissionRequest) -> float | None:
+    """The timeout said for `request`'s whole answer: its proxy's, or its client's own
+    unless it streams (a stream's bytes keep it alive), whichever is shorter."""
+    own = None if request.stream else request.timeout_s
+    proxy = request.answer_timeout_s
+    return proxy if own is None else own if proxy is None else min(own, proxy)
 
 
 def _before(timeout: float | None) -> float | None:

@@ -60,6 +60,9 @@ _SIXTEEN_BY_DEFAULT = frozenset({"vllm"})
 #: The OpenAI SDKs' timeout for the try, in seconds: the Node SDK's whole timeout, the
 #: Python SDK's read timeout (kvgate.core.flow.patience says what either bounds).
 _TIMEOUT_HEADERS = frozenset({b"x-stainless-timeout", b"x-stainless-read-timeout"})
+#: The milliseconds a proxy in front gives the whole answer (Envoy's route timeout, which
+#: spans the response to its last byte, streamed or not).
+_ANSWER_TIMEOUT_MS = b"x-envoy-expected-rq-timeout-ms"
 
 
 class Head(NamedTuple):
@@ -70,6 +73,7 @@ class Head(NamedTuple):
     priority: str | None
     max_wait_ms: str | None
     timeout_s: float | None = None
+    answer_timeout_s: float | None = None
 
 
 class CompletionFields(NamedTuple):
@@ -82,13 +86,15 @@ class CompletionFields(NamedTuple):
 
 
 def read_head(headers: Sequence[tuple[bytes, bytes]]) -> Head:
-    """Request id, declared length, priority, wait bound and the client's timeout (the
-    OpenAI SDKs': `_TIMEOUT_HEADERS`), in one pass over the headers."""
+    """Request id, declared length, priority, wait bound, the client's timeout (the
+    OpenAI SDKs': `_TIMEOUT_HEADERS`) and a proxy's for the whole answer, in one pass over
+    the headers."""
     rid: str | None = None
     priority: str | None = None
     max_wait: str | None = None
     declared: int | None = None
     timeout: float | None = None
+    whole: float | None = None
     for name, value in headers:
         if name == b"x-request-id":
             text = value.decode("latin-1")
@@ -102,13 +108,17 @@ def read_head(headers: Sequence[tuple[bytes, bytes]]) -> Head:
             declared = int(value)
         elif name in _TIMEOUT_HEADERS:
             timeout = _least(timeout, _seconds(value))
+        elif name == _ANSWER_TIMEOUT_MS:
+            ms = _seconds(value)
+            whole = _least(whole, None if ms is None else ms / 1000.0)
     # 128 random bits without the syscall `uuid4()` makes: ids need to be unique, not secret.
-    return Head(rid or f"{random.getrandbits(128):032x}", declared, priority, max_wait, timeout)
+    rid = rid or f"{random.getrandbits(128):032x}"
+    return Head(rid, declared, priority, max_wait, timeout, whole)
 
 
 def _seconds(value: bytes) -> float | None:
-    """A timeout header's seconds; None when it is not a positive finite number (an SDK's
-    header, not kvgate's: ignored rather than refused)."""
+    """A timeout header's number; None when it is not a positive finite number (an SDK's
+    or a proxy's header, not kvgate's: ignored rather than refused)."""
     try:
         seconds = float(value)
     except ValueError:
@@ -178,6 +188,7 @@ class Intake:
             exact_output=client.exact_output,
             max_wait_s=max_wait_s,
             timeout_s=head.timeout_s,
+            answer_timeout_s=head.answer_timeout_s,
             stream=stream,
             prompt_ids=basis.ids,
         )
@@ -236,6 +247,7 @@ class Intake:
             candidates=candidates,
             max_wait_s=max_wait_s,
             timeout_s=head.timeout_s,
+            answer_timeout_s=head.answer_timeout_s,
         )
         return client, request
 
