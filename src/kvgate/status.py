@@ -399,7 +399,17 @@ def _node_table(state: dict[str, Any]) -> Table:
     nodes = {str(k): _obj(v) for k, v in _obj(state.get("nodes")).items()}
     scrape = _obj(_obj(state.get("scrape")).get("nodes"))
     table = Table(title=f"nodes ({len(nodes)})", show_header=True)
-    for column in ("node", "state", "age", "KV rep.", "KV pred.", "reserved tok", "in-flight"):
+    columns = (
+        "node",
+        "state",
+        "age",
+        "KV rep.",
+        "KV pred.",
+        "ceiling",
+        "reserved tok",
+        "in-flight",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column in ("node", "state") else "right")
     for column in ("running", "waiting", "iter. latency", "scrape"):
         table.add_column(column, justify="right")
@@ -439,6 +449,7 @@ def _node_cells(node_id: str, node: dict[str, Any], scrape: dict[str, Any]) -> l
         _age(_num(node.get("age_s"))),
         _pct(_num(sample.get("kv_usage"))),
         _pct(_num(node.get("predicted_usage"))),
+        _ceiling(node),
         _fmt(_num(node.get("reserved_tokens"))),
         _fmt(_num(node.get("in_flight"))),
         _fmt(_num(sample.get("running"))),
@@ -446,6 +457,13 @@ def _node_cells(node_id: str, node: dict[str, Any], scrape: dict[str, Any]) -> l
         _ms(latency),
         scrape_text,
     ]
+
+
+def _ceiling(node: dict[str, Any]) -> str:
+    """The planned peak the node may reach with standard work, and why it is there."""
+    reason = node.get("ceiling_reason")
+    value = _pct(_num(node.get("ceiling")))
+    return f"{value} {reason}" if isinstance(reason, str) and reason else value
 
 
 def _watch(args: argparse.Namespace, console: Console) -> int:

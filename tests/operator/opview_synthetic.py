@@ -110,6 +110,8 @@ class SyntheticCluster:
                 "predicted_usage": predicted,
                 "margin": margin,
                 "peak_usage": min(0.92, predicted + 0.02),
+                "ceiling": 0.92 if i % 2 else 3.92,
+                "ceiling_reason": "recompute" if i % 2 else "overbooking",
                 "prefix_hit_rate_seen": 0.83,
                 "prefix_hit_rate_predicted": 0.9,
                 "prefix_index_blocks": 4096 + i,

@@ -53,6 +53,9 @@ def test_status_prints_every_node_and_flags_the_stale_one() -> None:
         assert node in out
     stale_line = next(line for line in out.splitlines() if "node-03" in line)
     assert "STALE" in stale_line
+    # Each node's ceiling and its reason.
+    assert "92% recompute" in stale_line
+    assert "392% overbooking" in next(line for line in out.splitlines() if "node-00" in line)
     # A node the scraper keeps on the full metrics page says so; the others do not.
     assert [line for line in out.splitlines() if "(full page)" in line] == [
         next(line for line in out.splitlines() if "node-01" in line)

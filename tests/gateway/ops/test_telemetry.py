@@ -56,6 +56,13 @@ def test_each_nodes_ceiling_and_what_it_was_measured_from_are_gauges() -> None:
     # Measurable (its preemptions are counted): overbooking allowed; b keeps the watermark.
     assert ceiling[("kvgate_node_ceiling", (("node", "a"),))] > 1.0
     assert ceiling[("kvgate_node_ceiling", (("node", "b"),))] == 0.92
+    reasons = _samples(metrics, "kvgate_node_ceiling_reason")
+    # One series per reason, 1 for the node's: a overbooks, b's engine cannot be measured.
+    current = {
+        dict(labels)["node"]: dict(labels)["reason"] for (_, labels), v in reasons.items() if v
+    }
+    assert current == {"a": "overbooking", "b": "fixed"}
+    assert len(reasons) == 2 * 6
     pace = _samples(metrics, "kvgate_node_prefill_seconds_per_token")
     assert pace[("kvgate_node_prefill_seconds_per_token", (("node", "a"),))] > 0
     assert ("kvgate_node_recompute_share", (("node", "a"),)) in _samples(

@@ -84,6 +84,8 @@ LATENCY = "latency"
 RECOMPUTE = "recompute"
 COLLAPSE = "collapse"
 FIXED = "fixed"
+#: Every reason a ceiling can give (`kvgate_node_ceiling_reason` lists them all).
+REASONS = (OVERBOOKING, RAMPING, LATENCY, RECOMPUTE, COLLAPSE, FIXED)
 UNMEASURABLE = "the engine's samples show no KV usage or no preemption counter"
 
 

@@ -29,6 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvgate.core.nodes import STATES
+from kvgate.core.plan.ceiling import REASONS
 from kvgate.gateway.ops.queue_metrics import number as _number
 from kvgate.gateway.ops.queue_metrics import queue_metrics
 from kvgate.gateway.ops.tenants import TenantTally
@@ -402,26 +403,41 @@ def _policy_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
             if value is not None:
                 family.add_metric([node_id], value)
         yield family
-    yield _node_states(nodes)
+    yield _one_hot(
+        "kvgate_node_state",
+        "The node's state for admission (fresh levels ok/high/panic, lagging, thrashing,"
+        " stale, dead, unknown); see docs/operating.md.",
+        ("state", "state", STATES),
+        nodes,
+    )
+    yield _one_hot(
+        "kvgate_node_ceiling_reason",
+        "Why the node's ceiling is where it is (overbooking, ramping back, cut for latency,"
+        " recomputation or collapse, fixed); see docs/flow-control.md.",
+        ("reason", "ceiling_reason", REASONS),
+        nodes,
+    )
     queue = snapshot.get("queue")
     if isinstance(queue, Mapping):
         yield from queue_metrics(queue)
 
 
-def _node_states(nodes: list[tuple[str, Mapping[str, Any]]]) -> Metric:
-    """`kvgate_node_state{node,state}`: 1 for the node's state, 0 for the others (every
-    state is listed, so that `sum by (state)` and alerts on one state work)."""
-    family = GaugeMetricFamily(
-        "kvgate_node_state",
-        "The node's state for admission (fresh levels ok/high/panic, lagging, thrashing,"
-        " stale, dead, unknown); see docs/operating.md.",
-        labels=["node", "state"],
-    )
+def _one_hot(
+    name: str,
+    doc: str,
+    what: tuple[str, str, tuple[str, ...]],
+    nodes: list[tuple[str, Mapping[str, Any]]],
+) -> Metric:
+    """`name{node,<label>}`: 1 for the value of the node's `key`, 0 for every other value
+    it can take (all are listed, so that `sum by (<label>)` and alerts on one value work).
+    `what` is (label, key in the node's state, the values)."""
+    label, key, values = what
+    family = GaugeMetricFamily(name, doc, labels=["node", label])
     for node_id, state in nodes:
-        current = state.get("state")
+        current = state.get(key)
         if isinstance(current, str):
-            for name in STATES:
-                family.add_metric([node_id, name], 1.0 if name == current else 0.0)
+            for value in values:
+                family.add_metric([node_id, value], 1.0 if value == current else 0.0)
     return family
 
 
