@@ -323,14 +323,37 @@ def kv_cache(lay: Layout) -> None:
     )
     lay.add(
         timeseries(
-            "KV peak planned by kvgate",
+            "KV peak planned by kvgate, and its ceiling",
             "The highest KV usage each node is planned to reach with what runs on it (each"
-            " request growing to its expected end): what admission decides on. Dashed: high"
-            " (0.80) and panic (0.92) watermarks.",
-            [(f"kvgate_node_planned_peak{{{NODE}}}", "{{node}}")],
+            " request growing to its expected end): what admission decides on; and the"
+            " ceiling it may reach with standard work cheap to recompute (above 100%:"
+            " planned above the cache where the engine measured preemption cheap)."
+            " Dashed: high (0.80) and panic (0.92) watermarks.",
+            [
+                (f"kvgate_node_planned_peak{{{NODE}}}", "{{node}}"),
+                (f"max by (node) (kvgate_node_ceiling{{{NODE}}})", "{{node}} ceiling"),
+            ],
             "percentunit",
-            max_value=1,
             thresholds=[(0.8, "yellow"), (0.92, "red")],
+        ),
+        8,
+        9,
+    )
+    lay.add(
+        timeseries(
+            "Why each node's ceiling is where it is",
+            "One line per node and reason while it holds: overbooking (planned above the"
+            " cache for requests cheap to recompute), ramping (regaining it after a cut),"
+            " latency, recompute, collapse (cut to the watermarks for that), fixed (an"
+            " engine kvgate cannot measure).",
+            [
+                (
+                    f"max by (node, reason) (kvgate_node_ceiling_reason{{{NODE}}}) == 1",
+                    "{{node}}: {{reason}}",
+                )
+            ],
+            "short",
+            max_value=1,
         ),
         8,
         9,
@@ -379,7 +402,9 @@ def kv_cache(lay: Layout) -> None:
     lay.add(
         timeseries(
             "Preemptions per second (vLLM)",
-            "Sequences evicted from the KV cache and recomputed: the thrashing kvgate prevents.",
+            "Sequences evicted from the KV cache and recomputed: kvgate's choice while a"
+            " node's ceiling is overbooking (preemption measured cheap there), thrashing"
+            " otherwise.",
             [(f"sum by (node) (rate(vllm:num_preemptions_total{{{NODE}}}[{RI}]))", "{{node}}")],
             "short",
         ),
