@@ -179,7 +179,8 @@ class Patience:
         return None if curve is None else curve.deadline(now)
 
     def bounds(self, request: AdmissionRequest, now: float) -> bool:
-        """Whether a deadline bounds `request`: its client's own timeout, or its tenant's."""
+        """Whether a deadline bounds `request`: a timeout it carries (its client's or its
+        proxy's), or its tenant's."""
         said = request.timeout_s is not None or request.answer_timeout_s is not None
         return said or self.deadline(request.tenant, now) is not None
 
@@ -257,7 +258,8 @@ def _before(timeout: float | None) -> float | None:
 
 _LATE_TIMEOUT = (
     "At the backends' current pace this answer would end about {ends:.0f} s after the"
-    " request arrived, after the client's own timeout of {deadline:.1f} s; retry later."
+    " request arrived, after the timeout of {deadline:.1f} s the request carries; retry"
+    " later."
 )
 _LATE = (
     "At the backends' current pace this answer would end about {ends:.0f} s after the"
