@@ -91,7 +91,7 @@ def _console() -> Console:
     """A terminal keeps its width; piped output gets room for the whole node table."""
     console = Console()
     if not console.is_terminal:
-        console = Console(width=max(console.width, 150))
+        console = Console(width=max(console.width, 170))
     return console
 
 
