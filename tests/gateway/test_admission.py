@@ -278,9 +278,12 @@ async def test_a_proxys_timeout_bounds_a_streamed_answer(
     fake_engine: FakeEngine, gateway_factory
 ) -> None:
     """Envoy in front says the time its route gives the whole answer
-    (`x-envoy-expected-rq-timeout-ms`): a stream queued behind one that runs 4 s is answered
-    (429) before the route's 3 s are up, though a stream's read timeout would let it wait
-    for its start; malformed values are ignored, as the proxy's header is not kvgate's."""
+    (`x-envoy-expected-rq-timeout-ms`, in ms): a stream queued behind one that runs 4 s is
+    answered (429) before the route's 3 s are up, where the same stream saying nothing
+    waits its turn; a malformed value is ignored, as the proxy's header is not kvgate's.
+    That the whole answer, not only its start, must fit is the core's
+    (`test_patience.py::test_a_proxys_timeout_bounds_a_streams_whole_answer`): here the
+    header reaching it is what is checked."""
     policy = OneAtATime()
     gw = await gateway_factory([fake_engine.url], policy=policy)
     body = {"model": "fake-model", "prompt": "p", "stream": True}

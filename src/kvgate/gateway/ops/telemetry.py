@@ -407,14 +407,18 @@ def _policy_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
         "kvgate_node_state",
         "The node's state for admission (fresh levels ok/high/panic, lagging, thrashing,"
         " stale, dead, unknown); see docs/operating.md.",
-        ("state", "state", STATES),
+        "state",
+        "state",
+        STATES,
         nodes,
     )
     yield _one_hot(
         "kvgate_node_ceiling_reason",
         "Why the node's ceiling is where it is (overbooking, ramping back, cut for latency,"
         " recomputation or collapse, fixed); see docs/flow-control.md.",
-        ("reason", "ceiling_reason", REASONS),
+        "reason",
+        "ceiling_reason",
+        REASONS,
         nodes,
     )
     queue = snapshot.get("queue")
@@ -425,13 +429,14 @@ def _policy_metrics(snapshot: Mapping[str, Any]) -> Iterator[Metric]:
 def _one_hot(
     name: str,
     doc: str,
-    what: tuple[str, str, tuple[str, ...]],
+    label: str,
+    key: str,
+    values: tuple[str, ...],
     nodes: list[tuple[str, Mapping[str, Any]]],
 ) -> Metric:
-    """`name{node,<label>}`: 1 for the value of the node's `key`, 0 for every other value
-    it can take (all are listed, so that `sum by (<label>)` and alerts on one value work).
-    `what` is (label, key in the node's state, the values)."""
-    label, key, values = what
+    """`name{node,<label>}`: 1 for the value of the node's `key` field, 0 for every other
+    value it can take (all are listed, so that `sum by (<label>)` and alerts on one value
+    work)."""
     family = GaugeMetricFamily(name, doc, labels=["node", label])
     for node_id, state in nodes:
         current = state.get(key)
